@@ -1,0 +1,5 @@
+"""The control plane: pre-partitioning into blocks and the pool-based pipeline MILP."""
+
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
+
+__all__ = ["ModelPlan", "Partition", "Pipeline", "Plan", "PlanError"]

@@ -1,0 +1,1 @@
+"""daskpipe.runtime"""

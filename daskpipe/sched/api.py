@@ -1,0 +1,149 @@
+"""The contract between the scheduling core and whatever executes its decisions.
+
+The core is a state machine stepped by its caller (the simulator, or the scheduler plugin of the
+Dask runtime). It never reads a clock: every call carries ``now`` in seconds, and the caller asks
+``next_wake()`` when to call ``wake`` again. Inputs are arrivals, timer ticks and feedback (the
+actual start and end of each use of a GPU or a NIC); outputs are actions: dispatch a batch along a
+path with its reservations, or drop a request with a reason.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Hashable, Literal, Union
+
+Time = float  # seconds; the simulator's virtual clock or the runtime's monotonic clock
+
+DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost"]
+"""Why a request was dropped: ``deadline`` (no batch can finish before its deadline), ``overload``
+(the queue bound was hit), ``no-capacity`` (the plan gives the model no pipeline), ``shutdown`` (the
+service stopped), ``worker-lost`` (its worker died and the deadline no longer allows a retry)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One schedulable (virtual) GPU: 1/``slices`` of a physical ``gpu`` on ``server``.
+
+    Slots of one server share that server's NIC uplink and downlink.
+    """
+
+    id: str
+    gpu: str
+    slices: int = 1
+    server: str = ""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Concrete slots behind a model's plan: ``pools[(pipeline, partition)]`` lists slot ids."""
+
+    model: str
+    pools: dict[tuple[int, int], tuple[str, ...]]
+    slots: dict[str, Slot]
+
+
+@dataclass(slots=True)
+class Request:
+    id: Hashable
+    model: str
+    arrival: Time
+    deadline: Time
+    size: int = 1  # samples it carries; batch limits count samples (a request is never split)
+    start_block: int = 0  # hybrid inference: the block it enters at
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Resource ``resource`` (a slot id, or ``"<server>/ul"`` / ``"<server>/dl"``) held for [start, end)."""
+
+    resource: str
+    start: Time
+    end: Time
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """Where partition ``partition`` of the batch runs and when, as planned at dispatch."""
+
+    partition: int
+    slot: str
+    compute: Reservation
+    transfer_in: tuple[Reservation, Reservation] | None = None  # (sender ul, receiver dl); None for the first hop
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """Run ``requests`` as one batch on pipeline ``pipeline`` along ``hops``."""
+
+    id: int
+    model: str
+    pipeline: int
+    batch_size: int
+    requests: list[Request]
+    hops: tuple[Hop, ...]
+
+    @property
+    def finish(self) -> Time:
+        return self.hops[-1].compute.end
+
+
+@dataclass(slots=True)
+class Drop:
+    request: Request
+    reason: DropReason
+    detail: str = ""
+
+
+Action = Union[Dispatch, Drop]
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """What really happened to one reservation of dispatch ``dispatch``: hop ``partition``'s
+    ``kind`` ("compute" or "transfer") ran over [start, end)."""
+
+    dispatch: int
+    partition: int
+    kind: Literal["compute", "transfer"]
+    start: Time
+    end: Time
+
+
+class Dispatcher(ABC):
+    """A data plane policy. Every method returns the actions it decided, in order."""
+
+    @abstractmethod
+    def submit(self, request: Request, now: Time) -> list[Action]:
+        """A request arrived."""
+
+    @abstractmethod
+    def wake(self, now: Time) -> list[Action]:
+        """The time asked for by ``next_wake`` has come (calling it early or late is harmless)."""
+
+    def feedback(self, fb: Feedback, now: Time) -> list[Action]:
+        """Timing of an executed reservation; policies that keep tables correct them here."""
+        return []
+
+    @abstractmethod
+    def next_wake(self) -> Time | None:
+        """When the dispatcher next needs ``wake`` (``None``: only on new input)."""
+
+    def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+        """Drop everything still queued; the service is stopping or being re-planned."""
+        return []
+
+    @property
+    def queued(self) -> int:
+        return 0
+
+
+@dataclass
+class Stats:
+    """Counters every dispatcher keeps (cheap enough for the hot path)."""
+
+    submitted: int = 0
+    dispatched_batches: int = 0
+    dispatched_requests: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    probes: int = 0

@@ -1,0 +1,25 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path | None:
+    """``../shared`` beside the checkout (or $DASKPIPE_SHARED); ``None`` when absent."""
+    path = Path(os.environ.get("DASKPIPE_SHARED", REPO.parent / "shared"))
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def ppipe_dir() -> Path:
+    """The measured PPipe block profiles; tests that need them skip cleanly without them."""
+    base = shared_dir()
+    if base is None or not (base / "ppipe" / "block-timing").is_dir():
+        pytest.skip("../shared/ppipe is not present")
+    return base / "ppipe"
