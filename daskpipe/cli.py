@@ -46,6 +46,8 @@ def main() -> None:
         "plan": "daskpipe.plan.cli:bench_plan",
         "scheduler": "daskpipe.sched.bench:bench_scheduler",
         "runtime": "daskpipe.runtime.bench:bench_runtime",
+        "colocation": "daskpipe.colocation.bench:bench_colocation",
+        "graft": "daskpipe.graft.bench:bench_graft",
     },
 )
 def bench() -> None:
