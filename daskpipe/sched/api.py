@@ -74,7 +74,25 @@ class Hop:
 
 @dataclass(slots=True)
 class Dispatch:
-    """Run ``requests`` as one batch on pipeline ``pipeline`` along ``hops``."""
+    """Run ``requests`` as one batch on pipeline ``pipeline`` along ``hops``.
+
+    ``hops`` is a run of consecutive partitions. A planning dispatcher (PPipe) covers the whole
+    pipeline at once. A *staged* dispatcher (the reactive baseline) covers part of it, usually
+    one partition, and sends the rest later:
+
+    * the first hop's partition is the one every request of the batch needs next (0 for new
+      requests); a later stage is a new ``Dispatch`` (new ``id``) carrying the same ``Request``
+      objects, possibly batched with requests from other upstream batches;
+    * a hop with ``partition > 0`` takes its input from the slot that ran the previous
+      partition of the batch's first request (the executor remembers it); when that slot is on
+      another server the input crosses the network, planned over ``transfer_in`` if given (else
+      from ``compute.start``);
+    * the executor must report the ``"compute"`` :class:`Feedback` of every hop: a staged
+      dispatcher learns from it that the batch's requests reached the next pool, so without it
+      they would wait forever;
+    * a request is complete when the hop of its pipeline's last partition ends; a staged
+      dispatcher may still ``Drop`` a request between stages (its intermediate data is discarded).
+    """
 
     id: int
     model: str
@@ -101,7 +119,8 @@ Action = Union[Dispatch, Drop]
 @dataclass(frozen=True, slots=True)
 class Feedback:
     """What really happened to one reservation of dispatch ``dispatch``: hop ``partition``'s
-    ``kind`` ("compute" or "transfer") ran over [start, end)."""
+    ``kind`` ("compute" or "transfer") ran over [start, end). Reported when it ends (``now`` =
+    ``end``); a transfer is one report for the uplink and downlink it held together."""
 
     dispatch: int
     partition: int

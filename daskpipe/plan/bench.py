@@ -1,0 +1,75 @@
+"""``daskpipe bench plan``: plan the paper's model groups on its clusters with every strategy.
+
+Reports what the issue's done-when asks for: the ppipe/np (and ppipe/dart-r) objective ratios per
+case and per cluster next to the artifact's MILP-level figures, and the wall time of each ppipe
+solve (NP pre-solve for the batch-build estimate included).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from daskpipe.plan.milp import make_plan
+from daskpipe.plan.specs import clusters, groups
+from daskpipe.profiles.loader import load_profiles
+
+STRATEGIES = ("ppipe", "np", "dart-r")
+
+
+def run_bench(
+    profiles_dir: str | Path,
+    *,
+    cluster_names: Sequence[str] = ("HC1", "HC2", "HC3", "HC4"),
+    group_names: Sequence[str] = ("G1", "G2", "G3", "G4"),
+    solver: str = "auto",
+    time_limit: float = 60,
+) -> dict[str, Any]:
+    all_clusters, all_groups = clusters(), groups()
+    cases = []
+    for cname in cluster_names:
+        cluster = all_clusters[cname]
+        for gname in group_names:
+            group = all_groups[gname]
+            profiles = load_profiles(profiles_dir, list(group.models))
+            weights = dict(zip(profiles, group.weights))
+            case: dict[str, Any] = {"cluster": cname, "group": gname, "objective": {}, "seconds": {}}
+            for strategy in STRATEGIES:
+                started = time.perf_counter()
+                plan = make_plan(
+                    profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server,
+                    bw_gbps=cluster.bw_gbps, strategy=strategy, solver=solver, time_limit=time_limit,
+                )
+                case["seconds"][strategy] = time.perf_counter() - started
+                case["objective"][strategy] = plan.objective
+                case.setdefault("solver", plan.solver["name"])
+                case.setdefault("status", {})[strategy] = plan.solver["status"]
+            case["ratio"] = {f"ppipe/{s}": _ratio(case["objective"]["ppipe"], case["objective"][s]) for s in ("np", "dart-r")}
+            cases.append(case)
+    per_cluster = {}
+    for cname in cluster_names:
+        mine = [c for c in cases if c["cluster"] == cname]
+        per_cluster[cname] = {
+            key: {"mean": _mean([c["ratio"][key] for c in mine]), "paper": all_clusters[cname].paper_ratio.get(key)}
+            for key in ("ppipe/np", "ppipe/dart-r")
+        }
+    ppipe_seconds = [c["seconds"]["ppipe"] for c in cases]
+    return {
+        "profiles": str(profiles_dir),
+        "solver": sorted({c["solver"] for c in cases}),
+        "solve_seconds": {"median": statistics.median(ppipe_seconds), "worst": max(ppipe_seconds), "cases": len(cases)},
+        "per_cluster": per_cluster,
+        "cases": cases,
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """``None`` where the baseline serves nothing (JSON has no infinity)."""
+    return a / b if b > 0 else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None

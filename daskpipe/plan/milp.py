@@ -1,0 +1,445 @@
+"""The planner: how many (virtual) GPUs of which type serve which pooled pipelines of each model.
+
+PPipe's MILP (paper §5.3, Appendix A) chooses partitions, GPU types, MPS slice counts, one batch
+size per pipeline and pool sizes together. Here the discrete choices are enumerated up front
+(:mod:`daskpipe.plan.configs`) and the MILP only sizes pools: integer vGPUs per partition of every
+configuration, integer physical GPUs per (model, GPU type, slices) so that slices of one GPU are
+all alike, and a max-min objective over the models' weighted throughputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+from daskpipe.plan.configs import Budget, Config, Resource, enumerate_configs, resources_of
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
+from daskpipe.profiles.model import Profile
+
+STRATEGIES = ("ppipe", "np", "dart-r")
+SOLVERS = ("auto", "cbc", "highs")
+
+
+def make_plan(
+    profiles: Mapping[str, Profile],
+    gpus: Mapping[str, int],
+    *,
+    weights: Mapping[str, float] | None = None,
+    gpus_per_server: Mapping[str, int] | None = None,
+    bw_gbps: float = 10.0,
+    slo_us: Mapping[str, float] | None = None,
+    margin: float = 0.4,
+    max_parts: int = 2,
+    strategy: str = "ppipe",
+    time_limit: float = 60,
+    solver: str = "auto",
+    batch_build_estimate: bool = True,
+    allow_missing_gpus: bool = False,
+    one_pipeline_per_route: bool = True,
+) -> Plan:
+    """Plan the serving of ``profiles`` (model name -> profile) on a cluster of ``gpus`` (type -> count).
+
+    ``weights`` are the models' workload shares: the plan maximises min_m throughput_m / weight_m
+    (default: equal). ``slo_us`` overrides the profiles' SLOs; pipelines must fit ``(1 - margin)``
+    of it. ``strategy`` is ``ppipe`` (pooled pipelines of up to ``max_parts`` partitions on MPS
+    slices), ``np`` (whole models on whole GPUs) or ``dart-r`` (DART's two-GPU plan replicated
+    over GPU pairs). ``allow_missing_gpus`` lets a model plan on the cluster's GPU types its
+    profile has, instead of failing on the ones it lacks. ``one_pipeline_per_route`` keeps PPipe's
+    formulation, where each sequence of GPU types (a route) carries at most one pipeline; without it
+    several pipelines may share a route with different cuts, slices or batch sizes.
+
+    Raises :class:`PlanError` naming the bad input, or what would make an infeasible one feasible.
+    """
+    spec = _Spec.check(
+        profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route
+    )
+    started = time.perf_counter()
+    if strategy == "np":
+        plan = _plan_np(spec, drop_infeasible=False)
+        rates = None
+    else:
+        rates = _batch_build_rates(spec) if batch_build_estimate else None
+        plan = _plan_ppipe(spec, rates) if strategy == "ppipe" else _plan_dart_r(spec, rates)
+    settings = {
+        "margin": margin,
+        "max_parts": 1 if strategy == "np" else max_parts,
+        "batch_build_estimate": batch_build_estimate and strategy != "np",
+        "batch_build_rate": rates,
+        "allow_missing_gpus": allow_missing_gpus,
+        "one_pipeline_per_route": one_pipeline_per_route,
+    }
+    return Plan(
+        objective=plan.objective,
+        models=plan.models,
+        strategy=strategy,
+        cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": bw_gbps},
+        solver={**plan.solver, "seconds": time.perf_counter() - started},
+        settings=settings,
+    )
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Checked inputs of :func:`make_plan`."""
+
+    profiles: Mapping[str, Profile]
+    gpus: Mapping[str, int]
+    weights: Mapping[str, float]
+    gpus_per_server: Mapping[str, int]
+    bw_gbps: float
+    slo_us: Mapping[str, float]
+    margin: float
+    max_parts: int
+    time_limit: float
+    solver: str
+    model_gpus: Mapping[str, tuple[str, ...]]  # the cluster's GPU types each model can use
+    one_pipeline_per_route: bool
+
+    @classmethod
+    def check(cls, profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route) -> _Spec:
+        if not profiles:
+            raise PlanError("no models to plan: give at least one profile")
+        if not gpus:
+            raise PlanError("no GPUs: give at least one GPU type with a positive count, e.g. L4=4")
+        for gpu, count in gpus.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise PlanError(f"GPU count for {gpu!r} must be a positive integer, got {count!r}")
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if solver not in SOLVERS:
+            raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        _positive(bw_gbps, "bw_gbps")
+        _positive(time_limit, "time_limit")
+        if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+            raise PlanError(f"margin must be in [0, 1) (the share of the SLO kept free), got {margin!r}")
+        if isinstance(max_parts, bool) or not isinstance(max_parts, int) or max_parts < 1:
+            raise PlanError(f"max_parts must be an integer >= 1, got {max_parts!r}")
+        names = list(profiles)
+        weights = dict(weights) if weights is not None else {m: 1.0 for m in names}
+        if set(weights) != set(names):
+            raise PlanError(f"weights are for {sorted(weights)} but the models are {sorted(names)}; give one weight per model")
+        for m, w in weights.items():
+            _positive(w, f"weight of {m!r}")
+        per_server = {g: 1 for g in gpus}
+        for gpu, count in (gpus_per_server or {}).items():
+            if gpu not in gpus:
+                raise PlanError(f"gpus_per_server names GPU type {gpu!r}, which the cluster does not have (it has {sorted(gpus)})")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise PlanError(f"gpus_per_server for {gpu!r} must be a positive integer, got {count!r}")
+            per_server[gpu] = count
+        slos = {m: p.slo_us for m, p in profiles.items()}
+        for m, slo in (slo_us or {}).items():
+            if m not in profiles:
+                raise PlanError(f"slo_us names model {m!r}, which is not among the models {names}")
+            _positive(slo, f"SLO of {m!r}")
+            slos[m] = float(slo)
+        model_gpus = {}
+        for m, p in profiles.items():
+            usable = tuple(g for g in gpus if g in p.gpu_types)
+            missing = [g for g in gpus if g not in p.gpu_types]
+            if missing and not allow_missing_gpus:
+                raise PlanError(
+                    f"model {m!r} has no profile for GPU type(s) {missing} (it has {p.gpu_types}); "
+                    "profile it there, drop those GPUs, or allow planning on the other types"
+                )
+            if not usable:
+                raise PlanError(f"model {m!r} has no profile for any GPU type of the cluster {sorted(gpus)} (it has {p.gpu_types})")
+            model_gpus[m] = usable
+        return cls(profiles, dict(gpus), weights, per_server, float(bw_gbps), slos, float(margin), max_parts, float(time_limit), solver, model_gpus, one_pipeline_per_route)
+
+    def budget(self, model: str, batch_build_rate: float | None) -> Budget:
+        return Budget(
+            latency_us=(1 - self.margin) * self.slo_us[model],
+            bw_gbps=self.bw_gbps,
+            gpus_per_server=self.gpus_per_server,
+            batch_build_rate=batch_build_rate,
+        )
+
+    def configs(self, model: str, *, max_parts: int, max_slices: int | None, rate: float | None, gpus: Sequence[str] | None = None) -> list[Config]:
+        """The model's configurations on ``gpus`` (default: all it may use)."""
+        profile = self.profiles[model]
+        resources = resources_of(profile, gpus if gpus is not None else self.model_gpus[model], max_slices)
+        return enumerate_configs(profile, resources, self.budget(model, rate), max_parts)
+
+    def infeasible(self, model: str, max_slices: int | None) -> PlanError:
+        """Why ``model`` has no configuration: its fastest whole-model latency against the budget."""
+        profile = self.profiles[model]
+        fastest = min((profile.latency(g, v, 1), g, v) for g, v in resources_of(profile, self.model_gpus[model], max_slices))
+        latency, gpu, v = fastest
+        where = gpu if v == 1 else f"1/{v} of a {gpu}"
+        budget = (1 - self.margin) * self.slo_us[model]
+        return PlanError(
+            f"model {model!r} cannot meet its SLO: the plan budget is (1 - margin) x SLO = {budget:.0f} µs, but the fastest "
+            f"pipeline takes {latency:.0f} µs (whole model on {where} at batch 1); raise its SLO to at least "
+            f"{latency / (1 - self.margin):.0f} µs, lower the margin, or add faster GPUs"
+        )
+
+
+def _positive(x: Any, what: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise PlanError(f"{what} must be a positive number, got {x!r}")
+
+
+@dataclass(frozen=True)
+class _Solved:
+    objective: float
+    models: tuple[ModelPlan, ...]
+    solver: Mapping[str, Any]
+
+
+# -- strategies -----------------------------------------------------------------------------
+
+
+def _plan_np(spec: _Spec, *, drop_infeasible: bool) -> _Solved:
+    """Whole models on whole GPUs (PPipe's NP baseline: max one partition, no slices, no batch-build term).
+
+    With ``drop_infeasible`` a model that no GPU can serve in time gets an empty plan instead of an
+    error, so that the others still get a meaningful allocation (used for the batch-build estimate).
+    """
+    configs = {}
+    for m in spec.profiles:
+        configs[m] = spec.configs(m, max_parts=1, max_slices=1, rate=None)
+        if not configs[m] and not drop_infeasible:
+            raise spec.infeasible(m, max_slices=1)
+    solvable = {m: c for m, c in configs.items() if c}
+    if not solvable:
+        return _Solved(0.0, tuple(_model_plan(spec, m, []) for m in spec.profiles), {"name": "none", "status": "infeasible"})
+    solved = _size_pools(spec, solvable, spec.gpus)
+    return _Solved(solved.objective, tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles), solved.solver)
+
+
+def _batch_build_rates(spec: _Spec) -> dict[str, float] | None:
+    """x_np per model: the NP plan's throughput, the arrival rate the batch-build estimate assumes.
+
+    A model the NP plan cannot serve gets no estimate, as in the artifact.
+    """
+    np_plan = _plan_np(spec, drop_infeasible=True)
+    return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
+
+
+def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
+    configs = {}
+    for m in spec.profiles:
+        configs[m] = spec.configs(m, max_parts=spec.max_parts, max_slices=None, rate=(rates or {}).get(m))
+        if not configs[m]:
+            raise spec.infeasible(m, max_slices=None)
+    return _size_pools(spec, configs, spec.gpus)
+
+
+def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
+    """DART-r (PPipe §7.1): the NP plan splits the GPUs among the models, the GPUs it leaves idle are
+    split evenly, then each model replicates DART's best plan for one GPU of each type over as many
+    (type A, type B) pairs as it has, and runs the whole model on the GPUs left without a partner."""
+    if len(spec.gpus) != 2:
+        raise PlanError(f"dart-r pairs GPUs of two types; the cluster has {len(spec.gpus)} ({sorted(spec.gpus)})")
+    np_plan = _plan_np(spec, drop_infeasible=True)
+    used = {m.name: _physical_gpus(m) for m in np_plan.models}
+    share = {m: dict(used[m]) for m in spec.profiles}
+    for gpu, count in spec.gpus.items():
+        idle = count - sum(used[m].get(gpu, 0) for m in spec.profiles)
+        each, extra = divmod(idle, len(spec.profiles))
+        for i, m in enumerate(spec.profiles):
+            share[m][gpu] = share[m].get(gpu, 0) + each + (1 if i < extra else 0)
+    models, statuses = [], []
+    for m in spec.profiles:
+        pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m))
+        statuses.append(status)
+        models.append(_model_plan(spec, m, pipelines))
+    objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
+    worst = "optimal" if all(s == "optimal" for s in statuses) else next(s for s in statuses if s != "optimal")
+    return _Solved(objective, tuple(models), {"name": np_plan.solver.get("name", "none"), "status": worst})
+
+
+def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float | None) -> tuple[list[Pipeline], str]:
+    a, b = spec.gpus
+    pairs = min(share.get(a, 0), share.get(b, 0)) if set(spec.model_gpus[model]) == {a, b} else 0
+    pipelines: list[Pipeline] = []
+    status = "optimal"
+    if pairs:
+        pair_configs = spec.configs(model, max_parts=spec.max_parts, max_slices=1, rate=rate)
+        if pair_configs:
+            pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1})
+            status = pair.solver["status"]
+            pipelines += [_scaled(p, pairs) for p in pair.models[0].pipelines]
+    for gpu in spec.model_gpus[model]:
+        left = share.get(gpu, 0) - pairs
+        whole = spec.configs(model, max_parts=1, max_slices=1, rate=rate, gpus=[gpu])
+        if left > 0 and whole:
+            best = max(whole, key=lambda c: (c.vgpu_throughput[0], -c.total_latency_us))
+            pipelines.append(_pipeline(best, [left]))
+    return pipelines, status
+
+
+def _scaled(pipeline: Pipeline, times: int) -> Pipeline:
+    parts = tuple(Partition(p.blocks, p.gpu, p.slices, p.vgpus * times, p.latency_us, p.transfer_us) for p in pipeline.partitions)
+    return Pipeline(pipeline.batch_size, pipeline.throughput * times, parts)
+
+
+# -- the pool-sizing MILP ---------------------------------------------------------------------
+
+
+def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int]) -> _Solved:
+    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m.
+
+    The solvers find good integer points late on this problem, so it starts from one: the LP
+    relaxation names the few configurations worth using, and the MILP restricted to those is
+    tiny; its solution warm-starts the full MILP, which then mostly proves optimality.
+    """
+    import mip
+
+    started = time.perf_counter()
+    full = _PoolSizing(spec, configs, gpus)
+    with _c_stdout_silenced():  # CBC prints its LP log whatever the verbosity
+        full.model.optimize(relax=True, max_seconds=spec.time_limit)
+    promising = {m: [c for c, x in zip(cs, full.flows[m]) if (x.x or 0) > 1e-6] for m, cs in configs.items()}
+    if all(promising.values()) and not os.environ.get("NOWARM"):
+        restricted = _PoolSizing(spec, promising, gpus)
+        if restricted.model.optimize(max_seconds=spec.time_limit) in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            full.model.start = full.start_from(restricted)
+    left = max(spec.time_limit - (time.perf_counter() - started), 1e-3)
+    status = full.model.optimize(max_seconds=left)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        raise PlanError(f"the solver found no plan within {spec.time_limit:g} s (status {status.name.lower()}); raise the time limit")
+    models = []
+    for m, cs in configs.items():
+        pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, full.sizes(m)) if min(sizes) > 0]
+        models.append(_model_plan(spec, m, pipelines))
+    objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
+    name = "HiGHS" if full.model.solver_name.lower() == "highs" else "CBC"
+    return _Solved(objective, tuple(models), {"name": name, "status": status.name.lower()})
+
+
+class _PoolSizing:
+    """The pool-sizing MILP over given configurations.
+
+    x_c <= n_{c,d} X_{c,d} for every partition d of configuration c; the vGPUs on (type k, slices v)
+    of a model fit in v y_{m,k,v} for integer physical GPUs y, and sum_{m,v} y_{m,k,v} <= N_k.
+    With one pipeline per route, a binary u_c opens configuration c (n_{c,d} <= u_c * bound) and
+    the configurations of one route share a single opening.
+    """
+
+    def __init__(self, spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int]):
+        import mip
+
+        self.configs = configs
+        self.model = model = mip.Model(sense=mip.MAXIMIZE, solver_name=_solver_name(spec.solver))
+        model.verbose = 0
+        self.z = model.add_var(lb=0)
+        self.flows: dict[str, list[mip.Var]] = {}
+        self.opened: dict[str, list[mip.Var]] = {}
+        self.counts: dict[str, list[list[mip.Var]]] = {}
+        usage: dict[tuple[str, str, int], list[mip.Var]] = {}
+        for m, cs in configs.items():
+            self.flows[m], self.opened[m], self.counts[m] = [], [], []
+            routes: dict[tuple[str, ...], list[mip.Var]] = {}
+            for c in cs:
+                x = model.add_var(lb=0)
+                opened = model.add_var(var_type=mip.BINARY)
+                if spec.one_pipeline_per_route:
+                    routes.setdefault(tuple(gpu for gpu, _ in c.resources), []).append(opened)
+                # no pool needs more vGPUs than it takes to match the smallest pool the cluster allows
+                ceiling = min(gpus[gpu] * v * throughput for (gpu, v), throughput in zip(c.resources, c.vgpu_throughput))
+                ns = []
+                for (gpu, v), throughput in zip(c.resources, c.vgpu_throughput):
+                    most = math.ceil(ceiling / throughput - 1e-9)
+                    n = model.add_var(var_type=mip.INTEGER, lb=0, ub=most)
+                    model += x <= throughput * n
+                    model += n <= most * opened
+                    usage.setdefault((m, gpu, v), []).append(n)
+                    ns.append(n)
+                self.flows[m].append(x)
+                self.opened[m].append(opened)
+                self.counts[m].append(ns)
+            model += spec.weights[m] * self.z <= mip.xsum(self.flows[m])
+            for opened_of_route in routes.values():
+                model += mip.xsum(opened_of_route) <= 1
+        self.physical: dict[tuple[str, str, int], mip.Var] = {}
+        for (m, gpu, v), ns in usage.items():
+            self.physical[(m, gpu, v)] = y = model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[gpu])
+            model += mip.xsum(ns) <= v * y
+        for gpu, count in gpus.items():
+            model += mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count
+        model.objective = mip.maximize(self.z)
+
+    def sizes(self, model: str) -> list[list[int]]:
+        """vGPUs of every pool of every configuration of ``model``, as solved."""
+        return [[round(n.x or 0) for n in ns] for ns in self.counts[model]]
+
+    def start_from(self, other: _PoolSizing) -> list[tuple[Any, float]]:
+        """A solution of ``other`` (a subset of our configurations) as a start for this model."""
+        start: list[tuple[Any, float]] = [(self.z, other.z.x)]
+        for m, cs in self.configs.items():
+            solved = {c: (x.x, u.x, [n.x for n in ns]) for c, x, u, ns in zip(other.configs[m], other.flows[m], other.opened[m], other.counts[m])}
+            for c, x, u, ns in zip(cs, self.flows[m], self.opened[m], self.counts[m]):
+                flow, opened, counts = solved.get(c, (0.0, 0.0, [0.0] * len(ns)))
+                start += [(x, flow), (u, round(opened))] + [(n, round(k)) for n, k in zip(ns, counts)]
+        start += [(y, round(other.physical[key].x) if key in other.physical else 0) for key, y in self.physical.items()]
+        return start
+
+
+@contextlib.contextmanager
+def _c_stdout_silenced() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null while a C library would write to it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _solver_name(choice: str) -> str:
+    """CBC, or HiGHS when asked for or (``auto``) when python-mip can load it."""
+    import mip
+
+    if choice == "cbc":
+        return mip.CBC
+    try:
+        mip.Model(solver_name=mip.HIGHS)
+        return mip.HIGHS
+    except Exception as exc:  # python-mip raises bare Exceptions when highspy is missing or broken
+        if choice == "highs":
+            raise PlanError(f"solver 'highs' is not usable ({exc}); install highspy or use solver 'cbc'") from None
+        return mip.CBC
+
+
+# -- plan assembly ---------------------------------------------------------------------------
+
+
+def _pipeline(config: Config, vgpus: Sequence[int]) -> Pipeline:
+    """A configuration with pools of ``vgpus``; its throughput is what its smallest pool sustains."""
+    parts = tuple(
+        Partition((start, end), gpu, v, n, lat, tr)
+        for (gpu, v), start, end, n, lat, tr in zip(config.resources, config.bounds, config.bounds[1:], vgpus, config.latency_us, config.transfer_us)
+    )
+    throughput = min(n * x for n, x in zip(vgpus, config.vgpu_throughput))
+    return Pipeline(config.batch_size, throughput, parts)
+
+
+def _model_plan(spec: _Spec, model: str, pipelines: Sequence[Pipeline]) -> ModelPlan:
+    ordered = tuple(sorted(pipelines, key=lambda p: -p.throughput))
+    return ModelPlan(model, spec.slo_us[model], spec.weights[model], sum(p.throughput for p in ordered), ordered)
+
+
+def _find(models: Sequence[ModelPlan], name: str) -> ModelPlan | None:
+    return next((m for m in models if m.name == name), None)
+
+
+def _physical_gpus(model: ModelPlan) -> dict[str, int]:
+    """Whole GPUs a model's pools occupy, per type (slices of one size share GPUs)."""
+    slices: dict[tuple[str, int], int] = {}
+    for p in model.pipelines:
+        for part in p.partitions:
+            slices[(part.gpu, part.slices)] = slices.get((part.gpu, part.slices), 0) + part.vgpus
+    out: dict[str, int] = {}
+    for (gpu, v), n in slices.items():
+        out[gpu] = out.get(gpu, 0) + math.ceil(n / v)
+    return out

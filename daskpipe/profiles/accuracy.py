@@ -1,0 +1,153 @@
+"""How far the analytic estimator is from measured tables, and the fit of its constants.
+
+The published PPipe tables are TensorRT TF32 with their own block mapping, so the comparison is on
+whole-model latency (sum of blocks) per (GPU type, slices v, batch b). Constants are fitted by
+grid search on the mean absolute log error (the per-kernel launch overhead and the memory
+efficiency stay fixed: the data cannot tell them apart from compute efficiency); the reported error is leave-one-model-out: each model
+is predicted with constants fitted on the other models only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from daskpipe.profiles.catalog import GPUSpec, load_catalog
+from daskpipe.profiles.estimator import LAUNCH_US, Constants, OpCosts, mape, op_latency_us, roofline_terms, whole_model_costs
+from daskpipe.profiles.loader import load_profiles
+from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.zoo import REFERENCE_MODELS, build_reference_model
+
+SATURATION_GRID = np.array([64.0, 256.0, 1024.0, 4096.0, 16384.0])
+EFFICIENCY_GRID = np.geomspace(0.01, 1.0, 241)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One measured whole-model latency and the op costs it should be predicted from."""
+
+    model: str
+    gpu: str
+    slices: int
+    batch: int
+    measured_us: float
+    costs: OpCosts
+
+
+def collect_entries(profiles: Mapping[str, Profile], costs: Mapping[str, Mapping[int, OpCosts]], gpus: Sequence[str]) -> list[Entry]:
+    entries = []
+    for model, profile in profiles.items():
+        for gpu in gpus:
+            for v in profile.slices(gpu):
+                for b in range(1, profile.max_batch(gpu, v) + 1):
+                    entries.append(Entry(model, gpu, v, b, profile.latency(gpu, v, b), costs[model][b]))
+    return entries
+
+
+def fit_constants(entries: Sequence[Entry], catalog: Mapping[str, GPUSpec]) -> Constants:
+    """Global saturation and one compute efficiency per GPU type, minimising mean |log error|."""
+    if not entries:
+        raise ProfileError("no measured entries to fit the estimator on")
+    gpus = sorted({e.gpu for e in entries})
+    fixed = Constants(launch_us=LAUNCH_US, saturation=0.0, default_efficiency=0.0)
+    best: tuple[float, Constants] | None = None
+    for saturation in SATURATION_GRID:
+        per_gpu = {}
+        for gpu in gpus:
+            rows = [e for e in entries if e.gpu == gpu]
+            work = []  # [entry, eff]: roofline time without launch overheads
+            for e in rows:
+                compute_us, memory_us = roofline_terms(e.costs, catalog[gpu], e.slices, saturation)
+                per_op = np.maximum(compute_us[None, :] / EFFICIENCY_GRID[:, None], memory_us[None, :] / fixed.memory_efficiency)
+                work.append(per_op.sum(axis=1) + fixed.launch_us * len(compute_us))
+            measured = np.array([e.measured_us for e in rows])
+            per_gpu[gpu] = np.abs(np.log(np.array(work) / measured[:, None])).mean(axis=0)  # per efficiency
+        loss = float(sum(errors.min() for errors in per_gpu.values()))
+        if best is None or loss < best[0]:
+            efficiency = {gpu: float(EFFICIENCY_GRID[np.argmin(errors)]) for gpu, errors in per_gpu.items()}
+            best = (loss, Constants(
+                launch_us=fixed.launch_us,
+                saturation=float(saturation),
+                default_efficiency=float(np.median(list(efficiency.values()))),
+                efficiency=efficiency,
+            ))
+    assert best is not None
+    return best[1]
+
+
+def predict(entry: Entry, constants: Constants, catalog: Mapping[str, GPUSpec]) -> float:
+    return op_latency_us(entry.costs, catalog[entry.gpu], entry.slices, constants)
+
+
+def _summary(rows: Sequence[tuple[Entry, float]]) -> dict[str, float | int]:
+    mean, median = mape([p for _, p in rows], [e.measured_us for e, _ in rows])
+    return {"mean_ape_pct": round(mean, 2), "median_ape_pct": round(median, 2), "n": len(rows)}
+
+
+def estimator_error(
+    profiles_dir: str | Path,
+    models: Sequence[str] | None = None,
+    gpus: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Leave-one-model-out error of the estimator against measured tables, per GPU type and model."""
+    names = list(models) if models is not None else [m for m in REFERENCE_MODELS]
+    profiles = load_profiles(profiles_dir, names)
+    missing = [m for m in profiles if m not in REFERENCE_MODELS]
+    if missing:
+        raise ProfileError(f"no torchvision build for {missing}; the estimator can be checked on {list(REFERENCE_MODELS)}")
+    if len(profiles) < 2:
+        raise ProfileError("leave-one-model-out needs at least two models")
+    catalog = load_catalog()
+    gpus = list(gpus) if gpus is not None else sorted(set.intersection(*(set(p.gpu_types) for p in profiles.values())))
+    unknown = [g for g in gpus if g not in catalog]
+    if unknown:
+        raise ProfileError(f"GPU type(s) {unknown} are not in the catalog ({sorted(catalog)})")
+    costs = {}
+    for name, profile in profiles.items():
+        if progress:
+            progress(name)
+        with torch.device("meta"):
+            module, shape = build_reference_model(name)
+        costs[name] = whole_model_costs(module, shape, range(1, max(profile.max_batch(g) for g in gpus) + 1))
+    entries = collect_entries(profiles, costs, gpus)
+
+    held_out: list[tuple[Entry, float]] = []
+    folds = {}
+    for name in profiles:
+        constants = fit_constants([e for e in entries if e.model != name], catalog)
+        folds[name] = _constants_json(constants)
+        held_out += [(e, predict(e, constants, catalog)) for e in entries if e.model == name]
+    in_sample_constants = fit_constants(entries, catalog)
+    in_sample = [(e, predict(e, in_sample_constants, catalog)) for e in entries]
+    return {
+        "comparison": "whole-model latency (sum of blocks) per (GPU, slices, batch); measured = published TensorRT TF32 tables",
+        "models": list(profiles),
+        "gpus": gpus,
+        "out_of_sample": {
+            "method": "leave-one-model-out: constants fitted on the other models",
+            "per_gpu": {g: _summary([r for r in held_out if r[0].gpu == g]) for g in gpus},
+            "per_model": {m: {g: _summary([r for r in held_out if r[0].model == m and r[0].gpu == g]) for g in gpus} for m in profiles},
+            "all": _summary(held_out),
+            "fold_constants": folds,
+        },
+        "in_sample": {
+            "method": "constants fitted on all models, error on the same models",
+            "per_gpu": {g: _summary([r for r in in_sample if r[0].gpu == g]) for g in gpus},
+            "all": _summary(in_sample),
+            "constants": _constants_json(in_sample_constants),
+        },
+    }
+
+
+def _constants_json(constants: Constants) -> dict:
+    return {
+        "launch_us": constants.launch_us,
+        "saturation": constants.saturation,
+        "memory_efficiency": constants.memory_efficiency,
+        "efficiency": {g: round(e, 4) for g, e in constants.efficiency.items()},
+    }

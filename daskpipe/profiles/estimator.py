@@ -1,0 +1,234 @@
+"""Analytic latency estimates for GPU types nobody has profiled here.
+
+Each block is run once per batch size on the ``meta`` device (shapes only, no arithmetic) under
+``FlopCounterMode``; every aten call is recorded with its FLOPs and the bytes it reads and writes.
+An op's latency on a 1/v MPS slice is a roofline with a launch overhead:
+
+    t = launch_us + max(flops / (peak / v * eff * util), bytes / (bandwidth / v * mem_eff))
+
+where ``util = min(1, output_elements / (saturation * SMs / v))`` models a small batch that cannot
+fill the GPU, and the v slices run at once, each with 1/v of the SMs and of the memory bandwidth.
+As in TensorRT, elementwise epilogues (batch norm, activations, residual adds) and concatenations
+are fused into their producer and cost nothing; views are free.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from daskpipe.plan.prepartition import greedy_blocks
+from daskpipe.profiles.catalog import GPUSpec, load_catalog
+from daskpipe.profiles.fx import BlockedModel, segment_model
+from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes
+
+Precision = Literal["tf32", "fp32", "fp16"]
+FREE_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "detach", "alias",
+                      "empty", "squeeze", "unsqueeze", "flatten", "slice", "select", "split", "split_with_sizes",
+                      "contiguous", "clone", "cat", "dropout", "lift_fresh"})
+FUSED_OPS = frozenset({"relu", "relu_", "add", "add_", "mul", "mul_", "sub", "div", "sigmoid", "hardtanh", "hardtanh_",
+                       "hardswish", "hardswish_", "silu", "silu_", "gelu", "clamp", "clamp_min", "rsqrt",
+                       "_native_batch_norm_legit_no_training", "native_batch_norm", "batch_norm", "leaky_relu"})
+
+
+LAUNCH_US = 5.0  # per-kernel launch and TensorRT layer overhead, fixed (see daskpipe.profiles.accuracy)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The estimator's constants; compute ``efficiency`` is per GPU type (``default_efficiency`` otherwise)."""
+
+    launch_us: float  # per kernel
+    saturation: float  # output elements per SM that keep it busy
+    default_efficiency: float  # fraction of the datasheet compute peak reached
+    memory_efficiency: float = 0.7  # fraction of the datasheet bandwidth a streaming kernel reaches (not fitted)
+    efficiency: Mapping[str, float] = field(default_factory=dict)
+
+    def efficiency_of(self, gpu: str) -> float:
+        return float(self.efficiency.get(gpu, self.default_efficiency))
+
+
+# Fitted on the published tables of the four models in daskpipe.profiles.zoo (in-sample for them):
+# `daskpipe profile estimator-error --profiles ../shared/ppipe` prints these as in_sample.constants.
+# GPU types without a fit use the median efficiency, which is a guess: see docs/profiles.md.
+CALIBRATED = Constants(
+    launch_us=2.0,
+    saturation=1024.0,
+    default_efficiency=0.159,
+    efficiency={"L4": 0.1334, "P4": 0.1848, "T4": 0.1283, "V100": 0.2929},
+)
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Per-op work of one block at one batch size (arrays of equal length; only ops that cost time)."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    outputs: np.ndarray  # output elements: the op's parallelism
+
+    @property
+    def total_flops(self) -> float:
+        return float(self.flops.sum())
+
+
+class _OpRecorder(FlopCounterMode):
+    """FlopCounterMode that also keeps each op's FLOPs, bytes moved and output size."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.ops: list[tuple[float, float, float]] = []
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        name = func_packet.__name__
+        if name not in FREE_OPS and name not in FUSED_OPS:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out) if func_packet in self.flop_registry else 0
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
+            self.ops.append((float(flops), float(moved), float(sum(t.numel() for t in outputs[:1]))))
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
+def op_costs(block: nn.Module, input_shape: Sequence[int], batch: int, precision: Precision = "tf32") -> OpCosts:
+    """What ``block`` does to a batch of ``batch`` inputs of per-sample ``input_shape``, op by op."""
+    on_meta = copy.deepcopy(block).to("meta").eval()
+    recorder = _OpRecorder()
+    with torch.inference_mode(), recorder:
+        on_meta(torch.empty((batch, *input_shape), device="meta"))
+    ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
+    scale = 0.5 if precision == "fp16" else 1.0  # meta tensors are fp32
+    return OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * scale, outputs=ops[:, 2])
+
+
+def peak_tflops(spec: GPUSpec, precision: Precision) -> float:
+    return {"tf32": spec.tf32_or_fp32_tflops, "fp32": spec.fp32_tflops, "fp16": spec.fp16_tflops}[precision]
+
+
+def op_latency_us(costs: OpCosts, spec: GPUSpec, slices: int, constants: Constants, precision: Precision = "tf32") -> float:
+    """Latency in µs of all ops of ``costs`` on one of ``slices`` equal MPS slices of ``spec``."""
+    compute_us, memory_us = roofline_terms(costs, spec, slices, constants.saturation, precision)
+    per_op = np.maximum(compute_us / constants.efficiency_of(spec.name), memory_us / constants.memory_efficiency)
+    return float(per_op.sum() + constants.launch_us * len(per_op))
+
+
+def roofline_terms(
+    costs: OpCosts, spec: GPUSpec, slices: int, saturation: float, precision: Precision = "tf32"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-op compute time at full efficiency and memory time at full bandwidth, in µs, on a 1/v slice."""
+    util = np.maximum(np.minimum(1.0, costs.outputs / (saturation * spec.sm_count / slices)), 1e-6)
+    flops_per_us = peak_tflops(spec, precision) * 1e6 / slices * util
+    bytes_per_us = spec.memory_bandwidth_gbs * 1e3 / slices
+    return costs.flops / flops_per_us, costs.bytes / bytes_per_us
+
+
+def estimate_profile(
+    module_or_blocked: nn.Module | BlockedModel,
+    example_input: torch.Tensor | None = None,
+    *,
+    gpus: Iterable[str],
+    name: str,
+    batch_sizes: int | Sequence[int] = 8,
+    slices: Iterable[int] = (1, 2, 3, 4),
+    slo_us: float | None = None,
+    num_blocks: int = 10,
+    precision: Precision = "tf32",
+    constants: Constants | None = None,
+    catalog: Mapping[str, GPUSpec] | None = None,
+) -> Profile:
+    """A synthetic profile of ``gpus`` (catalog names), per slice count v with batches 1..B//v.
+
+    ``constants`` default to ``CALIBRATED`` (fitted to TensorRT TF32 tables).
+
+    A plain module is cut into ``num_blocks`` blocks of equal *estimated* runtime on the first GPU;
+    a ``BlockedModel`` keeps its blocks, so the estimate lines up with a measured profile of it.
+    Without ``slo_us`` the SLO is 5x the whole model's batch-1 estimate on the first GPU.
+    """
+    catalog = catalog if catalog is not None else load_catalog()
+    constants = constants or CALIBRATED
+    gpus = list(gpus)
+    unknown = [g for g in gpus if g not in catalog]
+    if not gpus or unknown:
+        raise ProfileError(f"estimate needs GPU types from the catalog; unknown: {unknown or '(none given)'}; known: {sorted(catalog)}")
+    slice_counts = sorted(set(int(v) for v in slices))
+    if not slice_counts or slice_counts[0] < 1:
+        raise ProfileError(f"slice counts must be integers >= 1, got {slice_counts}")
+    max_batch = normalise_batch_sizes(batch_sizes)[-1]
+    blocked = module_or_blocked if isinstance(module_or_blocked, BlockedModel) else _cut_by_estimate(
+        module_or_blocked, example_input, num_blocks, catalog[gpus[0]], constants, precision
+    )
+    costs = {
+        (i, b): op_costs(block, _block_input(blocked, i), b, precision)
+        for i, block in enumerate(blocked.blocks)
+        for b in range(1, max_batch + 1)
+    }
+    tables = {}
+    for gpu in gpus:
+        for v in slice_counts:
+            top = max(1, max_batch // v)
+            tables[(gpu, v)] = np.array(
+                [[op_latency_us(costs[(i, b)], catalog[gpu], v, constants, precision) for b in range(1, top + 1)]
+                 for i in range(blocked.num_blocks)]
+            )
+    first = tables[(gpus[0], slice_counts[0])]
+    return Profile(
+        model=name,
+        slo_us=slo_us if slo_us is not None else SLO_FACTOR * float(first[:, 0].sum()),
+        num_blocks=blocked.num_blocks,
+        latency_us=tables,
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_bytes=float(blocked.input_bytes),
+        output_bytes=float(blocked.output_bytes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={
+            "estimator": "daskpipe.profiles.estimator (roofline + launch overhead)",
+            "precision": precision,
+            "estimated_gpus": gpus,
+            "block_gflops_batch1": [costs[(i, 1)].total_flops / 1e9 for i in range(blocked.num_blocks)],
+            "segment_boundaries": blocked.segment_boundaries,
+        },
+    )
+
+
+def _block_input(blocked: BlockedModel, block: int) -> tuple[int, ...]:
+    return blocked.input_shape if block == 0 else blocked.boundary_shapes[block - 1]
+
+
+def _cut_by_estimate(
+    module: nn.Module, example_input: torch.Tensor | None, num_blocks: int, spec: GPUSpec, constants: Constants,
+    precision: Precision,
+) -> BlockedModel:
+    if example_input is None:
+        raise ProfileError("estimate_profile needs example_input to cut a plain module into blocks")
+    segmented = segment_model(module.eval(), example_input[:1])
+    if segmented.num_segments < num_blocks:
+        raise ProfileError(f"model has only {segmented.num_segments} cut segments; ask for at most that many blocks")
+    segments = segmented.segments()
+    latency = [
+        op_latency_us(op_costs(block, _block_input(segments, i), 1, precision), spec, 1, constants, precision)
+        for i, block in enumerate(segments.blocks)
+    ]
+    return segmented.cut(greedy_blocks(np.asarray(latency), num_blocks))
+
+
+def whole_model_costs(module: nn.Module, input_shape: Sequence[int], batch_sizes: Iterable[int], precision: Precision = "tf32") -> dict[int, OpCosts]:
+    """Op costs of the whole model per batch size (no cutting needed to compare model totals)."""
+    return {b: op_costs(module, input_shape, b, precision) for b in batch_sizes}
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
+    """Mean and median absolute percentage error."""
+    errors = [abs(p - m) / m * 100 for p, m in zip(predicted, measured) if m > 0]
+    if not errors:
+        return math.nan, math.nan
+    return float(np.mean(errors)), float(np.median(errors))

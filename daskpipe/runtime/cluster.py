@@ -1,0 +1,136 @@
+"""A LocalCluster of emulated GPU workers, for tests, examples and ``daskpipe demo``.
+
+Its workers are the slots :func:`daskpipe.runtime.worker.worker_specs` describes for emulated
+GPUs, so they carry the same names and resources as ``daskpipe worker --emulate`` on a real node;
+code tested here meets the same contract on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from distributed import LocalCluster
+
+from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "tls", "ucx", "inproc")
+
+
+def ucx_available() -> bool:
+    """Whether ``protocol="ucx"`` can work: distributed needs the distributed-ucxx package for it."""
+    return importlib.util.find_spec("distributed_ucxx") is not None
+
+
+def resolve_protocol(protocol: str) -> str:
+    """The protocol to use for ``protocol``: ``"ucx"`` falls back to ``"tcp"`` without distributed-ucxx.
+
+    The fallback is announced as a warning (and in the log) so a benchmark run over TCP is never
+    mistaken for one over UCX.
+    """
+    scheme = protocol.removesuffix("://")
+    if scheme not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
+    if scheme == "ucx" and not ucx_available():
+        message = (
+            "protocol='ucx' needs the distributed-ucxx package, which is not installed; falling back to "
+            "tcp. Install it with `pip install 'daskpipe[ucx]'` (distributed-ucxx-cu12)."
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        logger.warning(message)
+        return "tcp"
+    return scheme
+
+
+def emulated_slots(
+    gpus: Mapping[str, int], *, slices: int | Mapping[str, int] = 1, servers: int = 1
+) -> list[SlotSpec]:
+    """The slots of ``gpus`` dealt onto ``servers`` nodes named ``node-0``, ``node-1``, ...
+
+    Consecutive GPUs share a node (as in a rack of same-size machines), ``ceil(total / servers)``
+    per node, so the dispatcher sees which transfers cross a NIC.
+    """
+    positive_int(servers, "servers")
+    if not gpus:
+        raise WorkerSpecError("gpus must name at least one GPU, like {'L4': 2, 'T4': 4}")
+    kinds = [gpu_type for gpu_type, count in gpus.items() for _ in range(positive_int(count, f"gpus[{gpu_type!r}]"))]
+    per_server = math.ceil(len(kinds) / servers)
+    slots: list[SlotSpec] = []
+    for server_index in range(servers):
+        chunk = kinds[server_index * per_server : (server_index + 1) * per_server]
+        if not chunk:
+            break
+        counts = {gpu_type: chunk.count(gpu_type) for gpu_type in dict.fromkeys(chunk)}
+        node_slices = slices if isinstance(slices, int) else {k: v for k, v in slices.items() if k in counts}
+        slots.extend(worker_specs(slices=node_slices, emulate=counts, server=f"node-{server_index}"))
+    return slots
+
+
+class EmulatedCluster(LocalCluster):
+    """A ``LocalCluster`` whose workers are emulated GPU slots following daskpipe's worker contract.
+
+    Parameters
+    ----------
+    gpus : mapping
+        Emulated GPUs by catalog type, e.g. ``{"L4": 2, "T4": 4}``.
+    slices : int or mapping, default 1
+        MPS slices per GPU, for all types or per type (``{"T4": 2}``); one worker per slice.
+    servers : int, default 1
+        Nodes to spread the GPUs over (``node-0`` ...); slots of one node share a NIC.
+    processes : bool, default True
+        One process per slot (a ``Nanny``), as on a real node; ``False`` runs the workers in this
+        process, which starts faster.
+    protocol : str, default "tcp"
+        ``"tcp"``, ``"tls"``, ``"ucx"`` or ``"inproc"``; ``"ucx"`` falls back to ``"tcp"`` with a
+        warning when distributed-ucxx is not installed.
+    dashboard_address : str or None, default ":8787"
+        Where the scheduler's dashboard listens; ``None`` for none.
+    nthreads : int, default 1
+        Threads per slot worker.
+    **kwargs
+        Passed to ``LocalCluster`` (``memory_limit`` is per slot and defaults to an equal share).
+
+    Raises
+    ------
+    WorkerSpecError
+        ``gpus`` names a type the catalog lacks, or ``slices``/``servers`` are out of range.
+    """
+
+    def __init__(
+        self,
+        gpus: Mapping[str, int],
+        *,
+        slices: int | Mapping[str, int] = 1,
+        servers: int = 1,
+        processes: bool = True,
+        protocol: str = "tcp",
+        dashboard_address: str | None = ":8787",
+        nthreads: int = 1,
+        **kwargs: Any,
+    ):
+        self.slots = emulated_slots(gpus, slices=slices, servers=servers)
+        kwargs.setdefault("memory_limit", equal_memory_share(len(self.slots)))
+        super().__init__(
+            n_workers=0,
+            threads_per_worker=nthreads,
+            processes=processes,
+            protocol=resolve_protocol(protocol),
+            dashboard_address=dashboard_address,
+            **kwargs,
+        )
+
+    async def _start(self) -> None:
+        """Add the slot workers to the spec before SpecCluster brings the spec up."""
+        base = self.new_spec
+        for slot in self.slots:
+            self.worker_spec[slot.name] = {"cls": base["cls"], "options": {**base["options"], **slot.worker_options()}}
+        await super()._start()
+
+
+emulated_cluster = EmulatedCluster  # the function-style spelling, as in ``with emulated_cluster({...}) as cluster``

@@ -1,0 +1,59 @@
+"""The errors a daskpipe request future can raise.
+
+Every submitted request ends as a result or as one of these, so a client can tell "the service
+chose not to serve this" (:class:`RequestDropped`, with the reason) from "serving it broke"
+(:class:`RequestFailed`, with the cause) and from "the request itself is wrong"
+(:class:`InvalidRequest`). They travel pickled from the scheduler or a worker to the client, so
+each keeps its constructor arguments for ``__reduce__``.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+DROP_EXPLANATIONS = {
+    "deadline": "no batch could finish before its deadline",
+    "overload": "the model's queue was full",
+    "no-capacity": "the plan gives the model no pipeline",
+    "shutdown": "the service was closed before it ran",
+    "worker-lost": "its worker died and the deadline left no time to retry",
+}
+
+
+class DaskpipeError(Exception):
+    """Base of every error raised by daskpipe's serving runtime."""
+
+
+class InvalidRequest(DaskpipeError, ValueError):
+    """A request the service cannot take: unknown model, non-tensor input, wrong shape or dtype."""
+
+
+class DeployError(DaskpipeError, RuntimeError):
+    """A service cannot be deployed as asked; the message says what to change."""
+
+
+class RequestDropped(DaskpipeError):
+    """The dispatcher chose not to serve the request; ``reason`` says why (see ``DropReason``)."""
+
+    def __init__(self, reason: str, detail: str = "", model: str = "", key: Hashable = None):
+        self.reason = reason
+        self.detail = detail
+        self.model = model
+        self.key = key
+        why = DROP_EXPLANATIONS.get(reason, reason)
+        super().__init__(f"request {key!r} of model {model!r} dropped ({reason}): {why}" + (f"; {detail}" if detail else ""))
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.detail, self.model, self.key)
+
+
+class RequestFailed(DaskpipeError):
+    """Serving the request raised; ``cause`` is the original exception (also its ``__cause__``)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        self.cause = cause
+        super().__init__(message)
+        self.__cause__ = cause
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.cause)

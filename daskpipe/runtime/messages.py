@@ -1,0 +1,79 @@
+"""The wire vocabulary of daskpipe's runtime: message ops, handler names and worker resources.
+
+Every message is a plain dict (msgpack), so the scheduler never unpickles user data: request
+inputs ride inside as ``to_serialize`` payloads that the scheduler's comms keep opaque
+(``Serialized``) and forward as they are. Times on the wire are wall-clock seconds
+(``time.time()``), the one clock that processes on different nodes share; the scheduler converts
+them to its monotonic clock.
+
+Paths of one request::
+
+    client   --SUBMIT (stream)-->              scheduler   (keys, inputs, sizes)
+    scheduler --BATCH (stream)-->              worker of partition 0
+    worker   --BATCH (worker stream)-->        worker of the next partition (fp16 feature map)
+    worker   --FEEDBACK (stream)-->            scheduler   (compute and transfer timings)
+    worker   --DONE / FAILED (stream)-->       scheduler   (outputs stored under the keys / the cause)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+# client -> scheduler, over the client's batched stream
+SUBMIT = "daskpipe-submit"
+# scheduler -> worker, over the worker's batched stream
+BATCH = "daskpipe-batch"
+# worker -> scheduler, over the worker's batched stream
+FEEDBACK = "daskpipe-feedback"
+DONE = "daskpipe-done"
+FAILED = "daskpipe-failed"
+# worker -> worker, over Dask's worker-to-worker stream: the feature map (op BATCH), and HELLO
+# that opens the stream at deploy
+HELLO = "daskpipe-hello"
+# client -> scheduler rpc handlers
+INVENTORY = "daskpipe_inventory"
+SERVE = "daskpipe_serve"
+CLOSE = "daskpipe_close"
+STATUS = "daskpipe_status"
+
+# Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker.py)
+SLOT_RESOURCE = "daskpipe.slot"
+GPU_RESOURCE_PREFIX = "daskpipe.gpu."
+SLICES_RESOURCE_PREFIX = "daskpipe.slices."
+EMULATED_RESOURCE = "daskpipe.emulated"
+CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """What a worker offers the planner: one (virtual) GPU, or a CPU slot on a plain Dask worker."""
+
+    address: str
+    gpu: str
+    slices: int
+    server: str
+    emulated: bool
+
+    def to_msg(self) -> dict:
+        return {"address": self.address, "gpu": self.gpu, "slices": self.slices, "server": self.server, "emulated": self.emulated}
+
+    @classmethod
+    def from_msg(cls, msg: Mapping) -> WorkerSlot:
+        return cls(str(msg["address"]), str(msg["gpu"]), int(msg["slices"]), str(msg["server"]), bool(msg["emulated"]))
+
+
+def worker_slot(address: str, name: object, resources: Mapping[str, float], host: str) -> WorkerSlot | None:
+    """The slot a worker advertises; ``None`` for a daskpipe worker whose resources are incomplete.
+
+    A plain Dask worker (no ``daskpipe.slot``) is a CPU slot on its host. A daskpipe worker is named
+    ``"<server>/<TYPE>-<gpu index>/<slice index>"``; slots of one server share its NIC.
+    """
+    if SLOT_RESOURCE not in resources:
+        return WorkerSlot(address, CPU, 1, host, emulated=False)
+    gpus = [r[len(GPU_RESOURCE_PREFIX):] for r in resources if r.startswith(GPU_RESOURCE_PREFIX)]
+    slices = [r[len(SLICES_RESOURCE_PREFIX):] for r in resources if r.startswith(SLICES_RESOURCE_PREFIX)]
+    if len(gpus) != 1 or len(slices) != 1 or not slices[0].isdigit():
+        return None
+    server = str(name).split("/")[0] if isinstance(name, str) and "/" in name else host
+    return WorkerSlot(address, gpus[0], int(slices[0]), server, emulated=EMULATED_RESOURCE in resources)

@@ -1,0 +1,448 @@
+"""The scheduler half of daskpipe's runtime: one dispatcher per model on the scheduler's event loop.
+
+:class:`DaskpipeSchedulerPlugin` is installed with ``dask scheduler --preload daskpipe`` (no
+pickle needed) or registered from a client (``daskpipe.deploy`` does it when missing). It adds
+scheduler handlers and stream handlers (see :mod:`daskpipe.runtime.messages`), learns which
+workers are slots from their resources, and steps each model's :class:`Dispatcher` with the
+real clock: on submissions, on feedback, and on a single timer re-armed at the earliest
+``next_wake``. It never uses the ``transition`` hook.
+
+Requests are real Dask keys. On submission the plugin creates a ``released`` task without a
+run spec for each key and records that the submitting client wants it; when the last stage
+reports its outputs stored, ``Scheduler.update_data`` moves the keys to memory on that worker
+(as ``scatter`` does) and the clients' futures finish; a drop or failure puts the key in
+``erred`` with a daskpipe exception, which the client's future raises. Request inputs stay
+``Serialized`` on the scheduler (its comms do not deserialize) and are forwarded as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol import Serialized, serialize
+
+from daskpipe.plan.schema import ModelPlan, Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed
+from daskpipe.runtime.messages import WorkerSlot, worker_slot
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
+
+logger = logging.getLogger(__name__)
+
+DispatcherFactory = Callable[..., Dispatcher]
+"""``factory(model_plan, placement, profile, *, bw_gbps) -> Dispatcher``."""
+
+DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher"}
+
+
+def guarded(method: Callable) -> Callable:
+    """Handlers and hooks log their own exceptions: a daskpipe bug must never close a client's
+    or a worker's stream, nor stop the scheduler."""
+
+    @functools.wraps(method)
+    def wrapper(self: DaskpipeSchedulerPlugin, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            logger.exception("daskpipe: %s failed", method.__name__)
+            return None
+
+    return wrapper
+
+
+@dataclass
+class _Flight:
+    """A dispatched batch until its last stage reports: whom to fail if a worker dies."""
+
+    keys: list[Any]
+    addresses: frozenset[str]
+
+
+@dataclass
+class _Served:
+    """One model being served: its dispatcher, its stages and its requests in the plugin's care."""
+
+    model: ModelPlan  # time-dilated
+    profile: Profile  # time-dilated
+    dispatcher: Dispatcher
+    stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
+    emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
+    inputs: dict[Any, tuple[Serialized, int]] = field(default_factory=dict)  # queued: key -> (payload, samples)
+    deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
+    flights: dict[int, _Flight] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "batches": 0, "overruns": 0})
+    dropped: dict[str, int] = field(default_factory=dict)
+    closing: bool = False
+
+
+def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
+    """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
+    if k == 1.0:
+        return model, profile
+    pipelines = tuple(
+        replace(p, throughput=p.throughput / k, partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions))
+        for p in model.pipelines
+    )
+    tables = {key: table * k for key, table in profile.latency_us.items()}
+    return (
+        replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines),
+        replace(profile, slo_us=profile.slo_us * k, latency_us=tables),
+    )
+
+
+def _load_factory(path: str) -> DispatcherFactory:
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class DaskpipeSchedulerPlugin(SchedulerPlugin):
+    """Serves daskpipe models from the scheduler (see the module docstring)."""
+
+    name = "daskpipe"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.served: dict[str, _Served] = {}
+        self.slots: dict[str, WorkerSlot] = {}
+        self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    # -- SchedulerPlugin hooks -----------------------------------------------------------------
+    async def start(self, scheduler: Any) -> None:
+        try:
+            self.scheduler = scheduler
+            scheduler.handlers.update(
+                {
+                    messages.INVENTORY: self.inventory,
+                    messages.SERVE: self.serve,
+                    messages.CLOSE: self.close_models,
+                    messages.STATUS: self.status,
+                }
+            )
+            scheduler.stream_handlers.update(
+                {
+                    messages.SUBMIT: self.on_submit,
+                    messages.FEEDBACK: self.on_feedback,
+                    messages.DONE: self.on_done,
+                    messages.FAILED: self.on_failed,
+                }
+            )
+            for address in scheduler.workers:
+                self.add_worker(scheduler, address)
+        except Exception:
+            logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
+
+    @guarded
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        ws = scheduler.workers[worker]
+        slot = worker_slot(worker, ws.name, ws.resources, ws.host)
+        if slot is None:
+            logger.warning("daskpipe: worker %s (%s) has incomplete daskpipe resources %s; not used as a slot", worker, ws.name, dict(ws.resources))
+            return
+        self.slots[worker] = slot
+
+    @guarded
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        self.slots.pop(worker, None)
+        for model, served in self.served.items():
+            lost = [d for d, flight in served.flights.items() if worker in flight.addresses]
+            for d in lost:
+                flight = served.flights.pop(d)
+                self._err(served, model, flight.keys, lambda key: RequestDropped("worker-lost", f"worker {worker} left while the batch ran", model, key))
+
+    async def close(self) -> None:
+        try:
+            self.close_models(reason="shutdown")
+            if self._timer is not None:
+                self._timer.cancel()
+        except Exception:
+            logger.exception("daskpipe: closing the scheduler plugin failed")
+
+    # -- rpc handlers (client -> scheduler) ----------------------------------------------------
+    def inventory(self) -> list[dict]:
+        """The slots a plan may use: the daskpipe workers if any, else every worker as a CPU slot."""
+        gpu_slots = [s for s in self.slots.values() if s.gpu != messages.CPU or s.emulated]
+        slots = gpu_slots or list(self.slots.values())
+        return [s.to_msg() for s in sorted(slots, key=lambda s: s.address)]
+
+    def serve(
+        self,
+        model: str,
+        plan: dict,
+        profile: dict,
+        stages: list[list],
+        time_dilation: float = 1.0,
+        bw_gbps: float = 10.0,
+        dispatcher: str = "ppipe",
+    ) -> str:
+        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key]."""
+        if model in self.served:
+            raise DeployError(f"model {model!r} is already served; close the service that serves it first")
+        if not time_dilation > 0:
+            raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+        factory = self.dispatchers.get(dispatcher)
+        if factory is None:
+            raise DeployError(f"unknown dispatcher {dispatcher!r}; known: {sorted(self.dispatchers)}")
+        if isinstance(factory, str):
+            factory = _load_factory(factory)
+        model_plan, model_profile = _dilated(Plan.from_dict(plan).model(model), Profile.from_dict(profile), float(time_dilation))
+        stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
+        pools: dict[tuple[int, int], list[str]] = {}
+        for p, q, address in stage_keys:
+            if address not in self.slots:
+                raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
+            pools.setdefault((p, q), []).append(address)
+        slot_of = {a: self.slots[a] for _, _, a in stage_keys}
+        placement = Placement(
+            model=model,
+            pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
+            slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
+        )
+        self.served[model] = _Served(
+            model=model_plan,
+            profile=model_profile,
+            dispatcher=factory(model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / float(time_dilation)),
+            stages=stage_keys,
+            emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
+        )
+        logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g", model, len(stage_keys), len(model_plan.pipelines), time_dilation)
+        return "OK"
+
+    def close_models(self, models: Iterable[str] | None = None, reason: str = "shutdown") -> dict[str, int]:
+        """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
+
+        Batches already dispatched run to the end; ``status`` shows them in ``in_flight``.
+        """
+        now = time.monotonic()
+        drained = {}
+        for model in list(self.served if models is None else models):
+            served = self.served.get(model)
+            if served is None:
+                continue
+            served.closing = True
+            actions = self._step(served, model, lambda: served.dispatcher.drain(now, reason))
+            self._act(served, model, actions)
+            leftover = list(served.inputs)  # anything the dispatcher did not hand back
+            self._err(served, model, leftover, lambda key: RequestDropped(reason, "", model, key))
+            served.dropped[reason] = served.dropped.get(reason, 0) + len(leftover)
+            drained[model] = len(actions) + len(leftover)
+        return drained
+
+    def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
+        """Counters per model; ``forget`` removes closed models whose batches have all ended."""
+        out = {}
+        for model in list(self.served if models is None else models):
+            served = self.served.get(model)
+            if served is None:
+                continue
+            out[model] = {
+                **served.counts,
+                "dropped": dict(served.dropped),
+                "queued": len(served.inputs),
+                "in_flight": sum(len(f.keys) for f in served.flights.values()),
+                "closing": served.closing,
+            }
+            if forget and served.closing and not served.flights:
+                del self.served[model]
+        return out
+
+    # -- stream handlers -----------------------------------------------------------------------
+    @guarded
+    def on_submit(self, client: str, model: str, keys: list, inputs: list, sizes: list) -> None:
+        """New requests from ``client``: make their keys, queue them, step the dispatcher."""
+        scheduler = self.scheduler
+        fresh = [k for k in keys if k not in scheduler.tasks]
+        for key in fresh:
+            scheduler.new_task(key, None, "released")
+        scheduler.client_desires_keys(keys=fresh, client=client)
+        served = self.served.get(model)
+        if served is None or served.closing:
+            for key in fresh:
+                self._err_key(key, RequestDropped("shutdown", "" if served else "no service serves this model", model, key))
+            return
+        now = time.monotonic()
+        slo = served.model.slo_us * 1e-6
+        for key, payload, size in zip(keys, inputs, sizes):
+            if key not in fresh:
+                logger.warning("daskpipe: request key %r of %s is already in use; ignored", key, model)
+                continue
+            served.counts["submitted"] += 1
+            served.inputs[key] = (payload, int(size))
+            served.deadlines[key] = now + slo
+            request = Request(id=key, model=model, arrival=now, deadline=now + slo, size=int(size))
+            self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
+        self._arm()
+
+    @guarded
+    def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
+        served = self.served.get(model)
+        if served is not None:
+            self._feedback(served, model, dispatch, timings, overrun)
+            self._arm()
+
+    @guarded
+    def on_done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool = False) -> None:
+        """The last stage stored the batch's outputs on ``worker``: the keys are in memory there."""
+        served = self.served.get(model)
+        tasks = self.scheduler.tasks
+        pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
+        if pending:
+            self.scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
+        if served is None:
+            return
+        served.flights.pop(dispatch, None)
+        done = time.monotonic()
+        counts = served.counts
+        for key in keys:
+            counts["completed"] += 1
+            counts["on_time"] += done <= served.deadlines.pop(key, -1.0)
+        self._feedback(served, model, dispatch, timings, overrun)
+        self._arm()
+
+    @guarded
+    def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
+        """A stage raised: its batch's requests err with the stage's RequestFailed."""
+        served = self.served.get(model)
+        if served is not None:
+            served.flights.pop(dispatch, None)
+            served.counts["failed"] += len(keys)
+            for key in keys:
+                served.deadlines.pop(key, None)
+        self._err_keys(keys, exception)
+
+    # -- stepping the dispatcher ---------------------------------------------------------------
+    def _step(self, served: _Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+        """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
+        try:
+            return call()
+        except Exception as exc:
+            logger.exception("daskpipe: the dispatcher of %s raised", model)
+            stake = list(served.inputs) if failing is None else failing
+            self._err(served, model, stake, lambda key: RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc))
+            served.counts["failed"] += len(stake)
+            return []
+
+    def _feedback(self, served: _Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
+        served.counts["overruns"] += bool(overrun)
+        now = time.monotonic()
+        offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
+        for partition, kind, start, end in timings:
+            fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
+            self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
+
+    def _act(self, served: _Served, model: str, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Dispatch):
+                self._dispatch(served, model, action)
+            elif isinstance(action, Drop):
+                key = action.request.id
+                served.dropped[action.reason] = served.dropped.get(action.reason, 0) + 1
+                self._err(served, model, [key], lambda key: RequestDropped(action.reason, action.detail, model, key))
+
+    def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
+        keys, payloads, sizes = [], [], []
+        for request in action.requests:
+            queued = served.inputs.pop(request.id, None)
+            if queued is not None:  # else it already ended (a dispatcher failure failed it)
+                keys.append(request.id)
+                payloads.append(queued[0])
+                sizes.append(queued[1])
+        if not keys:
+            return
+        pipeline = served.model.pipelines[action.pipeline]
+        samples = sum(sizes)
+        route = []
+        for hop in action.hops:
+            part = pipeline.partitions[hop.partition]
+            hold = 0.0
+            if hop.slot in served.emulated:
+                batch = min(samples, served.profile.max_batch(part.gpu, part.slices))
+                hold = served.profile.latency(part.gpu, part.slices, batch, *part.blocks) * 1e-6
+            route.append({"address": hop.slot, "stage": served.stages[(action.pipeline, hop.partition, hop.slot)], "partition": hop.partition, "hold_s": hold})
+        addresses = frozenset(r["address"] for r in route)
+        missing = [a for a in addresses if a not in self.scheduler.workers]
+        if missing:
+            self._err(served, model, keys, lambda key: RequestDropped("worker-lost", f"worker {missing[0]} of its pipeline is gone", model, key))
+            return
+        served.flights[action.id] = _Flight(keys, addresses)
+        served.counts["batches"] += 1
+        self.scheduler.worker_send(
+            route[0]["address"],
+            {"op": messages.BATCH, "model": model, "dispatch": action.id, "keys": keys, "sizes": sizes, "inputs": payloads, "route": route},
+        )
+
+    # -- ending requests -----------------------------------------------------------------------
+    def _err(self, served: _Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+        for key in keys:
+            served.inputs.pop(key, None)
+            served.deadlines.pop(key, None)
+            self._err_key(key, error(key))
+
+    def _err_key(self, key: Any, exc: Exception) -> None:
+        self._err_keys([key], Serialized(*serialize(exc)))
+
+    def _err_keys(self, keys: list, exception: Serialized) -> None:
+        """Put pending ``keys`` in ``erred`` with ``exception``; their clients' futures raise it."""
+        recommendations = {}
+        for key in keys:
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.state != "released":  # released by its client already
+                continue
+            ts.exception = exception
+            ts.exception_blame = ts
+            ts.traceback = None
+            recommendations[key] = "erred"
+        if recommendations:
+            self.scheduler.transitions(recommendations, stimulus_id=f"daskpipe-err-{time.time()}")
+
+    # -- the timer -----------------------------------------------------------------------------
+    def _arm(self) -> None:
+        """Keep one timer, at the earliest ``next_wake`` of all dispatchers."""
+        wakes = [w for s in self.served.values() if (w := s.dispatcher.next_wake()) is not None]
+        wake = min(wakes, default=float("inf"))
+        if wake >= self._timer_at and self._timer is not None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, float("inf")
+        if wake < float("inf"):
+            self._timer_at = wake
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, wake - time.monotonic()), self._on_timer)
+
+    @guarded
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        now = time.monotonic()
+        for model, served in list(self.served.items()):
+            wake = served.dispatcher.next_wake()
+            if wake is not None and wake <= now:
+                self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(now)))
+        self._arm()
+
+
+def install(scheduler: Any) -> DaskpipeSchedulerPlugin:
+    """Add the plugin to ``scheduler`` (before it starts: its ``start`` hook installs the handlers)."""
+    existing = scheduler.plugins.get(DaskpipeSchedulerPlugin.name)
+    if isinstance(existing, DaskpipeSchedulerPlugin):
+        return existing
+    plugin = DaskpipeSchedulerPlugin()
+    scheduler.add_plugin(plugin)
+    return plugin
+
+
+def plugin_of(scheduler: Any) -> DaskpipeSchedulerPlugin:
+    """The running plugin of ``scheduler`` (for tests and in-process tools)."""
+    plugin = scheduler.plugins.get(DaskpipeSchedulerPlugin.name)
+    if not isinstance(plugin, DaskpipeSchedulerPlugin):
+        raise DeployError("daskpipe's scheduler plugin is not installed on this scheduler")
+    return plugin

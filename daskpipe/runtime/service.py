@@ -1,0 +1,357 @@
+"""The client half of daskpipe's runtime: ``deploy`` a set of models, then submit requests as futures.
+
+``deploy`` asks the scheduler plugin which slots the cluster has, profiles each model (measured
+on a worker's real device; estimated for emulated or unmeasured GPU types), plans with the MILP,
+places one stage actor per (pool, slot) and tells the plugin to start serving. A
+:class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
+validates the input on the client (the profile knows its shape), creates the futures, and sends
+the inputs to the scheduler in one message per call over the client's batched stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from distributed import Client, Future, wait
+from distributed.protocol import to_serialize
+from torch import nn
+
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.messages import WorkerSlot
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.runtime.stage import Stage
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class _InputSpec:
+    """What a request of one model must look like: ``(n, *shape)`` of ``dtype``, 1 <= n <= max_samples."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    max_samples: int
+
+    def check(self, model: str, x: Any) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise InvalidRequest(f"input of model {model!r} must be a torch.Tensor of shape (n, {', '.join(map(str, self.shape))}), got {type(x).__name__}")
+        if x.dim() != len(self.shape) + 1 or tuple(x.shape[1:]) != self.shape or x.shape[0] < 1:
+            raise InvalidRequest(f"input of model {model!r} must have shape (n, {', '.join(map(str, self.shape))}) with n >= 1, got {tuple(x.shape)}")
+        if x.dtype != self.dtype:
+            raise InvalidRequest(f"input of model {model!r} must be {self.dtype}, got {x.dtype}")
+        if x.shape[0] > self.max_samples:
+            raise InvalidRequest(f"a request of model {model!r} may hold at most {self.max_samples} samples (the largest planned batch), got {x.shape[0]}")
+        return int(x.shape[0])
+
+
+class Service:
+    """Models served by daskpipe on a Dask cluster; made by :func:`deploy`.
+
+    ``submit`` and ``map`` return ``distributed.Future`` objects that work with ``wait``,
+    ``as_completed`` and ``client.gather``. A future ends with the model's output, or raises
+    :class:`~daskpipe.runtime.errors.InvalidRequest` (at once, for a bad input),
+    :class:`~daskpipe.runtime.errors.RequestDropped` (with the reason) or
+    :class:`~daskpipe.runtime.errors.RequestFailed` (with the cause).
+    """
+
+    def __init__(self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, _InputSpec], stages: Sequence[Future], time_dilation: float):
+        self.client = client
+        self.plan = plan
+        self.profiles = dict(profiles)
+        self.time_dilation = time_dilation
+        self._specs = dict(specs)
+        self._stages = list(stages)
+        self._token = uuid.uuid4().hex[:12]
+        self._counter = itertools.count()
+        self.closed = False
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._specs)
+
+    def submit(self, model: str, x: torch.Tensor) -> Future:
+        """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``)."""
+        return self.map(model, [x])[0]
+
+    def map(self, model: str, xs: Iterable[torch.Tensor]) -> list[Future]:
+        """Many requests in one message to the scheduler; one future each, in order."""
+        futures, keys, inputs, sizes = [], [], [], []
+        for x in xs:
+            key = f"daskpipe-{model}-{self._token}-{next(self._counter)}"
+            future = Future(key, self.client)
+            futures.append(future)
+            try:
+                size = self._check(model, x)
+            except InvalidRequest as exc:
+                self.client.futures[key].set_error(exc, None)
+                continue
+            keys.append(key)
+            inputs.append(to_serialize(x.detach()))
+            sizes.append(size)
+        if keys:
+            self.client._send_to_scheduler({"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes})
+        return futures
+
+    def _check(self, model: str, x: Any) -> int:
+        if self.closed:
+            raise InvalidRequest(f"the service is closed; model {model!r} takes no more requests")
+        spec = self._specs.get(model)
+        if spec is None:
+            raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
+        return spec.check(model, x)
+
+    def status(self) -> dict[str, dict]:
+        """Per model: submitted, completed, on_time, failed, dropped by reason, queued, in_flight."""
+        return self.client.sync(self.client.scheduler.daskpipe_status, models=self.models)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop serving: queued requests err with reason "shutdown", dispatched batches finish."""
+        if self.closed:
+            return
+        self.closed = True
+        self.client.sync(self.client.scheduler.daskpipe_close, models=self.models, reason="shutdown")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = self.client.sync(self.client.scheduler.daskpipe_status, models=self.models, forget=True)
+            if not any(s["in_flight"] for s in left.values()):
+                break
+            time.sleep(0.05)
+        self.client.sync(self.client.scheduler.daskpipe_status, models=self.models, forget=True)
+        self._stages.clear()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<daskpipe.Service models={self.models} {'closed' if self.closed else 'serving'}>"
+
+
+def deploy(
+    client: Client,
+    models: Mapping[str, nn.Module],
+    *,
+    example_inputs: Mapping[str, torch.Tensor],
+    slo_ms: Mapping[str, float] | None = None,
+    plan: Plan | str | os.PathLike | None = None,
+    profiles: Mapping[str, Profile] | None = None,
+    time_dilation: float = 1.0,
+    bw_gbps: float = 10.0,
+    weights: Mapping[str, float] | None = None,
+    num_blocks: int = 10,
+    batch_sizes: int | Sequence[int] = DEFAULT_BATCH_SIZES,
+    margin: float = 0.4,
+    max_parts: int = 2,
+    strategy: str = "ppipe",
+    dispatcher: str = "ppipe",
+) -> Service:
+    """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
+
+    Parameters
+    ----------
+    example_inputs
+        A batched example per model, e.g. ``torch.randn(1, 3, 224, 224)``: it fixes the input
+        shape and dtype that requests must have.
+    slo_ms
+        The latency SLO per model, in milliseconds (default: 5x the model's batch-1 latency).
+    plan, profiles
+        A plan (``Plan`` or a plan.json path) and the profiles it was made from, instead of
+        profiling and planning here. ``profiles`` alone skips profiling only.
+    time_dilation
+        k: every latency and SLO is scaled by k, so emulated GPUs on a slow machine keep up.
+
+    Raises :class:`DeployError` when the cluster cannot serve the models as asked.
+    """
+    if not models:
+        raise DeployError("deploy needs at least one model")
+    names = list(models)
+    missing = [m for m in names if m not in example_inputs]
+    if missing:
+        raise DeployError(f"example_inputs lacks {missing}; give a batched example tensor per model")
+    if not time_dilation > 0:
+        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+    slots = _inventory(client)
+    if not slots:
+        raise DeployError("the cluster has no workers to serve on")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(Path(plan))
+    profiles = dict(profiles or {})
+    if plan is not None and set(names) - set(profiles):
+        raise DeployError(f"plan= needs the profiles= it was made from; missing for {sorted(set(names) - set(profiles))}")
+    blocked = {}
+    for name in names:
+        if name in profiles:
+            blocked[name] = _cut(name, models[name], example_inputs[name], profiles[name])
+        else:
+            slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
+            profiles[name], blocked[name] = _profile(client, slots, name, models[name], example_inputs[name], slo_us, num_blocks, batch_sizes)
+    if plan is None:
+        from daskpipe.plan.milp import make_plan
+
+        plan = make_plan(
+            profiles,
+            _physical_gpus(slots),
+            weights=weights,
+            gpus_per_server=_gpus_per_server(slots),
+            bw_gbps=bw_gbps,
+            slo_us={m: s * 1e3 for m, s in (slo_ms or {}).items()},
+            margin=margin,
+            max_parts=max_parts,
+            strategy=strategy,
+        )
+    specs = {}
+    for name in names:
+        model_plan = plan.model(name)
+        if not model_plan.pipelines:
+            raise DeployError(f"the plan gives model {name!r} no pipeline on this cluster")
+        shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
+        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, max(p.batch_size for p in model_plan.pipelines))
+    placed = _place(plan, names, slots)
+    stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, slots)
+    for name in names:
+        client.sync(
+            client.scheduler.daskpipe_serve,
+            model=name,
+            plan=plan.to_dict(),
+            profile=profiles[name].to_dict(),
+            stages=stage_rows[name],
+            time_dilation=float(time_dilation),
+            bw_gbps=float(plan.cluster.get("bw_gbps", bw_gbps)),
+            dispatcher=dispatcher,
+        )
+    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
+
+
+# -- steps of deploy ---------------------------------------------------------------------------
+def _inventory(client: Client) -> list[WorkerSlot]:
+    """The cluster's slots, installing the scheduler plugin first if no preload did."""
+    listed = client.sync(client.scheduler.daskpipe_inventory)
+    if listed is None:  # the scheduler has no such handler: no plugin yet
+        client.register_plugin(DaskpipeSchedulerPlugin())
+        listed = client.sync(client.scheduler.daskpipe_inventory)
+    return [WorkerSlot.from_msg(s) for s in listed]
+
+
+def _cut(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
+    from daskpipe.profiles.fx import cut_model
+
+    bounds = profile.meta.get("segment_boundaries")
+    if not bounds:
+        raise DeployError(f"profile of {name!r} has no meta.segment_boundaries, so its blocks cannot be rebuilt; profile it with daskpipe")
+    return cut_model(module, example, bounds)
+
+
+def _profile(client: Client, slots: list[WorkerSlot], name: str, module: nn.Module, example: torch.Tensor, slo_us: float | None, num_blocks: int, batch_sizes):
+    """Measure on one worker's real device; estimate the (GPU type, slices) kinds it is not."""
+    from daskpipe.profiles.estimator import estimate_profile
+    from daskpipe.profiles.fx import segment_model
+    from daskpipe.profiles.profiler import profile_model
+
+    num_blocks = min(num_blocks, segment_model(module.eval(), example[:1]).num_segments)
+    real = [s for s in slots if not s.emulated]
+    probe = real[0] if real else slots[0]
+    device = "cpu" if probe.gpu == messages.CPU or probe.emulated else "cuda"
+    measured_type = probe.gpu if device == "cuda" else messages.CPU
+    future = client.submit(
+        profile_model, module, example, name=name, num_blocks=num_blocks, batch_sizes=batch_sizes,
+        device=device, gpu_type=measured_type, slices=probe.slices, slo_us=slo_us, workers=[probe.address], pure=False,
+    )
+    profile, blocked = future.result()
+    kinds = {(s.gpu, s.slices) for s in slots}
+    tables = {k: t for k, t in profile.latency_us.items() if k in kinds}
+    to_estimate = sorted(kinds - set(tables))
+    if to_estimate:
+        max_batch = max(profile.max_batch(*k) for k in profile.latency_us)
+        estimated = estimate_profile(
+            blocked, gpus=sorted({g for g, _ in to_estimate}), name=name, batch_sizes=max_batch,
+            slices=sorted({v for _, v in to_estimate}), slo_us=profile.slo_us,
+        )
+        tables.update({k: t for k, t in estimated.latency_us.items() if k in to_estimate})
+    return replace(profile, latency_us=tables), blocked
+
+
+def _physical_gpus(slots: list[WorkerSlot]) -> dict[str, int]:
+    per_kind = Counter((s.gpu, s.slices) for s in slots)
+    gpus: dict[str, int] = defaultdict(int)
+    for (gpu, v), count in per_kind.items():
+        gpus[gpu] += math.ceil(count / v)
+    return dict(gpus)
+
+
+def _gpus_per_server(slots: list[WorkerSlot]) -> dict[str, int]:
+    per_server: dict[tuple[str, str], int] = Counter()
+    for s in slots:
+        per_server[(s.gpu, s.server)] += 1
+    most: dict[str, int] = {}
+    for (gpu, _), count in per_server.items():
+        v = next(s.slices for s in slots if s.gpu == gpu)
+        most[gpu] = max(most.get(gpu, 1), math.ceil(count / v))
+    return most
+
+
+def _place(plan: Plan, names: list[str], slots: list[WorkerSlot]) -> dict[str, list[tuple[int, int, WorkerSlot]]]:
+    """Pick the slots of every pool: ``vgpus`` free slots of the pool's (GPU type, slices)."""
+    free: dict[tuple[str, int], list[WorkerSlot]] = defaultdict(list)
+    for s in sorted(slots, key=lambda s: (s.server, s.address)):
+        free[(s.gpu, s.slices)].append(s)
+    placed: dict[str, list[tuple[int, int, WorkerSlot]]] = {}
+    for name in names:
+        rows = []
+        for p, pipeline in enumerate(plan.model(name).pipelines):
+            for q, part in enumerate(pipeline.partitions):
+                pool = free[(part.gpu, part.slices)]
+                if len(pool) < part.vgpus:
+                    raise DeployError(
+                        f"the plan needs {part.vgpus} free {part.gpu}/v{part.slices} slots for {name!r} pipeline {p} partition {q}, "
+                        f"the cluster has {len(pool)} left; re-plan for this cluster"
+                    )
+                rows.extend((p, q, pool.pop(0)) for _ in range(part.vgpus))
+        placed[name] = rows
+    return placed
+
+
+def _start_stages(client: Client, placed, plan: Plan, blocked, slots) -> tuple[list[Future], dict[str, list[list]]]:
+    """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start."""
+    started: list[tuple[str, int, int, str, Future]] = []
+    for name, placements in placed.items():
+        model_plan = plan.model(name)
+        for p, q, slot in placements:
+            start, end = model_plan.pipelines[p].partitions[q].blocks
+            input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
+            device = "cpu" if slot.gpu == messages.CPU or slot.emulated else "cuda"
+            future = client.submit(
+                Stage, name, q, blocked[name].blocks[start:end], input_shape=input_shape, device=device, emulated=slot.emulated,
+                actor=True, workers=[slot.address], allow_other_workers=False, pure=False,
+                key=f"daskpipe-stage-{name}-{p}-{q}-{uuid.uuid4().hex[:8]}",
+            )
+            started.append((name, p, q, slot.address, future))
+    futures = [row[-1] for row in started]
+    wait(futures)
+    for future in futures:
+        if future.status != "finished":
+            raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
+    connecting = []
+    for name, p, q, _, future in started:
+        peers = [address for m, pp, qq, address, _ in started if (m, pp, qq) == (name, p, q + 1)]
+        if peers:
+            connecting.append(future.result().connect(peers))
+    for call in connecting:
+        call.result()
+    rows: dict[str, list[list]] = defaultdict(list)
+    for name, p, q, address, future in started:
+        rows[name].append([p, q, address, future.key])
+    return futures, dict(rows)

@@ -1,0 +1,221 @@
+"""Stage actors: one partition of a model on one worker's (virtual) GPU.
+
+A :class:`Stage` is created as a Dask actor (``client.submit(Stage, ..., actor=True,
+workers=[address])``) so that Dask places it, keeps it alive while the service holds its future,
+and shows it on the worker. The per-request path never goes through ActorFutures: batches reach
+a stage through worker stream handlers (installed when the first stage lands on a worker) that
+look the stage up in ``worker.actors``. A batch runs off the event loop on the slot's single
+compute thread (the GPU runs one batch at a time), its boundary feature map is cast to fp16 and
+sent straight to the next stage's worker over Dask's worker-to-worker stream (UCX when the
+cluster runs ``protocol="ucx"``), and the last stage stores each request's output in
+``worker.data`` under the request's key, where the client's future fetches it.
+
+An *emulated* stage (its worker carries the ``daskpipe.emulated`` resource) computes on the CPU
+for real outputs and holds the batch until the latency its GPU type was profiled at (sent with
+the batch, already time-dilated) has passed; it reports when real compute overran that latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from distributed import get_worker
+from distributed.protocol import to_serialize
+from torch import nn
+
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import RequestFailed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SlotRuntime:
+    """What the stages of one worker share: the slot runs one batch at a time, on one thread."""
+
+    executor: ThreadPoolExecutor
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+_SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
+
+
+class Stage:
+    """Partition ``partition`` of ``model`` on this worker's device.
+
+    ``modules`` are the partition's torch.fx blocks (picklable), loaded on the worker when the
+    actor is created: a partition that does not fit fails the deploy with the cause, not the
+    first requests. ``input_shape`` is the per-sample shape the partition takes.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        partition: int,
+        modules: Sequence[nn.Module],
+        *,
+        input_shape: Sequence[int],
+        device: str = "cpu",
+        emulated: bool = False,
+    ):
+        self.model = model
+        self.partition = partition
+        self.device = torch.device(device)
+        self.emulated = emulated
+        self.batches = 0
+        self.overruns = 0
+        self.worker = get_worker()
+        install(self.worker)
+        # on the worker, in the thread that creates the actor: load the partition on the device and
+        # run it once, so the first request does not pay for the move and the lazy kernel set-up
+        self._module = nn.Sequential(*modules).to(self.device).eval()
+        self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
+        self._compute(torch.zeros((1, *input_shape)), cast_fp16=False)
+
+    async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
+        """Open the worker-to-worker streams to the next partition's workers before the first batch."""
+        for address in peers:
+            if address != self.worker.address:
+                self.worker.send_to_worker(address, {"op": messages.HELLO})
+        deadline = time.monotonic() + timeout
+        while any(self.worker.stream_comms[a].comm is None for a in peers if a != self.worker.address):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not open streams to {list(peers)} within {timeout}s")
+            await asyncio.sleep(0.01)
+
+    # -- introspection through the actor (tests, dashboards) -----------------------------------
+    def info(self) -> dict[str, Any]:
+        return {"model": self.model, "partition": self.partition, "device": str(self.device), "emulated": self.emulated, "batches": self.batches, "overruns": self.overruns}
+
+    # -- the batch path (worker event loop) ----------------------------------------------------
+    async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[torch.Tensor], received_at: float | None = None) -> None:
+        """Run one batch: compute, then forward the feature map or store the outputs."""
+        worker = self.worker
+        slot = _SLOTS[worker]
+        hop, rest = batch["route"][0], batch["route"][1:]
+        timings: list[list[Any]] = []
+        if received_at is not None:  # the feature map's trip from the previous stage
+            timings.append([self.partition, "transfer", batch["sent_at"], received_at])
+        try:
+            async with slot.busy:
+                start = time.time()
+                output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, bool(rest))
+                computed = time.time()
+                hold = float(hop.get("hold_s") or 0.0)
+                overrun = self.emulated and computed - start > hold
+                if self.emulated:
+                    if overrun:
+                        self.overruns += 1
+                        logger.warning("emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms", self.model, self.partition, (computed - start) * 1e3, hold * 1e3)
+                    await asyncio.sleep(max(0.0, start + hold - time.time()))
+                end = time.time()
+        except Exception as exc:  # a stage error fails this batch only, with its cause
+            self._fail(batch, exc)
+            return
+        self.batches += 1
+        timings.append([self.partition, "compute", start, end])
+        if rest:
+            nxt = rest[0]
+            forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes")}
+            forwarded.update(route=rest, sent_at=time.time())
+            worker.send_to_worker(nxt["address"], {"op": messages.BATCH, **forwarded, "data": to_serialize(output)})
+            worker.batched_send({"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
+            return
+        outputs = {key: chunk.clone() for key, chunk in zip(batch["keys"], torch.split(output, list(batch["sizes"])))}
+        # the scheduler must learn the keys are in memory before the worker's own add-keys message
+        # reaches it (else it asks the worker to drop them as redundant): same stream, this first
+        worker.batched_send(
+            {
+                "op": messages.DONE,
+                "model": self.model,
+                "dispatch": batch["dispatch"],
+                "keys": list(outputs),
+                "nbytes": [t.element_size() * t.nelement() for t in outputs.values()],
+                "timings": timings,
+                "overrun": overrun,
+            }
+        )
+        worker.update_data(data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
+
+    def _compute(self, data: torch.Tensor | Sequence[torch.Tensor], cast_fp16: bool) -> torch.Tensor:
+        """Runs in the slot's compute thread: never on the event loop or the actor thread."""
+        x = torch.cat(list(data)) if isinstance(data, (list, tuple)) else data
+        with torch.inference_mode():
+            y = self._module(x.to(self.device, self._dtype))
+            if cast_fp16:
+                y = y.to(torch.float16)
+            return y.cpu()
+
+    def _fail(self, batch: dict[str, Any], exc: BaseException) -> None:
+        logger.warning("%s partition %d failed a batch of %d requests: %r", self.model, self.partition, len(batch["keys"]), exc)
+        error = RequestFailed(
+            f"stage {self.partition} of model {self.model!r} on worker {self.worker.address} failed: {type(exc).__name__}: {exc}",
+            cause=_picklable(exc),
+        )
+        report_failure(self.worker, batch, error)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def install(worker: Any) -> None:
+    """Give ``worker`` daskpipe's batch handler and its slot runtime (idempotent).
+
+    Runs from the actor's constructor, which may be off the event loop: ``asyncio.Lock`` binds to
+    the running loop only on first use.
+    """
+    if worker in _SLOTS:
+        return
+    _SLOTS[worker] = _SlotRuntime(ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}"))
+    worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
+    worker.stream_handlers[messages.HELLO] = _hello
+
+
+class _BatchHandler:
+    """The worker's ``daskpipe-batch`` stream handler, for batches from the scheduler and from peers.
+
+    Synchronous on purpose: Dask awaits async stream handlers in order, which would hold every
+    later message behind this batch's compute.
+    """
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+
+    def __call__(self, *, route: list[dict[str, Any]], data: Any = None, inputs: Any = None, sent_at: float | None = None, **batch: Any) -> None:
+        received_at = time.time() if sent_at is not None else None
+        batch.update(route=route, sent_at=sent_at)
+        worker = self.worker
+        try:
+            stage = worker.state.actors.get(route[0]["stage"])
+            if not isinstance(stage, Stage):
+                raise LookupError(f"stage {route[0]['stage']!r} is not on worker {worker.address} (was it released?)")
+            slot = _SLOTS[worker]
+            task = asyncio.ensure_future(stage.run(batch, data if data is not None else inputs, received_at))
+            slot.tasks.add(task)
+            task.add_done_callback(slot.tasks.discard)
+        except Exception as exc:  # never let a bad batch close the worker's stream
+            logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
+            report_failure(worker, batch, RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)))
+
+
+def _hello() -> None:
+    """A peer opened its stream to this worker (``Stage.connect``); nothing to do."""
+
+
+def report_failure(worker: Any, batch: dict[str, Any], error: RequestFailed) -> None:
+    """Every request of ``batch`` errs with ``error``; the scheduler keeps it opaque."""
+    worker.batched_send({"op": messages.FAILED, "model": batch["model"], "dispatch": batch["dispatch"], "keys": list(batch["keys"]), "exception": to_serialize(error)})

@@ -1,0 +1,255 @@
+"""``daskpipe bench scheduler``: the cost of PPipe's data plane per request, on a 100-GPU plan.
+
+There is no simulator here: :func:`drive` steps a dispatcher the way a simulator would (arrivals,
+wakes at ``next_wake``, feedback at the end of every reservation) and executes every dispatch
+exactly as reserved. The cost is reported against a heapq push+pop pair on a heap of the same
+size as the queue of pending feedback events, measured in the same run, so figures from
+different machines compare.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import heapq
+import json
+import pstats
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable, Iterable, Iterator
+
+import click
+import numpy as np
+
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Request, Time
+from daskpipe.sched.placement import place
+from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
+
+# -- a synthetic model and a 100-GPU plan ------------------------------------------------------------
+_BLOCK_MS = (1.0, 1.0, 1.5, 1.5)  # L4, whole GPU, batch 1
+_SLOWDOWN = {"L4": (1.0, 1.0, 1.0, 1.0), "P4": (1.7, 2.5, 6.0, 8.0)}  # early blocks suit the P4 (paper Fig. 3)
+_SLICE_SLOWDOWN = {1: 1.0, 2: 1.7}  # per slice when the GPU is cut in v slices that all run
+_BOUNDARY_BYTES = (800e3, 400e3, 200e3)  # fp16 feature map per sample leaving blocks 0..2
+
+
+def synthetic_profile(name: str = "synthetic", slo_ms: float = 100.0, max_batch: int = 8) -> Profile:
+    """A 4-block model whose early blocks run well on a P4 and later ones need an L4."""
+    batch = np.arange(1, max_batch + 1)
+    tables = {}
+    for gpu, slowdown in _SLOWDOWN.items():
+        for v, slice_slowdown in _SLICE_SLOWDOWN.items():
+            rows = [1e3 * ms * s * slice_slowdown * (0.5 + 0.5 * batch) for ms, s in zip(_BLOCK_MS, slowdown)]
+            tables[(gpu, v)] = np.array(rows)
+    return Profile(model=name, slo_us=slo_ms * 1e3, num_blocks=len(_BLOCK_MS), latency_us=tables, boundary_bytes=_BOUNDARY_BYTES)
+
+
+def synthetic_plan(profile: Profile, *, high: int = 25, low: int = 75, gpus_per_server: int = 4, bw_gbps: float = 10.0) -> Plan:
+    """Pipeline 0 (batch 4): blocks 0-1 on P4, 2-3 on half-L4 slices, as many as ``high`` L4s feed;
+    pipeline 1 (batch 2): the whole model on the P4s left. Pools are sized so stage throughputs match."""
+    if high < 1 or low < 1:
+        raise ValueError(f"need at least one GPU of each class, got high={high}, low={low}")
+
+    def part(blocks: tuple[int, int], gpu: str, v: int, vgpus: int, bs: int, leaves: bool) -> Partition:
+        transfer = bs * profile.cut_bytes(blocks[1]) * 8 / (bw_gbps * 1e9) * 1e6 if leaves else 0.0
+        return Partition(blocks, gpu, v, vgpus, profile.latency(gpu, v, bs, *blocks), transfer)
+
+    l4_slices = 2 * high
+    l4_rate = l4_slices * 4 / (profile.latency("L4", 2, 4, 2, 4) * 1e-6)
+    p4_for_split = min(low, int(np.ceil(l4_rate * profile.latency("P4", 1, 4, 0, 2) * 1e-6 / 4)))
+    split_rate = min(l4_rate, p4_for_split * 4 / (profile.latency("P4", 1, 4, 0, 2) * 1e-6))
+    pipelines = [Pipeline(4, split_rate, (part((0, 2), "P4", 1, p4_for_split, 4, True), part((2, 4), "L4", 2, l4_slices, 4, False)))]
+    if low > p4_for_split:
+        whole = low - p4_for_split
+        rate = whole * 2 / (profile.latency("P4", 1, 2) * 1e-6)
+        pipelines.append(Pipeline(2, rate, (part((0, 4), "P4", 1, whole, 2, False),)))
+    total = sum(p.throughput for p in pipelines)
+    model = ModelPlan(profile.model, profile.slo_us, 1.0, total, tuple(pipelines))
+    cluster = {"gpus": {"L4": high, "P4": low}, "gpus_per_server": {"L4": gpus_per_server, "P4": gpus_per_server}, "bw_gbps": bw_gbps}
+    return Plan(objective=total, models=(model,), strategy="synthetic", cluster=cluster)
+
+
+def poisson_arrivals(model: str, rate: float, slo: Time, n: int, seed: int = 0) -> Iterator[Request]:
+    """``n`` requests arriving as a Poisson process of ``rate`` per second, deadline = arrival + SLO."""
+    rng = random.Random(seed)
+    expovariate = rng.expovariate
+    t = 0.0
+    for i in range(n):
+        t += expovariate(rate)
+        yield Request(i, model, t, t + slo)
+
+
+# -- driving a dispatcher without a simulator ------------------------------------------------------
+@dataclass
+class Outcome:
+    """What happened to the requests :func:`drive` pushed through."""
+
+    dispatched: int = 0
+    batches: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    late: int = 0  # dispatched requests that finished after their deadline
+    dispatcher_seconds: float = 0.0  # time spent inside the dispatcher's methods
+    max_pending_events: int = 0
+    dispatches: list[Dispatch] = field(default_factory=list)  # only with record=True
+    drops: list[Drop] = field(default_factory=list)
+
+
+def drive(
+    dispatcher: Dispatcher,
+    requests: Iterable[Request],
+    *,
+    feedback: bool = True,
+    record: bool = False,
+    execute: Callable[[Dispatch], list[Feedback]] | None = None,
+) -> Outcome:
+    """Feed ``requests`` (in arrival order) to ``dispatcher`` and run what it decides.
+
+    Every dispatch is executed by ``execute`` (default: exactly as reserved), whose feedback is
+    delivered at each reported end when ``feedback`` is on. Ends with a drain, so every request
+    is accounted for.
+    """
+    execute = execute or exact_feedback
+    outcome = Outcome()
+    events: list[tuple[Time, int, Feedback]] = []
+    seq = count()
+    clock = time.perf_counter
+    inf = float("inf")
+    arrivals = iter(requests)
+    request = next(arrivals, None)
+    spent = 0.0
+
+    def handle(actions: list) -> None:
+        for action in actions:
+            if type(action) is Dispatch:
+                outcome.batches += 1
+                outcome.dispatched += len(action.requests)
+                finish = action.finish
+                for r in action.requests:
+                    if finish > r.deadline:
+                        outcome.late += 1
+                if feedback:
+                    for fb in execute(action):
+                        heapq.heappush(events, (fb.end, next(seq), fb))
+                if record:
+                    outcome.dispatches.append(action)
+            else:
+                outcome.dropped[action.reason] = outcome.dropped.get(action.reason, 0) + 1
+                if record:
+                    outcome.drops.append(action)
+
+    while True:
+        t_arrival = request.arrival if request is not None else inf
+        wake = dispatcher.next_wake()
+        t_wake = inf if wake is None else wake
+        t_event = events[0][0] if events else inf
+        if t_event <= t_wake and t_event <= t_arrival:
+            if t_event == inf:
+                break
+            fb = heapq.heappop(events)[2]
+            start = clock()
+            actions = dispatcher.feedback(fb, t_event)
+        elif t_wake <= t_arrival:
+            start = clock()
+            actions = dispatcher.wake(t_wake)
+        else:
+            start = clock()
+            actions = dispatcher.submit(request, t_arrival)
+            request = next(arrivals, None)
+        spent += clock() - start
+        if actions:
+            handle(actions)
+        if len(events) > outcome.max_pending_events:
+            outcome.max_pending_events = len(events)
+    handle(dispatcher.drain(t_event if t_event != inf else 0.0))
+    outcome.dispatcher_seconds = spent
+    return outcome
+
+
+def exact_feedback(dispatch: Dispatch) -> list[Feedback]:
+    """Every reservation of ``dispatch`` ran exactly as reserved."""
+    out = []
+    for hop in dispatch.hops:
+        if hop.transfer_in is not None:
+            out.append(Feedback(dispatch.id, hop.partition, "transfer", hop.transfer_in[0].start, hop.transfer_in[0].end))
+        out.append(Feedback(dispatch.id, hop.partition, "compute", hop.compute.start, hop.compute.end))
+    return out
+
+
+def heap_pair_us(size: int, pairs: int = 200_000, seed: int = 0) -> float:
+    """Microseconds of one heappush + heappop on a heap of ``size`` (time, seq, object) entries."""
+    rng = random.Random(seed)
+    heap = [(rng.random(), i, None) for i in range(max(size, 1))]
+    heapq.heapify(heap)
+    push, pop = heapq.heappush, heapq.heappop
+    keys = [rng.random() + 1.0 for _ in range(pairs)]
+    start = time.perf_counter()
+    for i, key in enumerate(keys):
+        push(heap, (key, i, None))
+        pop(heap)
+    return (time.perf_counter() - start) / pairs * 1e6
+
+
+def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | None = None, seed: int = 0) -> dict:
+    """Push ``requests`` through a PPipe dispatcher on the synthetic 100-GPU plan; return the figures."""
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    if not load > 0:
+        raise ValueError(f"load must be > 0, got {load}")
+    profile = synthetic_profile()
+    plan = synthetic_plan(profile)
+    model = plan.models[0]
+    placement = place(plan)[model.name]
+    dispatcher = PPipeDispatcher(model, placement, profile, bw_gbps=plan.cluster["bw_gbps"], settings=settings)
+    rate = model.throughput * load
+    wall = time.perf_counter()
+    outcome = drive(dispatcher, poisson_arrivals(model.name, rate, model.slo_us * 1e-6, requests, seed))
+    wall = time.perf_counter() - wall
+    pair = heap_pair_us(outcome.max_pending_events)
+    us_per_request = outcome.dispatcher_seconds / requests * 1e6
+    return {
+        "requests": requests,
+        "gpus": sum(plan.cluster["gpus"].values()),
+        "pipelines": len(model.pipelines),
+        "plan_throughput": model.throughput,
+        "load": load,
+        "settings": vars(dispatcher.settings),
+        "requests_per_second": requests / outcome.dispatcher_seconds,
+        "us_per_request": us_per_request,
+        "heap_pair_us": pair,
+        "ratio": us_per_request / pair,
+        "wall_seconds": wall,
+        "probes_per_batch": dispatcher.stats.probes / max(outcome.batches, 1),
+        "mean_batch": outcome.dispatched / max(outcome.batches, 1),
+        "dispatched": outcome.dispatched,
+        "batches": outcome.batches,
+        "dropped": outcome.dropped,
+        "late": outcome.late,
+    }
+
+
+@click.command("scheduler")
+@click.option("--requests", "requests", type=click.IntRange(min=1), default=1_000_000, show_default=True, help="Requests to push through the dispatcher.")
+@click.option("--load", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Arrival rate as a fraction of the plan's throughput.")
+@click.option("--timeline", type=click.Choice(["gaps", "append"]), default="gaps", show_default=True, help="Reservation tables: the paper's (gaps) or the artifact's (append).")
+@click.option("--artifact", is_flag=True, help="Use all of the published simulator's choices (PPipeSettings.artifact()).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the Poisson arrivals.")
+@click.option("--profile", "profile_top", type=int, default=0, help="Also print the top N functions by cProfile (slower run).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Also write the figures to this file.")
+def bench_scheduler(requests: int, load: float, timeline: str, artifact: bool, seed: int, profile_top: int, json_path: str | None) -> None:
+    """Cost per request of PPipe's dispatcher on a synthetic 100-GPU plan (25 L4 + 75 P4)."""
+    settings = PPipeSettings.artifact(timeline=timeline) if artifact else PPipeSettings(timeline=timeline)
+    if profile_top:
+        profiler = cProfile.Profile()
+        profiler.enable()
+    figures = run_bench(requests, load=load, settings=settings, seed=seed)
+    if profile_top:
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(profile_top)
+    text = json.dumps(figures, indent=1)
+    click.echo(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")

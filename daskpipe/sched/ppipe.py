@@ -1,0 +1,579 @@
+"""PPipe's data plane: reservation-based adaptive batching over pooled pipelines (paper §5.4).
+
+One :class:`PPipeDispatcher` serves one model. It keeps a deadline-ordered queue and reservation
+timelines of every slot and every server NIC (uplink, downlink). Each time it runs (arrival,
+wake, feedback that changed a table) it repeats Algorithm 1 while requests are queued:
+
+1. **Choose the pipeline**: probe every pipeline at its planned batch size, take the least
+   waiting time (finish - now - pure work).
+2. **Shrink the batch**: from the planned size down to the head request's size, probe until the
+   batch finishes by the head's deadline.
+3. **Act**: none fits -> drop the head ("deadline"); fewer samples queued than the batch and the
+   last moment not come -> wait; else reserve the path and dispatch the head's batch.
+
+``probe`` (Algorithm 2) walks the partitions, picking in each pool the slot that finishes the
+stage first; for every stage after the first it reserves the sender's uplink and the receiver's
+downlink together, then the receiver's slot. It reads the tables and changes nothing.
+
+Complexity. A pool keeps its slots in a sorted list by the time their last reservation ends.
+``probe`` scans that list in order and stops as soon as no later slot can finish sooner: with
+append timelines that is when the next slot's tail is past the best finish, with gap timelines
+when the best reaches the stage's lower bound (its inputs ready, the sender's uplink free).
+The usual scan is 1-2 slots, so a probe costs O(partitions · log pool) and a dispatched batch
+O(pipelines + planned batch size) probes, amortised over its requests; the queue is a heap, so a
+request costs O(log queue) plus its share of its batch. A gap timeline whose every slot is busy
+past the bound degrades to scanning the pool (O(pool)).
+
+Between two runs the chosen pipeline and batch size are held: an arrival that leaves the queue
+short of the batch, before the last moment, only queues (O(log n)); ``reevaluate_on_arrival``
+re-runs Algorithm 1 on every arrival instead, as the artifact does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from itertools import count
+from sortedcontainers import SortedList
+
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.profiles.model import Profile
+from daskpipe.sched.api import Action, Dispatch, Dispatcher, Drop, DropReason, Feedback, Hop, Placement, Request, Reservation, Slot, Stats, Time
+from daskpipe.sched.timeline import NEVER, TIMELINE_MODES, Timeline, make_timeline
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class PPipeSettings:
+    """The choices where PPipe's paper and its published simulator (the artifact) differ.
+
+    Defaults follow the paper; :meth:`artifact` gives the simulator's choices.
+
+    timeline
+        ``"gaps"`` (paper, Algorithm 2's earliestSlot): interval tables, later requests may fill
+        gaps before earlier reservations. ``"append"`` (artifact): one reserved-till stamp per
+        resource, reservations only append.
+    two_pass_admission
+        ``False`` (paper): every look at the head tries batch sizes planned..1. ``True``
+        (artifact): the first look at a head request tries only sizes >= round(0.95 · planned);
+        if none meets its deadline the head is dropped at once, later looks try planned..1.
+    bs1_penalty
+        ``False`` (paper). ``True`` (artifact): in step 1, a pipeline planned at batch size 1
+        whose offer misses the head's deadline has the SLO added to its waiting time.
+    max_queued
+        Bound on queued requests (``None``: unbounded, the default; deadline drops already bound
+        the queue by arrival rate x SLO). A request arriving to a full queue is dropped at once
+        with reason "overload".
+    reevaluate_on_arrival
+        ``False`` (default): an arrival that leaves the queue short of the chosen batch before
+        its last moment only queues. ``True`` (artifact): every arrival re-runs Algorithm 1,
+        so the pipeline choice follows the clock between dispatches (costs a few probes each).
+    feedback_horizon_s
+        A dispatch's reservations are remembered for feedback until its last compute feedback
+        arrives, or this long after its planned finish (memory stays bounded if feedback never
+        comes).
+    """
+
+    timeline: str = "gaps"
+    two_pass_admission: bool = False
+    bs1_penalty: bool = False
+    max_queued: int | None = None
+    reevaluate_on_arrival: bool = False
+    feedback_horizon_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.timeline not in TIMELINE_MODES:
+            raise ValueError(f"PPipeSettings.timeline must be one of {', '.join(TIMELINE_MODES)}, got {self.timeline!r}")
+        if self.max_queued is not None and (isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1):
+            raise ValueError(f"PPipeSettings.max_queued must be None or an integer >= 1, got {self.max_queued!r}")
+        if not self.feedback_horizon_s > 0:
+            raise ValueError(f"PPipeSettings.feedback_horizon_s must be > 0, got {self.feedback_horizon_s!r}")
+
+    @classmethod
+    def artifact(cls, **overrides: object) -> PPipeSettings:
+        """The published simulator's behaviour (digest §3.6)."""
+        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)
+        choices.update(overrides)
+        return cls(**choices)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What ``probe`` found: the batch would run along ``hops`` and finish at ``finish``."""
+
+    pipeline: int
+    batch_size: int
+    finish: Time
+    wait: Time  # time spent waiting for slots and NICs: finish - now - pure work
+    hops: tuple[Hop, ...]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(hop.slot for hop in self.hops)
+
+    @property
+    def reservations(self) -> tuple[Reservation, ...]:
+        out: list[Reservation] = []
+        for hop in self.hops:
+            if hop.transfer_in is not None:
+                out.extend(hop.transfer_in)
+            out.append(hop.compute)
+        return tuple(out)
+
+
+class _Stage:
+    """One partition of a pipeline: its pool, ordered by when each slot's reservations end."""
+
+    __slots__ = ("index", "slots", "ul", "dl", "order", "keys", "gappy", "compute", "transfer")
+
+    def __init__(self, index: int, slots: list[str], ul: list[str], dl: list[str], compute: list[float], transfer: list[float]):
+        self.index = index
+        self.slots = slots
+        self.ul = ul  # uplink resource of each slot's server
+        self.dl = dl
+        self.keys: list[tuple[Time, int]] = [(NEVER, i) for i in range(len(slots))]
+        self.order = SortedList(self.keys)
+        self.gappy: set[int] = set()  # slots keyed NEVER: a gap before their tail fits the shortest batch
+        self.compute = compute  # seconds by batch size (index 0 unused)
+        self.transfer = transfer  # seconds to bring the input feature map in, by batch size (0 for the first stage)
+
+
+class _Pipe:
+    __slots__ = ("index", "batch_size", "stages", "work")
+
+    def __init__(self, index: int, batch_size: int, stages: list[_Stage]):
+        self.index = index
+        self.batch_size = batch_size
+        self.stages = stages
+        self.work = [sum(st.compute[b] + st.transfer[b] for st in stages) for b in range(batch_size + 1)]
+
+
+class _Waiting:
+    """Held between runs while the queue waits: the batch chosen for the head and the table epoch."""
+
+    __slots__ = ("pipe", "batch_size", "deadline", "epoch")
+
+    def __init__(self, pipe: _Pipe, batch_size: int, deadline: Time, epoch: int):
+        self.pipe = pipe
+        self.batch_size = batch_size
+        self.deadline = deadline
+        self.epoch = epoch
+
+
+class PPipeDispatcher(Dispatcher):
+    """PPipe's data plane for one model (see the module docstring for the algorithm and its cost).
+
+    ``placement`` gives the slots of each pool; ``profile`` the latency of every batch size up to
+    the planned one (made non-decreasing in the batch size, so a smaller batch is never planned
+    slower than a larger one); transfers of b samples take b · boundary bytes · 8 / (bw_gbps · 1e9)
+    seconds through the sender server's uplink and the receiver's downlink. Slots with no server
+    get a NIC of their own. ``timeline`` may be shared by the dispatchers of models whose slots
+    share servers, so that they see each other's NIC reservations (from their next run on: an
+    arrival that only queues does not look). Dispatch ids count from 0 per dispatcher; route
+    feedback by ``Dispatch.model``.
+    """
+
+    def __init__(
+        self,
+        model: ModelPlan,
+        placement: Placement,
+        profile: Profile,
+        *,
+        bw_gbps: float,
+        settings: PPipeSettings | None = None,
+        timeline: Timeline | None = None,
+    ):
+        self.settings = settings or PPipeSettings()
+        if placement.model != model.name:
+            raise ValueError(f"placement is for model {placement.model!r}, the plan for {model.name!r}")
+        if profile.model != model.name:
+            raise ValueError(f"profile is of model {profile.model!r}, the plan of {model.name!r}")
+        if not bw_gbps > 0:
+            raise ValueError(f"bw_gbps must be > 0, got {bw_gbps!r}")
+        if timeline is not None and timeline.mode != self.settings.timeline:
+            raise ValueError(f"the shared timeline is {timeline.mode!r} but settings ask for {self.settings.timeline!r}")
+        self.model = model
+        self.placement = placement
+        self.slo: Time = model.slo_us * 1e-6
+        self.timeline = timeline or make_timeline(self.settings.timeline)
+        self.stats = Stats()
+        self._slot_entries: dict[str, list[tuple[_Stage, int]]] = {}
+        self._pipes = [self._build_pipe(pi, p, profile, bw_gbps) for pi, p in enumerate(model.pipelines)]
+        self._stages = [stage for pipe in self._pipes for stage in pipe.stages]
+        self._shortest_batch = min((stage.compute[1] for stage in self._stages), default=0.0)
+        self._gaps_checked_at = NEVER
+        self._earliest = self.timeline.earliest
+        self._earliest_pair = self.timeline.earliest_pair
+        self._max_batch = max((p.batch_size for p in self._pipes), default=0)
+        # admission: least pure work of a batch of s samples over the pipelines that can hold it
+        self._min_work = [min((p.work[s] for p in self._pipes if p.batch_size >= s), default=INF) for s in range(self._max_batch + 1)]
+        self._queue: list[tuple[Time, int, Request]] = []  # heap by (deadline, arrival order)
+        self._queued_samples = 0
+        self._seq = count()
+        self._dispatch_ids = count()
+        self._epoch = 0  # bumped whenever a table changes
+        self._waiting: _Waiting | None = None
+        self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
+        self._corrections = 0  # feedback that changed a table; until one does, on-time feedback is skipped
+        self._live: dict[int, tuple[tuple[Hop, ...], int]] = {}  # dispatch id -> (hops, corrections then), until feedback is complete
+        self._live_order: deque[tuple[Time, int]] = deque()  # (planned finish, dispatch id), for pruning
+
+    # -- construction --------------------------------------------------------------------------
+    def _build_pipe(self, pi: int, pipeline: Pipeline, profile: Profile, bw_gbps: float) -> _Pipe:
+        bs = pipeline.batch_size
+        stages = []
+        for di, part in enumerate(pipeline.partitions):
+            pool = pool_slots(self.placement, pi, di, part)
+            compute, transfer = latency_tables(profile, part, bs, bw_gbps, first=di == 0)
+            ul = [f"{nic_of(slot)}/ul" for slot in pool]
+            dl = [f"{nic_of(slot)}/dl" for slot in pool]
+            stage = _Stage(di, [slot.id for slot in pool], ul, dl, compute, transfer)
+            for i, slot_id in enumerate(stage.slots):
+                self._slot_entries.setdefault(slot_id, []).append((stage, i))
+            stages.append(stage)
+        return _Pipe(pi, bs, stages)
+
+    # -- Dispatcher interface ------------------------------------------------------------------
+    def submit(self, request: Request, now: Time) -> list[Action]:
+        if request.model != self.model.name or request.start_block or type(request.size) is not int or request.size < 1:
+            check_request(request, self.model.name)  # raises, saying what is wrong
+        stats = self.stats
+        stats.submitted += 1
+        size = request.size
+        if size > self._max_batch:
+            detail = "the plan gives this model no pipeline" if not self._pipes else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            return [self._drop(request, "no-capacity", detail)]
+        if now + self._min_work[size] > request.deadline:
+            return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
+        queue = self._queue
+        if self.settings.max_queued is not None and len(queue) >= self.settings.max_queued:
+            return [self._drop(request, "overload", f"{len(queue)} requests queued (max_queued)")]
+        heappush(queue, (request.deadline, next(self._seq), request))
+        n = self._queued_samples = self._queued_samples + size
+        waiting = self._waiting
+        if waiting is None or waiting.epoch != self._epoch or request.deadline < waiting.deadline or self.settings.reevaluate_on_arrival:
+            return self._run(now)
+        if n < waiting.batch_size and now < waiting.deadline - waiting.pipe.work[n + 1]:
+            return []  # still short of the batch, and its last moment has not come
+        return self._run(now, held=waiting)
+
+    def wake(self, now: Time) -> list[Action]:
+        return self._run(now) if self._queue else []
+
+    def next_wake(self) -> Time | None:
+        waiting = self._waiting
+        if waiting is None:
+            return None
+        return waiting.deadline - waiting.pipe.work[self._queued_samples + 1]
+
+    def feedback(self, fb: Feedback, now: Time) -> list[Action]:
+        record = self._live.get(fb.dispatch)
+        if record is None:  # finished and forgotten, or never ours: nothing left to correct
+            return []
+        hops, corrections_then = record
+        if fb.kind != "compute" and fb.kind != "transfer":
+            raise ValueError(f"feedback kind must be 'compute' or 'transfer', got {fb.kind!r}")
+        if not 0 <= fb.partition < len(hops):
+            raise ValueError(f"feedback for dispatch {fb.dispatch} names partition {fb.partition}; it has {len(hops)}")
+        if not fb.start <= fb.end:
+            raise ValueError(f"feedback for dispatch {fb.dispatch} ends before it starts: [{fb.start}, {fb.end})")
+        hop = hops[fb.partition]
+        last = fb.partition == len(hops) - 1 and fb.kind == "compute"
+        planned = hop.compute if fb.kind == "compute" else hop.transfer_in[0] if hop.transfer_in is not None else None
+        if corrections_then == self._corrections and planned is not None and planned.start == fb.start and planned.end == fb.end:
+            if last:  # on time, and no correction moved it since it was reserved: nothing to do
+                del self._live[fb.dispatch]
+            return []
+        token = (fb.dispatch, fb.partition)
+        actual = (fb.start, fb.end)
+        self.timeline.advance(now)
+        if fb.kind == "compute":
+            changed = self.timeline.correct(hop.slot, (hop.compute.start, hop.compute.end), actual, token)
+            if changed:
+                self._retail(hop.slot)
+            if last:
+                del self._live[fb.dispatch]
+        else:
+            if hop.transfer_in is None:
+                raise ValueError(f"feedback reports a transfer into partition {fb.partition} of dispatch {fb.dispatch}, which has none")
+            changed = False
+            for resv in hop.transfer_in:
+                changed |= self.timeline.correct(resv.resource, (resv.start, resv.end), actual, token)
+        if not changed:
+            return []
+        self._epoch += 1
+        self._corrections += 1
+        return self._run(now) if self._queue else []
+
+    def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+        actions: list[Action] = []
+        while self._queue:
+            actions.append(self._drop(self._pop(), reason, "drained"))
+        self._waiting = None
+        return actions
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- probe and reserve (Algorithm 2) ---------------------------------------------------------
+    def probe(self, pipeline: int, batch_size: int, now: Time) -> Offer:
+        """Where and when a batch of ``batch_size`` samples would run on ``pipeline``; changes nothing."""
+        if not 0 <= pipeline < len(self._pipes):
+            raise ValueError(f"model {self.model.name!r} has pipelines 0..{len(self._pipes) - 1}, not {pipeline}")
+        pipe = self._pipes[pipeline]
+        if not 1 <= batch_size <= pipe.batch_size:
+            raise ValueError(f"pipeline {pipeline} takes batch sizes 1..{pipe.batch_size}, not {batch_size}")
+        finish, path = self._probe(pipe, batch_size, now)
+        return Offer(pipeline, batch_size, finish, finish - now - pipe.work[batch_size], self._hops(pipe, batch_size, path))
+
+    def reserve(self, offer: Offer, dispatch_id: int) -> None:
+        """Commit ``offer``'s reservations under ``dispatch_id`` (the token feedback refers to)."""
+        timeline = self.timeline
+        for hop in offer.hops:
+            token = (dispatch_id, hop.partition)
+            if hop.transfer_in is not None:
+                for resv in hop.transfer_in:
+                    timeline.reserve(resv.resource, resv.start, resv.end, token)
+            timeline.reserve(hop.slot, hop.compute.start, hop.compute.end, token)
+            self._retail(hop.slot)
+        self._epoch += 1
+
+    def _probe(self, pipe: _Pipe, bs: int, now: Time) -> tuple[Time, list[tuple[int, Time, Time]]]:
+        """(finish, [(slot index, transfer start, compute start) per stage]): the greedy path.
+
+        A pool is scanned in key order: slots with a usable gap first (key ``NEVER``), then the
+        others by tail; as those cannot start before their tail, the scan stops once a tail is
+        past the best finish, or once the best meets the stage's lower bound (inputs ready,
+        sender uplink free)."""
+        self.stats.probes += 1
+        earliest = self._earliest
+        earliest_pair = self._earliest_pair
+        t = now
+        sender_ul = None
+        path = []
+        for stage in pipe.stages:
+            li = stage.compute[bs]
+            slots = stage.slots
+            best = INF
+            pick = None
+            if sender_ul is None:
+                lower = t + li
+                for key, i in stage.order:
+                    if best <= lower or key + li >= best:
+                        break
+                    start = earliest(slots[i], t, li)
+                    if start + li < best:
+                        best = start + li
+                        pick = (i, t, start)
+            else:
+                ln = stage.transfer[bs]
+                dls = stage.dl
+                uplink_free = earliest(sender_ul, t, ln)
+                lower = uplink_free + ln + li
+                for key, i in stage.order:
+                    if best <= lower or key + li >= best:
+                        break
+                    sent = earliest_pair(sender_ul, dls[i], uplink_free, ln)
+                    start = earliest(slots[i], sent + ln, li)
+                    if start + li < best:
+                        best = start + li
+                        pick = (i, sent, start)
+            path.append(pick)
+            t = best
+            sender_ul = stage.ul[pick[0]]  # type: ignore[index]
+        return t, path
+
+    def _hops(self, pipe: _Pipe, bs: int, path: list[tuple[int, Time, Time]]) -> tuple[Hop, ...]:
+        hops = []
+        previous: _Stage | None = None
+        previous_slot = 0
+        for stage, (i, sent, start) in zip(pipe.stages, path):
+            transfer_in = None
+            if previous is not None:
+                end = sent + stage.transfer[bs]
+                transfer_in = (Reservation(previous.ul[previous_slot], sent, end), Reservation(stage.dl[i], sent, end))
+            hops.append(Hop(stage.index, stage.slots[i], Reservation(stage.slots[i], start, start + stage.compute[bs]), transfer_in))
+            previous, previous_slot = stage, i
+        return tuple(hops)
+
+    def _retail(self, slot_id: str) -> None:
+        """Re-key ``slot_id`` in every pool that holds it: ``NEVER`` if a gap could take the
+        pool's shortest batch (it may start before its tail), else its tail."""
+        timeline = self.timeline
+        tail = timeline.tail(slot_id)
+        for stage, i in self._slot_entries[slot_id]:
+            gappy = timeline.has_gap(slot_id, stage.compute[1])
+            key = (NEVER if gappy else tail, i)
+            if key != stage.keys[i]:
+                stage.order.remove(stage.keys[i])
+                stage.keys[i] = key
+                stage.order.add(key)
+            if gappy:
+                stage.gappy.add(i)
+            else:
+                stage.gappy.discard(i)
+
+    def _refresh_gaps(self, now: Time) -> None:
+        """Gaps close as the horizon passes them: re-key slots whose gaps are all behind it.
+        Checked at most once per shortest batch time (a stale entry only costs a longer scan)."""
+        if now < self._gaps_checked_at + self._shortest_batch:
+            return
+        self._gaps_checked_at = now
+        for stage in self._stages:
+            for i in list(stage.gappy):
+                self._retail(stage.slots[i])
+
+    # -- Algorithm 1 ---------------------------------------------------------------------------
+    def _run(self, now: Time, held: _Waiting | None = None) -> list[Action]:
+        """Algorithm 1 while requests are queued. ``held``: the head's pipeline and batch size
+        from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped."""
+        actions: list[Action] = []
+        self._waiting = None
+        self.timeline.advance(now)
+        self._forget_old(now)
+        self._refresh_gaps(now)
+        queue = self._queue
+        settings = self.settings
+        probe = self._probe
+        while queue:
+            deadline, seq, head = queue[0]
+            size = head.size
+            if now + self._min_work[size] > deadline:  # hopeless whatever the tables say
+                self._pop()
+                actions.append(self._drop(head, "deadline", "can no longer finish by its deadline, even on an idle pipeline"))
+                continue
+            if held is not None:
+                pipe, bs = held.pipe, held.batch_size
+                finish, path = probe(pipe, bs, now)
+                held = None
+            else:  # Step 1: the pipeline with the least waiting time at its planned batch size.
+                pipe, finish, path = self._choose(size, deadline, now)
+                bs = pipe.batch_size
+            # Step 2: shrink the batch until the head's deadline is met.
+            smallest = size
+            if settings.two_pass_admission and seq not in self._looked_at:
+                self._looked_at.add(seq)
+                smallest = max(size, round(0.95 * bs))
+            while finish > deadline and bs > smallest:
+                bs -= 1
+                finish, path = probe(pipe, bs, now)
+            # Step 3: drop, wait, or dispatch.
+            if finish > deadline:
+                self._pop()
+                actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
+                continue
+            n = self._queued_samples
+            if n < bs and now < deadline - pipe.work[n + 1]:
+                self._waiting = _Waiting(pipe, bs, deadline, self._epoch)
+                break
+            actions.append(self._dispatch(pipe, bs, finish, path, now))
+        return actions
+
+    def _choose(self, size: int, deadline: Time, now: Time) -> tuple[_Pipe, Time, list[tuple[int, Time, Time]]]:
+        """Step 1: probe every pipeline that holds ``size`` samples at its planned batch size and
+        take the one that waits least (with the artifact's bs=1 penalty if asked)."""
+        best: tuple[_Pipe, Time, list[tuple[int, Time, Time]]] | None = None
+        best_wait = INF
+        penalty = self.settings.bs1_penalty
+        for pipe in self._pipes:
+            bs = pipe.batch_size
+            if bs < size:
+                continue
+            finish, path = self._probe(pipe, bs, now)
+            wait = finish - now - pipe.work[bs]
+            if penalty and bs == 1 and finish > deadline:
+                wait += self.slo
+            if wait < best_wait:
+                best, best_wait = (pipe, finish, path), wait
+        if best is None:  # admission drops what no pipeline can hold, so this is a bug
+            raise RuntimeError(f"no pipeline of {self.model.name!r} holds {size} samples")
+        return best
+
+    def _dispatch(self, pipe: _Pipe, bs: int, finish: Time, path: list[tuple[int, Time, Time]], now: Time) -> Dispatch:
+        """Reserve ``path`` and send the head's batch (requests in deadline order, none split)."""
+        queue = self._queue
+        requests = [self._pop()]
+        taken = requests[0].size
+        while queue and taken + queue[0][2].size <= bs:
+            request = self._pop()
+            requests.append(request)
+            taken += request.size
+        if taken != bs:  # fewer samples than probed (short queue, or sizes that do not add up)
+            finish, path = self._probe(pipe, taken, now)
+        dispatch_id = next(self._dispatch_ids)
+        hops = self._hops(pipe, taken, path)
+        self.reserve(Offer(pipe.index, taken, finish, finish - now - pipe.work[taken], hops), dispatch_id)
+        self._live[dispatch_id] = (hops, self._corrections)
+        self._live_order.append((finish, dispatch_id))
+        self.stats.dispatched_batches += 1
+        self.stats.dispatched_requests += len(requests)
+        return Dispatch(dispatch_id, self.model.name, pipe.index, taken, requests, hops)
+
+    def _pop(self) -> Request:
+        _, seq, request = heappop(self._queue)
+        self._queued_samples -= request.size
+        if self._looked_at:
+            self._looked_at.discard(seq)
+        return request
+
+    def _drop(self, request: Request, reason: DropReason, detail: str) -> Drop:
+        dropped = self.stats.dropped
+        dropped[reason] = dropped.get(reason, 0) + 1
+        return Drop(request, reason, detail)
+
+    def _forget_old(self, now: Time) -> None:
+        order = self._live_order
+        horizon = now - self.settings.feedback_horizon_s
+        while order and order[0][0] < horizon:
+            self._live.pop(order.popleft()[1], None)
+
+
+# -- shared with the reactive baseline ---------------------------------------------------------------
+def pool_slots(placement: Placement, pipeline: int, partition: int, part: Partition) -> list[Slot]:
+    """The slots of pool (``pipeline``, ``partition``), checked against what the plan asks of them."""
+    pool = placement.pools.get((pipeline, partition))
+    if not pool:
+        raise ValueError(f"placement of {placement.model!r} has no slots for pool (pipeline {pipeline}, partition {partition})")
+    slots = []
+    for slot_id in pool:
+        slot = placement.slots.get(slot_id)
+        if slot is None:
+            raise ValueError(f"pool (pipeline {pipeline}, partition {partition}) names slot {slot_id!r}, which the placement does not define")
+        if slot.gpu != part.gpu or slot.slices != part.slices:
+            raise ValueError(f"slot {slot_id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}")
+        slots.append(slot)
+    return slots
+
+
+def nic_of(slot: Slot) -> str:
+    """The server whose NIC ``slot`` uses; a slot with no server has a NIC of its own."""
+    return slot.server or slot.id
+
+
+def latency_tables(profile: Profile, part: Partition, batch_size: int, bw_gbps: float, *, first: bool) -> tuple[list[float], list[float]]:
+    """Seconds by batch size 0..``batch_size``: compute of ``part`` on one slice, and transfer of
+    its input feature map (zeros for the first partition). Compute is made non-decreasing in the
+    batch size: measured tables can dip, and batch shrinking assumes a smaller batch is never slower."""
+    have = profile.max_batch(part.gpu, part.slices)
+    if have < batch_size:
+        raise ValueError(f"profile of {profile.model!r} on {part.gpu}/v{part.slices} stops at batch {have}, the plan needs {batch_size}")
+    compute = [0.0]
+    for b in range(1, batch_size + 1):
+        compute.append(max(compute[-1], profile.latency(part.gpu, part.slices, b, *part.blocks) * 1e-6))
+    if first:
+        return compute, [0.0] * (batch_size + 1)
+    seconds_per_sample = profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
+    return compute, [b * seconds_per_sample for b in range(batch_size + 1)]
+
+
+def check_request(request: Request, model: str) -> None:
+    """Refuse a request this model's dispatcher cannot take, saying why."""
+    if request.model != model:
+        raise ValueError(f"request {request.id!r} is for model {request.model!r}, this dispatcher serves {model!r}")
+    if request.start_block != 0:
+        raise ValueError(f"request {request.id!r} enters at block {request.start_block}; pooled pipelines serve whole models (start_block 0)")
+    if isinstance(request.size, bool) or not isinstance(request.size, int) or request.size < 1:
+        raise ValueError(f"request {request.id!r} has size {request.size!r}; it must be an integer >= 1")

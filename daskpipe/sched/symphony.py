@@ -1,0 +1,533 @@
+"""Symphony's deferred batch scheduling (Chen et al., arXiv:2308.07470, Alg. 1 and App. D).
+
+A batch of ``b`` samples whose earliest deadline is ``d`` may only be dispatched inside its
+schedulable window ``[d - l(b+1), d - l(b)]``: before ``d - l(b+1)`` ("frontrun") it could still
+grow, after ``d - l(b)`` ("latest") it is late. Dispatching at frontrun loses no batching and leaves
+GPUs idle as late as possible, so successive batches of a model stagger over the GPUs.
+
+Each model keeps one queue (sorted by deadline) and one candidate batch. Matchmaking happens on two
+events only, as in the paper's RankThread: a *model timer* at the candidate's ``exec`` takes a GPU
+that is free by then, and a *GPU timer* at a GPU's predicted free time gives it the most urgent
+candidate (smallest ``latest``) that is schedulable. Comparisons are non-strict (``<=``): the
+paper's own worked example has exact ties. GPU free times are *predicted* (``exec + l(b)``), never
+observed, as in the paper; feedback is ignored.
+
+Data structures make every request or batch event O(log M + log G): a heap of model timers, a heap
+of pending candidates by ``latest``, a heap of busy GPUs by free time and a heap of idle GPUs by
+the configured choice (lowest id, or earliest free). Stale heap entries are skipped lazily.
+
+The batch policy is one method, ``_exec_bound``; ``daskpipe.sched.batching`` swaps it for the
+timeout and eager baselines (Symphony §3.4).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Sequence
+
+from daskpipe.sched.api import (
+    Action,
+    Dispatch,
+    Dispatcher,
+    Drop,
+    DropReason,
+    Hop,
+    Placement,
+    Request,
+    Reservation,
+    Slot,
+    Stats,
+    Time,
+)
+
+GpuChoice = Literal["lowest-id", "earliest-free"]
+DropPolicy = Literal["head", "window"]
+
+Route = Callable[[str, str, Time, int], tuple[int, tuple[Hop, ...], Time]]
+"""``route(model, slot_id, start, batch) -> (pipeline, hops, slot_free)``: how a batch started on a
+first slot at ``start`` travels, and when that first slot is free again."""
+
+
+@dataclass(frozen=True)
+class DeferredSettings:
+    """Knobs of the deferred dispatcher and its baselines.
+
+    gpu_choice: ``"lowest-id"`` (Alg. 1: high-id GPUs stay idle and can be released) or
+        ``"earliest-free"`` (App. D and the authors' code: spreads idle time over all GPUs).
+    drop_policy: ``"head"`` drops a head request only when it cannot finish even alone (GetBatch
+        style 1, Clipper); ``"window"`` is Nexus' head drop (the code's default ``kWindowDrop``): it
+        drops heads early to keep a target batch size.
+    target_batch: the window policy's target in samples; ``None`` estimates it from the measured
+        arrival rate with Symphony's staggering rule (1+1/n)·l(b) <= SLO.
+    rate_window_s: the arrival-rate meter's window.
+    """
+
+    gpu_choice: GpuChoice = "lowest-id"
+    drop_policy: DropPolicy = "head"
+    target_batch: int | None = None
+    rate_window_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.gpu_choice not in ("lowest-id", "earliest-free"):
+            raise ValueError(f"gpu_choice must be 'lowest-id' or 'earliest-free', got {self.gpu_choice!r}")
+        if self.drop_policy not in ("head", "window"):
+            raise ValueError(f"drop_policy must be 'head' or 'window', got {self.drop_policy!r}")
+        if self.target_batch is not None and (isinstance(self.target_batch, bool) or not isinstance(self.target_batch, int) or self.target_batch < 1):
+            raise ValueError(f"target_batch must be an integer >= 1 or None, got {self.target_batch!r}")
+        if not (self.rate_window_s > 0 and math.isfinite(self.rate_window_s)):
+            raise ValueError(f"rate_window_s must be a positive number of seconds, got {self.rate_window_s!r}")
+
+
+class _Queue:
+    """Requests sorted by deadline, with running sample counts so that "how many requests from the
+    head fit in b samples" is a binary search. Appends are O(1) when deadlines arrive in order (one
+    SLO per model); an out-of-order deadline costs a re-sort of the tail."""
+
+    def __init__(self) -> None:
+        self.items: list[Request] = []
+        self.cum: list[int] = []  # cum[i]: samples in items[0..i]
+        self.head = 0
+
+    def __len__(self) -> int:
+        return len(self.items) - self.head
+
+    def push(self, request: Request) -> None:
+        if len(self) and request.deadline < self.items[-1].deadline:
+            at = bisect.bisect_right(self.items, request.deadline, lo=self.head, key=lambda r: r.deadline)
+            self.items.insert(at, request)
+            self.cum.append(0)
+            total = self._before(at)
+            for i in range(at, len(self.items)):
+                total += self.items[i].size
+                self.cum[i] = total
+        else:
+            self.items.append(request)
+            self.cum.append((self.cum[-1] if self.cum else 0) + request.size)
+
+    def _before(self, i: int) -> int:
+        return self.cum[i - 1] if i else 0
+
+    def at(self, offset: int) -> Request:
+        return self.items[self.head + offset]
+
+    def samples_from(self, offset: int) -> int:
+        return self.cum[-1] - self._before(self.head + offset)
+
+    def count_fitting(self, samples: int, offset: int = 0) -> int:
+        """Requests from ``offset`` whose sizes add up to at most ``samples``."""
+        start = self.head + offset
+        return bisect.bisect_right(self.cum, self._before(start) + samples, lo=start) - start
+
+    def first_meeting(self, deadline: Time) -> int:
+        """Offset of the first request whose deadline is >= ``deadline``."""
+        lo, hi = self.head, len(self.items)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.items[mid].deadline < deadline:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - self.head
+
+    def pop(self, count: int) -> list[Request]:
+        out = self.items[self.head : self.head + count]
+        self.head += count
+        if self.head > 1024 and self.head * 2 > len(self.items):
+            del self.items[: self.head], self.cum[: self.head]
+            self.head = 0
+        return out
+
+
+@dataclass(slots=True)
+class _Candidate:
+    requests: int  # how many requests from the queue head
+    samples: int
+    exec: Time
+    latest: Time
+    version: int
+    pending: bool = False  # its model timer fired and no GPU was free: waits for a GPU timer
+
+
+class _Model:
+    def __init__(self, name: str, slo: float, latency: Sequence[float]) -> None:
+        self.name = name
+        self.slo = slo
+        self.latency = latency  # seconds at batch 1..max_batch, non-decreasing
+        self.queue = _Queue()
+        self.candidate: _Candidate | None = None
+        self.version = 0
+        self.arrivals: deque[Time] = deque()
+
+    @property
+    def max_batch(self) -> int:
+        return len(self.latency)
+
+    def l(self, batch: int) -> float:
+        """Latency of a batch; +inf beyond the largest profiled batch (such a batch cannot exist)."""
+        return self.latency[batch - 1] if batch <= len(self.latency) else math.inf
+
+    def largest_batch(self, budget: float) -> int:
+        """Largest batch whose latency fits ``budget`` seconds (0 if not even one)."""
+        return bisect.bisect_right(self.latency, budget)
+
+
+@dataclass(slots=True)
+class _Unit:
+    """A GPU in Symphony's sense: a slot where a model's batch starts."""
+
+    index: int  # its rank in the lowest-id order
+    slot: str
+    free: Time = 0.0
+
+
+class DeferredDispatcher(Dispatcher):
+    """Symphony's deferred batch scheduler over a set of slots that can each run any of ``models``.
+
+    Parameters
+    ----------
+    models
+        Model name -> latency SLO in seconds (used by the window drop policy's target batch).
+    slots
+        The GPUs, in id order (the order decides "lowest id"). Every slot runs every model, as in a
+        Symphony sub-cluster; models that share no GPUs belong in separate dispatchers.
+    latency
+        ``latency(model, batch)`` in seconds: the end-to-end time a batch needs, used for the
+        schedulable window. Must be profiled for every batch up to ``max_batch``; it is made
+        non-decreasing (a running max), as the authors' code does with measured profiles.
+    max_batch
+        Largest batch in samples, for all models or per model.
+    route
+        How a batch travels once started on a slot (default: the whole model on that slot for
+        ``latency(model, batch)``); ``for_plan`` installs multi-partition routes.
+    settings
+        :class:`DeferredSettings`.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, float],
+        slots: Sequence[Slot],
+        latency: Callable[[str, int], float],
+        *,
+        max_batch: int | Mapping[str, int] = 32,
+        route: Route | None = None,
+        settings: DeferredSettings | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("DeferredDispatcher needs at least one model")
+        if not slots:
+            raise ValueError("DeferredDispatcher needs at least one slot")
+        ids = [s.id for s in slots]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"slot ids must be unique, got {ids}")
+        self.settings = settings or DeferredSettings()
+        self.stats = Stats()
+        self._models: dict[str, _Model] = {}
+        for name, slo in models.items():
+            if not (isinstance(slo, (int, float)) and slo > 0 and math.isfinite(slo)):
+                raise ValueError(f"model {name!r}: SLO must be a positive number of seconds, got {slo!r}")
+            cap = max_batch[name] if isinstance(max_batch, Mapping) else max_batch
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"model {name!r}: max_batch must be an integer >= 1, got {cap!r}")
+            table = []
+            for b in range(1, cap + 1):
+                value = float(latency(name, b))
+                if not (value > 0 and math.isfinite(value)):
+                    raise ValueError(f"model {name!r}: latency at batch {b} must be a positive number of seconds, got {value!r}")
+                table.append(max(value, table[-1]) if table else value)
+            self._models[name] = _Model(name, float(slo), table)
+        self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
+        self._route = route or self._whole_model_route
+        self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
+        self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
+        heapq.heapify(self._idle)
+        self._model_timers: list[tuple[Time, int, str, int]] = []  # (exec, seq, model, version)
+        self._pending: list[tuple[Time, int, str, int]] = []  # (latest, seq, model, version)
+        self._seq = itertools.count()
+        self._dispatch_ids = itertools.count()
+
+    # -- construction on a plan --------------------------------------------------------------
+    @classmethod
+    def for_plan(cls, model_plan, placement: Placement, profile, *, bw_gbps: float, settings: DeferredSettings | None = None, **policy) -> DeferredDispatcher:
+        """One dispatcher for one model of a plan: see :func:`daskpipe.sched.symphony.plan_routes`."""
+        slo, slots, latency, max_batch, route = plan_routes(model_plan, placement, profile, bw_gbps=bw_gbps)
+        max_batch = min(max_batch, policy.pop("max_batch", max_batch))
+        return cls({model_plan.name: slo}, slots, lambda _model, batch: latency(batch), max_batch=max_batch, route=route, settings=settings, **policy)
+
+    # -- policy (overridden by the baselines) ------------------------------------------------
+    def _exec_bound(self, model: _Model, samples: int, deadline: Time) -> Time:
+        """Earliest moment the policy lets this candidate go: Symphony's frontrun d - l(b+1)."""
+        return deadline - model.l(samples + 1)
+
+    # -- Dispatcher API ----------------------------------------------------------------------
+    def submit(self, request: Request, now: Time) -> list[Action]:
+        model = self._models.get(request.model)
+        if model is None:
+            raise ValueError(f"request {request.id!r} is for model {request.model!r}, which this dispatcher does not serve (serves {sorted(self._models)})")
+        if not (isinstance(request.size, int) and request.size >= 1):
+            raise ValueError(f"request {request.id!r}: size must be an integer >= 1, got {request.size!r}")
+        self.stats.submitted += 1
+        actions: list[Action] = []
+        if request.size > model.max_batch:
+            return self._drop([request], "no-capacity", f"{request.size} samples exceed the largest batch {model.max_batch}", actions)
+        model.queue.push(request)
+        self._meter(model, request.arrival, now)
+        self._update_candidate(model, now, actions)
+        self._advance(now, actions)
+        return actions
+
+    def wake(self, now: Time) -> list[Action]:
+        actions: list[Action] = []
+        self._advance(now, actions)
+        return actions
+
+    def next_wake(self) -> Time | None:
+        times = []
+        self._clean(self._model_timers, pending=False)
+        if self._model_timers:
+            times.append(self._model_timers[0][0])
+        self._clean(self._pending, pending=True)
+        if self._pending and self._busy:
+            times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU
+        return min(times) if times else None
+
+    def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+        actions: list[Action] = []
+        for model in self._models.values():
+            self._drop(model.queue.pop(len(model.queue)), reason, "dispatcher drained", actions)
+            self._set_candidate(model, None)
+        return actions
+
+    @property
+    def queued(self) -> int:
+        return sum(len(m.queue) for m in self._models.values())
+
+    # -- candidates (the paper's ModelThread) ------------------------------------------------
+    def _meter(self, model: _Model, arrival: Time, now: Time) -> None:
+        if self.settings.drop_policy == "window" and self.settings.target_batch is None:
+            model.arrivals.append(arrival)
+            while model.arrivals and model.arrivals[0] < now - self.settings.rate_window_s:
+                model.arrivals.popleft()
+
+    def _target_batch(self, model: _Model) -> int:
+        """Window policy target: the authors' estimator, eqs. (1)-(2) with the measured rate."""
+        if self.settings.target_batch is not None:
+            return min(self.settings.target_batch, model.max_batch)
+        rate = len(model.arrivals) / self.settings.rate_window_s
+        best = 1
+        for b in range(1, model.max_batch + 1):
+            lat = model.l(b)
+            gpus = rate * lat / b
+            fits = lat * (1 + 1 / max(gpus, 1.0)) <= model.slo if gpus > 1 else lat + (b / rate if rate > 0 else lat) <= model.slo
+            if not fits:
+                break
+            best = b
+        return best
+
+    def _update_candidate(self, model: _Model, start: Time, actions: list[Action]) -> None:
+        """GetBatch from ``start`` (dropping what the policy drops), then the window."""
+        queue = model.queue
+        if self.settings.drop_policy == "window" and len(queue):
+            self._window_drop(model, start, actions)
+        while len(queue) and start + model.l(queue.at(0).size) > queue.at(0).deadline:
+            self._drop(queue.pop(1), "deadline", "cannot finish before its deadline even alone", actions)
+        if not len(queue):
+            self._set_candidate(model, None)
+            return
+        deadline = queue.at(0).deadline
+        samples_cap = model.largest_batch(deadline - start)
+        count = queue.count_fitting(samples_cap)
+        samples = queue.samples_from(0) - queue.samples_from(count) if count < len(queue) else queue.samples_from(0)
+        latest = deadline - model.l(samples)
+        exec_at = max(start, min(self._exec_bound(model, samples, deadline), latest))
+        self._set_candidate(model, _Candidate(count, samples, exec_at, latest, 0))
+
+    def _window_drop(self, model: _Model, start: Time, actions: list[Action]) -> None:
+        """Nexus-style head drop: find the longest deadline-sorted suffix whose head meets its own
+        batch, aim for min(target, that suffix), and drop earlier heads that would miss it."""
+        queue = model.queue
+        n = len(queue)
+
+        def suffix_ok(i: int) -> bool:
+            return start + model.l(min(queue.samples_from(i), model.max_batch)) <= queue.at(i).deadline
+
+        lo, hi = 0, n  # the condition is monotone in i: fewer samples and a later deadline
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if suffix_ok(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == n:
+            return  # nothing meets any batch: the head rule below drops what it must
+        target = min(self._target_batch(model), queue.samples_from(lo))
+        doomed = min(queue.first_meeting(start + model.l(target)), lo)
+        if doomed:
+            self._drop(queue.pop(doomed), "deadline", f"dropped early to keep a batch of {target}", actions)
+
+    def _set_candidate(self, model: _Model, candidate: _Candidate | None) -> None:
+        model.version += 1
+        model.candidate = candidate
+        if candidate is not None:
+            candidate.version = model.version
+            heapq.heappush(self._model_timers, (candidate.exec, next(self._seq), model.name, model.version))
+
+    def _valid(self, entry: tuple[Time, int, str, int], pending: bool) -> bool:
+        model = self._models[entry[2]]
+        return model.candidate is not None and model.version == entry[3] and model.candidate.pending == pending
+
+    def _clean(self, heap: list, pending: bool) -> None:
+        while heap and not self._valid(heap[0], pending):
+            heapq.heappop(heap)
+
+    # -- matchmaking (the paper's RankThread) ------------------------------------------------
+    def _idle_key(self, unit: _Unit) -> tuple:
+        return (unit.index,) if self.settings.gpu_choice == "lowest-id" else (unit.free, unit.index)
+
+    def _advance(self, now: Time, actions: list[Action]) -> None:
+        """Fire every timer due by ``now``: GPU timers first, then model timers."""
+        while True:
+            if self._busy and self._busy[0][0] <= now:
+                _, index = heapq.heappop(self._busy)
+                self._on_gpu_timer(self._units[index], now, actions)
+                continue
+            self._clean(self._model_timers, pending=False)
+            if self._model_timers and self._model_timers[0][0] <= now:
+                _, _, name, _ = heapq.heappop(self._model_timers)
+                self._on_model_timer(self._models[name], now, actions)
+                continue
+            return
+
+    def _on_model_timer(self, model: _Model, now: Time, actions: list[Action]) -> None:
+        if self._idle:
+            unit = self._units[heapq.heappop(self._idle)[-1]]
+            if not self._dispatch(model, unit, now, actions):
+                heapq.heappush(self._idle, self._idle_key(unit))
+            return
+        model.candidate.pending = True
+        heapq.heappush(self._pending, (model.candidate.latest, next(self._seq), model.name, model.version))
+
+    def _on_gpu_timer(self, unit: _Unit, now: Time, actions: list[Action]) -> None:
+        while True:
+            self._clean(self._pending, pending=True)
+            if not self._pending:
+                break
+            latest, _, name, _ = heapq.heappop(self._pending)
+            model = self._models[name]
+            if latest < now:  # expired: regather from now (smaller batch, or drops)
+                self._update_candidate(model, now, actions)
+                if model.candidate is not None and model.candidate.exec <= now:
+                    model.candidate.pending = True
+                    heapq.heappush(self._pending, (model.candidate.latest, next(self._seq), name, model.version))
+                continue
+            if self._dispatch(model, unit, now, actions):
+                return
+        heapq.heappush(self._idle, self._idle_key(unit))
+
+    def _dispatch(self, model: _Model, unit: _Unit, now: Time, actions: list[Action]) -> bool:
+        """Refresh the candidate (more requests may have come, heads may have expired) and run it
+        on ``unit``; False when the refreshed candidate is gone or may not go yet."""
+        self._update_candidate(model, now, actions)
+        candidate = model.candidate
+        if candidate is None or candidate.exec > now:
+            return False
+        requests = model.queue.pop(candidate.requests)
+        pipeline, hops, unit.free = self._route(model.name, unit.slot, now, candidate.samples)
+        heapq.heappush(self._busy, (unit.free, unit.index))
+        actions.append(Dispatch(next(self._dispatch_ids), model.name, pipeline, candidate.samples, requests, hops))
+        self.stats.dispatched_batches += 1
+        self.stats.dispatched_requests += len(requests)
+        self._update_candidate(model, now, actions)
+        return True
+
+    def _whole_model_route(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        end = start + self._models[model].l(batch)
+        return 0, (Hop(0, slot, Reservation(slot, start, end)),), end
+
+    def _drop(self, requests: list[Request], reason: DropReason, detail: str, actions: list[Action]) -> list[Action]:
+        for request in requests:
+            actions.append(Drop(request, reason, detail))
+        if requests:
+            self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + len(requests)
+        return actions
+
+
+def plan_routes(model_plan, placement: Placement, profile, *, bw_gbps: float):
+    """Turn one model's plan into what :class:`DeferredDispatcher` needs.
+
+    Every first-partition slot of every pipeline is a Symphony "GPU"; the deferred decision is
+    taken for the first partition. The window uses the slowest pipeline's end-to-end latency
+    (compute plus transfers at ``bw_gbps``), as Symphony uses the slowest GPU's profile. Later
+    partitions go to the earliest-free slot of their pool, after the feature map crosses the
+    sender's uplink and the receiver's downlink (each a FIFO the dispatcher books ahead).
+
+    Returns ``(slo_s, first_slots, latency(batch), max_batch, route)``.
+    """
+    if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
+        raise ValueError(f"bw_gbps must be a positive number, got {bw_gbps!r}")
+    if not model_plan.pipelines:
+        raise ValueError(f"model {model_plan.name!r} has no pipeline in the plan")
+    slots = placement.slots
+    first: list[Slot] = []
+    pipeline_of: dict[str, int] = {}
+    for p, pipeline in enumerate(model_plan.pipelines):
+        for q in range(len(pipeline.partitions)):
+            if (p, q) not in placement.pools or not placement.pools[(p, q)]:
+                raise ValueError(f"placement of {model_plan.name!r} has no slots for pipeline {p} partition {q}")
+        for slot_id in placement.pools[(p, 0)]:
+            first.append(slots[slot_id])
+            pipeline_of[slot_id] = p
+
+    def compute_s(p: int, q: int, batch: int) -> float:
+        part = model_plan.pipelines[p].partitions[q]
+        return profile.latency(part.gpu, part.slices, batch, *part.blocks) / 1e6
+
+    def transfer_s(p: int, q: int, batch: int) -> float:
+        boundary = model_plan.pipelines[p].partitions[q].blocks[0]
+        return batch * profile.cut_bytes(boundary) * 8 / (bw_gbps * 1e9)
+
+    max_batch = min(profile.max_batch(part.gpu, part.slices) for pl in model_plan.pipelines for part in pl.partitions)
+
+    def end_to_end(p: int, batch: int) -> float:
+        parts = model_plan.pipelines[p].partitions
+        return sum(compute_s(p, q, batch) + (transfer_s(p, q, batch) if q else 0.0) for q in range(len(parts)))
+
+    def latency(batch: int) -> float:
+        return max(end_to_end(p, batch) for p in range(len(model_plan.pipelines)))
+
+    later_pools: dict[tuple[int, int], list[tuple[Time, str]]] = {
+        key: [(0.0, s) for s in ids] for key, ids in placement.pools.items() if key[1] > 0
+    }
+    for heap in later_pools.values():
+        heapq.heapify(heap)
+    nic_free: dict[str, Time] = {}
+
+    def route(_model: str, slot_id: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        p = pipeline_of[slot_id]
+        end = start + compute_s(p, 0, batch)
+        hops = [Hop(0, slot_id, Reservation(slot_id, start, end))]
+        first_free, previous = end, slot_id
+        for q in range(1, len(model_plan.pipelines[p].partitions)):
+            free, target = heapq.heappop(later_pools[(p, q)])
+            transfer = None
+            ready = end
+            sender, receiver = slots[previous].server, slots[target].server
+            if sender != receiver:
+                ul, dl = f"{sender}/ul", f"{receiver}/dl"
+                t0 = max(end, nic_free.get(ul, 0.0), nic_free.get(dl, 0.0))
+                ready = t0 + transfer_s(p, q, batch)
+                nic_free[ul] = nic_free[dl] = ready
+                transfer = (Reservation(ul, t0, ready), Reservation(dl, t0, ready))
+            begin = max(ready, free)
+            end = begin + compute_s(p, q, batch)
+            heapq.heappush(later_pools[(p, q)], (end, target))
+            hops.append(Hop(q, target, Reservation(target, begin, end), transfer))
+            previous = target
+        return p, tuple(hops), first_free
+
+    return model_plan.slo_us / 1e6, first, latency, max_batch, route

@@ -1,0 +1,378 @@
+"""Simulate a plan under a workload, and find the highest load it sustains.
+
+Each model of the plan runs in its own engine on its own placed slots, fed at ``load_factor`` times
+its reference rate (the plan's throughput for it, PPipe's definition of load factor; pass
+``base_rates`` to feed another plan at the same absolute rates, as the paper does for baselines).
+Models are independent there, as in the paper's simulator: a plan never shares a GPU between
+models, and per-model runs leave out NIC sharing between models placed on one server.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from daskpipe.plan.schema import ModelPlan, Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.sched.api import Dispatch, Dispatcher, Placement, Request, Slot
+from daskpipe.sim.engine import Engine, Trace, on_time
+from daskpipe.sim.workload import Trace as ArrivalTrace
+from daskpipe.sim.workload import arrivals as make_arrivals
+
+DATAPLANES = ("ppipe", "reactive", "deferred", "eager", "timeout")
+
+
+class ProfileDurations:
+    """Ground truth from the profiles: a partition's blocks on the slot's (GPU, v) at the batch
+    size, and ``batch * boundary bytes * 8 / bw`` for a feature map crossing a link."""
+
+    def __init__(self, plan: Plan, profiles: Mapping[str, Profile], bw_gbps: float) -> None:
+        if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
+            raise ValueError(f"bw_gbps must be a positive number, got {bw_gbps!r}")
+        self.plans = {m.name: m for m in plan.models}
+        missing = [m for m in self.plans if m not in profiles]
+        if missing:
+            raise ValueError(f"no profile for model(s) {missing} of the plan (have {sorted(profiles)})")
+        self.profiles = profiles
+        self.bw_gbps = bw_gbps
+        self._cache: dict[tuple, float] = {}
+
+    def _partition(self, model: str, pipeline: int, partition: int):
+        return self.plans[model].pipelines[pipeline].partitions[partition]
+
+    def compute(self, dispatch: Dispatch, partition: int, slot: Slot) -> float:
+        key = (dispatch.model, dispatch.pipeline, partition, slot.gpu, slot.slices, dispatch.batch_size)
+        value = self._cache.get(key)
+        if value is None:
+            part = self._partition(dispatch.model, dispatch.pipeline, partition)
+            profile = self.profiles[dispatch.model]
+            limit = profile.max_batch(slot.gpu, slot.slices)
+            if dispatch.batch_size > limit:
+                raise ValueError(f"dispatch {dispatch.id} of {dispatch.model!r} has batch {dispatch.batch_size}; {slot.gpu}/v{slot.slices} is profiled up to {limit}")
+            value = self._cache[key] = profile.latency(slot.gpu, slot.slices, dispatch.batch_size, *part.blocks) / 1e6
+        return value
+
+    def transfer(self, dispatch: Dispatch, partition: int) -> float:
+        boundary = self._partition(dispatch.model, dispatch.pipeline, partition).blocks[0]
+        return dispatch.batch_size * self.profiles[dispatch.model].cut_bytes(boundary) * 8 / (self.bw_gbps * 1e9)
+
+    def partitions(self, model: str, pipeline: int) -> int:
+        return len(self.plans[model].pipelines[pipeline].partitions)
+
+
+@dataclass
+class ModelResult:
+    """One model's outcome: every submitted request is on time, late or dropped."""
+
+    model: str
+    load_factor: float
+    offered_rate: float
+    submitted: int
+    on_time: int
+    late: int
+    dropped: dict[str, int]
+    p50_ms: float | None  # over completed requests (dropped ones have no latency)
+    p99_ms: float | None
+    mean_batch_size: float | None  # samples per batch entering the first partition
+
+    @property
+    def attainment(self) -> float:
+        return self.on_time / self.submitted if self.submitted else 1.0
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["attainment"] = self.attainment
+        out["dropped_total"] = self.dropped_total
+        return out
+
+
+@dataclass
+class SimResult:
+    dataplane: str
+    arrivals: str
+    duration: float
+    seed: int
+    models: dict[str, ModelResult]
+    utilization: dict[str, float]  # GPU type -> busy fraction over the cluster's GPUs of that type
+    utilization_placed: dict[str, float]  # ... over the GPUs the plan places
+    max_load_factor: dict[str, float] = field(default_factory=dict)  # with find_max_load
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dataplane": self.dataplane,
+            "arrivals": self.arrivals,
+            "duration": self.duration,
+            "seed": self.seed,
+            "models": {name: r.to_dict() for name, r in self.models.items()},
+            "utilization": self.utilization,
+            "utilization_placed": self.utilization_placed,
+            "max_load_factor": self.max_load_factor,
+        }
+
+
+def model_result(trace: Trace, model: str, load_factor: float, offered_rate: float) -> ModelResult:
+    """Per-model figures from an engine trace."""
+    records = [r for r in trace.requests.values() if r.model == model]
+    dropped: dict[str, int] = {}
+    latencies = []
+    good = late = 0
+    for r in records:
+        if r.dropped is not None:
+            dropped[r.dropped] = dropped.get(r.dropped, 0) + 1
+            continue
+        latencies.append(r.finish - r.arrival)
+        if on_time(r):
+            good += 1
+        else:
+            late += 1
+    first = [d.batch_size for _, d in trace.dispatches if d.model == model and d.hops[0].partition == 0]
+    p50, p99 = (float(x * 1e3) for x in np.percentile(latencies, [50, 99])) if latencies else (None, None)
+    return ModelResult(model, load_factor, offered_rate, len(records), good, late, dropped, p50, p99, float(np.mean(first)) if first else None)
+
+
+def make_dispatcher(
+    dataplane: str,
+    model_plan: ModelPlan,
+    placement: Placement,
+    profile: Profile,
+    *,
+    bw_gbps: float,
+    timeout_s: float = 0.002,
+    max_batch: int | None = None,
+    settings: Any = None,
+) -> Dispatcher:
+    """The data plane ``dataplane`` for one model of a plan."""
+    if dataplane == "ppipe":
+        from daskpipe.sched.ppipe import PPipeDispatcher
+
+        return PPipeDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings)
+    if dataplane == "reactive":
+        from daskpipe.sched.reactive import ReactiveDispatcher
+
+        return ReactiveDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings)
+    from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
+    from daskpipe.sched.symphony import DeferredDispatcher
+
+    caps = {} if max_batch is None else {"max_batch": max_batch}
+    if dataplane == "deferred":
+        return DeferredDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, **caps)
+    if dataplane == "eager":
+        return EagerDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, **caps)
+    if dataplane == "timeout":
+        return TimeoutDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, max_wait_s=timeout_s, **caps)
+    raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
+
+
+@dataclass
+class _Setup:
+    """Everything a run needs that does not depend on the load factor."""
+
+    plan: Plan
+    profiles: Mapping[str, Profile]
+    placements: Mapping[str, Placement]
+    bw_gbps: float
+    base_rates: Mapping[str, float]
+    dataplane: str
+    arrivals: str | ArrivalTrace
+    duration: float
+    seed: int
+    noise: float
+    cv: float
+    dispatcher_kwargs: Mapping[str, Any]
+
+
+def _prepare(
+    plan: Plan,
+    profiles: Mapping[str, Profile],
+    *,
+    dataplane: str = "ppipe",
+    arrivals: str | ArrivalTrace = "poisson",
+    duration: float = 30.0,
+    seed: int = 1,
+    noise: float = 0.0,
+    bursty_cv: float = 2.0,
+    bw_gbps: float | None = None,
+    gpus_per_server: Mapping[str, int] | None = None,
+    base_rates: Mapping[str, float] | None = None,
+    placements: Mapping[str, Placement] | None = None,
+    timeout_s: float = 0.002,
+    max_batch: int | None = None,
+    settings: Any = None,
+) -> _Setup:
+    """Validate :func:`simulate`'s arguments (all but the load factor) once."""
+    if dataplane not in DATAPLANES:
+        raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
+    if not (duration > 0 and math.isfinite(duration)):
+        raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
+    if not (timeout_s >= 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a non-negative number of seconds, got {timeout_s!r}")
+    if isinstance(arrivals, str) and arrivals not in ("poisson", "bursty"):
+        from daskpipe.sim.workload import load_trace
+
+        arrivals = load_trace(arrivals)
+    bw = bw_gbps if bw_gbps is not None else plan.cluster.get("bw_gbps")
+    if bw is None:
+        raise ValueError("the plan records no cluster bandwidth; pass bw_gbps")
+    if placements is None:
+        from daskpipe.sched.placement import place
+
+        placements = place(plan, gpus_per_server=gpus_per_server)
+    rates = {m.name: m.throughput for m in plan.models}
+    if base_rates is not None:
+        unknown = [m for m in rates if m not in base_rates]
+        if unknown:
+            raise ValueError(f"base_rates lacks model(s) {unknown}")
+        rates = {m: float(base_rates[m]) for m in rates}
+    for name, rate in rates.items():
+        if not (rate >= 0 and math.isfinite(rate)):
+            raise ValueError(f"model {name!r}: reference rate must be a non-negative number, got {rate!r}")
+    kwargs: dict[str, Any] = {"settings": settings}
+    if dataplane in ("deferred", "eager", "timeout"):
+        kwargs["max_batch"] = max_batch
+    if dataplane == "timeout":
+        kwargs["timeout_s"] = timeout_s
+    return _Setup(plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, bursty_cv, kwargs)
+
+
+def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: float) -> tuple[ModelResult, Trace, Placement]:
+    rate = load_factor * setup.base_rates[model_plan.name]
+    placement = setup.placements[model_plan.name]
+    if rate <= 0 or not model_plan.pipelines:
+        return ModelResult(model_plan.name, load_factor, rate, 0, 0, 0, {}, None, None, None), Trace(), placement
+    profile = setup.profiles[model_plan.name]
+    rng = np.random.default_rng([setup.seed, index])
+    times = make_arrivals(setup.arrivals, rate, setup.duration, rng, cv=setup.cv)
+    slo = model_plan.slo_us / 1e6
+    dispatcher = make_dispatcher(setup.dataplane, model_plan, placement, profile, bw_gbps=setup.bw_gbps, **setup.dispatcher_kwargs)
+    engine = Engine({model_plan.name: dispatcher}, placement.slots, ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),
+                    noise=setup.noise, seed=setup.seed * 1000 + index, horizon=setup.duration)
+    engine.add_arrivals(Request(i, model_plan.name, float(t), float(t) + slo) for i, t in enumerate(times))
+    trace = engine.run()
+    return model_result(trace, model_plan.name, load_factor, rate), trace, placement
+
+
+def _utilization(plan: Plan, busy: Mapping[str, float], slots: Mapping[str, Slot], duration: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Busy fraction per GPU type; a 1/v slice's busy second counts 1/v of a GPU-second."""
+    work: dict[str, float] = {}
+    placed: dict[str, float] = {}
+    for slot_id, slot in slots.items():
+        work[slot.gpu] = work.get(slot.gpu, 0.0) + busy.get(slot_id, 0.0) / slot.slices
+        placed[slot.gpu] = placed.get(slot.gpu, 0.0) + 1.0 / slot.slices
+    inventory = {str(k): float(v) for k, v in dict(plan.cluster.get("gpus", {})).items()} or placed
+    cluster = {gpu: work.get(gpu, 0.0) / (count * duration) for gpu, count in inventory.items() if count > 0}
+    used = {gpu: work.get(gpu, 0.0) / (count * duration) for gpu, count in placed.items()}
+    return cluster, used
+
+
+def simulate(
+    plan: Plan,
+    profiles: Mapping[str, Profile],
+    *,
+    dataplane: str = "ppipe",
+    arrivals: str | ArrivalTrace = "poisson",
+    load_factor: float = 0.9,
+    duration: float = 30.0,
+    seed: int = 1,
+    noise: float = 0.0,
+    bursty_cv: float = 2.0,
+    bw_gbps: float | None = None,
+    gpus_per_server: Mapping[str, int] | None = None,
+    base_rates: Mapping[str, float] | None = None,
+    placements: Mapping[str, Placement] | None = None,
+    timeout_s: float = 0.002,
+    max_batch: int | None = None,
+    settings: Any = None,
+) -> SimResult:
+    """Run every model of ``plan`` for ``duration`` seconds of arrivals at ``load_factor``.
+
+    ``arrivals``: ``"poisson"``, ``"bursty"`` (gamma gaps with ``bursty_cv``), a trace file path or
+    a loaded trace. ``noise``: sigma of a mean-one log-normal factor on every duration.
+    ``timeout_s``/``max_batch`` are the timeout data plane's knobs (``max_batch`` also caps the
+    eager and deferred ones); ``settings`` goes to the dispatcher. Arrivals stop at ``duration``;
+    the run goes on until every request is completed or dropped; utilisation counts busy time
+    within ``[0, duration)``.
+    """
+    if not (load_factor >= 0 and math.isfinite(load_factor)):
+        raise ValueError(f"load_factor must be a non-negative number, got {load_factor!r}")
+    setup = _prepare(plan, profiles, dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
+                     bw_gbps=bw_gbps, gpus_per_server=gpus_per_server, base_rates=base_rates, placements=placements,
+                     timeout_s=timeout_s, max_batch=max_batch, settings=settings)
+    results, busy, slots = {}, {}, {}
+    for index, model_plan in enumerate(plan.models):
+        result, trace, placement = _run_model(setup, index, model_plan, load_factor)
+        results[model_plan.name] = result
+        busy.update(trace.slot_busy)
+        slots.update(placement.slots)
+    cluster, used = _utilization(plan, busy, slots, setup.duration)
+    return SimResult(dataplane, _arrivals_name(setup.arrivals), setup.duration, seed, results, cluster, used)
+
+
+def _arrivals_name(arrivals: str | ArrivalTrace) -> str:
+    return arrivals if isinstance(arrivals, str) else arrivals.source
+
+
+def load_grid(step: float, max_load: float) -> list[float]:
+    if not (0 < step <= max_load) or not math.isfinite(max_load):
+        raise ValueError(f"need 0 < step <= max_load, got step={step!r}, max_load={max_load!r}")
+    return [round(step * k, 10) for k in range(1, int(round(max_load / step)) + 1)]
+
+
+def find_max_load(
+    plan: Plan,
+    profiles: Mapping[str, Profile],
+    *,
+    target: float = 0.99,
+    step: float = 0.05,
+    max_load: float = 1.0,
+    progress: Callable[[str, float], None] | None = None,
+    **kwargs: Any,
+) -> SimResult:
+    """The highest load factor on the ``step`` grid up to ``max_load`` at which each model keeps
+    at least ``target`` attainment, per model.
+
+    Assumes attainment does not rise with load, so each model is a bisection on the grid: try
+    ``max_load`` first (most plans hold at or near it), then halve the bracket; about
+    log2(max_load/step) runs per model instead of one per grid point. A model that fails even at
+    ``step`` gets 0. The result's per-model figures and utilisation are those at each model's max
+    load (at ``step`` when it is 0). ``kwargs`` are :func:`simulate`'s.
+    """
+    if not 0 < target <= 1:
+        raise ValueError(f"target attainment must be in (0, 1], got {target!r}")
+    grid = load_grid(step, max_load)
+    setup = _prepare(plan, profiles, **kwargs)
+    results, best, busy, slots = {}, {}, {}, {}
+    for index, model_plan in enumerate(plan.models):
+        runs: dict[int, tuple[ModelResult, Trace, Placement]] = {}
+
+        def ok(k: int) -> bool:
+            if k not in runs:
+                runs[k] = _run_model(setup, index, model_plan, grid[k])
+                if progress is not None:
+                    progress(model_plan.name, grid[k])
+            return runs[k][0].attainment >= target
+
+        good, bad = -1, len(grid)  # invariant: grid[good] passes (or good = -1), grid[bad] fails
+        if ok(len(grid) - 1):
+            good = len(grid) - 1
+        else:
+            bad = len(grid) - 1
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                if ok(mid):
+                    good = mid
+                else:
+                    bad = mid
+        best[model_plan.name] = grid[good] if good >= 0 else 0.0
+        result, trace, placement = runs[max(good, 0)]
+        results[model_plan.name] = result
+        busy.update(trace.slot_busy)
+        slots.update(placement.slots)
+    cluster, used = _utilization(plan, busy, slots, setup.duration)
+    return SimResult(setup.dataplane, _arrivals_name(setup.arrivals), setup.duration, setup.seed, results, cluster, used, best)

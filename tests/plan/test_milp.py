@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daskpipe.plan.milp import make_plan
+from daskpipe.plan.schema import Plan, PlanError
+
+from .conftest import synthetic_profile
+
+PAIR = 1 / 1.2e-3  # B[0] -> A[1]: the B pool limits it to 833.3 req/s per pair
+WHOLE_A, WHOLE_B = 1 / 2e-3, 1 / 11.2e-3
+
+
+def test_np_runs_whole_models(two_block):
+    plan = make_plan({"m": two_block}, {"A": 1, "B": 1}, strategy="np", solver="cbc")
+    assert plan.objective == pytest.approx(WHOLE_A + WHOLE_B)
+    assert all(len(p.partitions) == 1 for p in plan.model("m").pipelines)
+
+
+def test_ppipe_pipelines_the_slow_gpu(two_block):
+    plan = make_plan({"m": two_block}, {"A": 1, "B": 1}, solver="cbc")
+    assert plan.objective == pytest.approx(PAIR)
+    (pipeline,) = plan.model("m").pipelines
+    assert [(p.blocks, p.gpu, p.vgpus) for p in pipeline.partitions] == [((0, 1), "B", 1), ((1, 2), "A", 1)]
+    assert plan.solver["name"] == "CBC" and plan.solver["status"] == "optimal"
+    assert plan.cluster["gpus"] == {"A": 1, "B": 1}
+
+
+def test_plan_round_trips_through_json(tmp_path, two_block):
+    plan = make_plan({"m": two_block}, {"A": 2, "B": 3}, solver="cbc")
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == Plan.from_dict(plan.to_dict())
+
+
+def test_dart_r_replicates_the_pair_plan(two_block):
+    # NP gives the model all 5 GPUs; 2 (A, B) pairs run B -> A, the third B runs the whole model
+    plan = make_plan({"m": two_block}, {"A": 2, "B": 3}, strategy="dart-r", solver="cbc")
+    assert plan.objective == pytest.approx(2 * PAIR + WHOLE_B)
+    assert plan.gpus_used() == {"A": 2, "B": 3}
+
+
+def test_ppipe_beats_baselines_on_a_mixed_cluster(two_block):
+    cluster = {"A": 2, "B": 6}
+    objectives = {s: make_plan({"m": two_block}, cluster, strategy=s, solver="cbc").objective for s in ("ppipe", "np", "dart-r")}
+    assert objectives["ppipe"] >= objectives["dart-r"] >= objectives["np"] > 0
+
+
+def test_max_min_over_weighted_models(two_block):
+    other = synthetic_profile("other", {("A", 1): [1000, 1000], ("B", 1): [1200, 10000]})
+    plan = make_plan({"m": two_block, "other": other}, {"A": 4}, weights={"m": 1, "other": 3}, strategy="np", solver="cbc")
+    # 500 req/s per A: one GPU for m, three for other
+    assert plan.objective == pytest.approx(WHOLE_A)
+    assert plan.model("other").throughput == pytest.approx(3 * WHOLE_A)
+
+
+def test_slices_of_one_gpu_serve_one_model():
+    half = {("A", 1): [1000], ("A", 2): [1100]}  # a half-GPU is nearly as fast: slicing pays
+    profiles = {m: synthetic_profile(m, half) for m in ("m1", "m2", "m3")}
+    plan = make_plan(profiles, {"A": 4}, solver="cbc")
+    physical = 0
+    for model in plan.models:
+        per_slices: dict[int, int] = {}
+        for pipeline in model.pipelines:
+            for part in pipeline.partitions:
+                per_slices[part.slices] = per_slices.get(part.slices, 0) + part.vgpus
+        physical += sum(math.ceil(n / v) for v, n in per_slices.items())
+    assert physical <= 4
+    # 4 GPUs for 3 models: two get one GPU as two slices (1818 req/s), the bound is one GPU each
+    assert plan.objective == pytest.approx(2 / 1.1e-3)
+
+
+def test_one_pipeline_per_route_is_optional():
+    p = synthetic_profile("m", {("A", 1): [1000, 1000], ("B", 1): [1000, 3000]})
+    free = make_plan({"m": p}, {"A": 3, "B": 4}, solver="cbc", one_pipeline_per_route=False)
+    strict = make_plan({"m": p}, {"A": 3, "B": 4}, solver="cbc")
+    assert free.objective >= strict.objective
+    routes = [tuple(q.gpu for q in pl.partitions) for pl in strict.model("m").pipelines]
+    assert len(routes) == len(set(routes))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gpus={}), "no GPUs"),
+        (dict(gpus={"A": 0}), "positive integer"),
+        (dict(gpus={"A": 1, "C": 2}), r"no profile for GPU type\(s\) \['C'\] \(it has \['A', 'B'\]\)"),
+        (dict(weights={"x": 1}), "one weight per model"),
+        (dict(weights={"m": -1}), "weight of 'm' must be a positive number"),
+        (dict(slo_us={"x": 5}), "slo_us names model 'x'"),
+        (dict(strategy="magic"), "unknown strategy 'magic'"),
+        (dict(margin=1.0), "margin must be in"),
+        (dict(max_parts=0), "max_parts"),
+        (dict(bw_gbps=0), "bw_gbps must be a positive number"),
+        (dict(gpus_per_server={"C": 1}), "gpus_per_server names GPU type 'C'"),
+        (dict(solver="gurobi"), "unknown solver"),
+        (dict(gpus={"A": 1, "B": 1, "C": 1}, allow_missing_gpus=True, strategy="dart-r"), "two types"),
+    ],
+)
+def test_bad_inputs_name_the_problem(two_block, kwargs, message):
+    args = dict(gpus={"A": 1, "B": 1})
+    args.update(kwargs)
+    with pytest.raises(PlanError, match=message):
+        make_plan({"m": two_block}, args.pop("gpus"), solver=args.pop("solver", "cbc"), **args)
+
+
+def test_slo_below_fastest_latency_says_what_would_fit(two_block):
+    with pytest.raises(PlanError, match=r"fastest pipeline takes 2000 µs \(whole model on A at batch 1\); raise its SLO to at least 3333 µs"):
+        make_plan({"m": two_block}, {"A": 1, "B": 1}, slo_us={"m": 3000}, solver="cbc")
+
+
+def test_missing_gpu_types_can_be_skipped_on_request(two_block):
+    plan = make_plan({"m": two_block}, {"A": 1, "C": 5}, allow_missing_gpus=True, solver="cbc")
+    assert plan.objective == pytest.approx(WHOLE_A)
+
+
+def test_highs_when_asked_and_available(two_block):
+    pytest.importorskip("highspy")
+    plan = make_plan({"m": two_block}, {"A": 1, "B": 1}, solver="highs")
+    assert plan.solver["name"] == "HiGHS" and plan.objective == pytest.approx(PAIR)
+
+
+def test_golden_fcn_on_v100_and_p4(ppipe_dir):
+    """PPipe Fig. 11/12: FCN on 4 V100 + 12 P4 (V100-P4 [2,1] per server, 6 Gbit/s), SLO 33.3 ms."""
+    from daskpipe.profiles.loader import load_profiles
+
+    profiles = load_profiles(ppipe_dir, ["fcn"])
+    (name,) = profiles
+    plan = make_plan(profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6, slo_us={name: 33300}, solver="cbc")
+    assert plan.objective == pytest.approx(1212, abs=3)
+    whole, pooled = sorted(plan.model(name).pipelines, key=lambda p: len(p.partitions))
+    assert (whole.batch_size, whole.partitions[0].gpu, whole.partitions[0].vgpus) == (2, "V100", 1)
+    assert whole.partitions[0].latency_us == pytest.approx(12303)
+    assert whole.throughput == pytest.approx(162.6, abs=0.1)
+    p4, v100 = pooled.partitions
+    assert pooled.batch_size == 1
+    assert (p4.blocks, p4.gpu, p4.vgpus, p4.latency_us) == ((0, 7), "P4", 12, 11086)
+    assert (v100.blocks, v100.gpu, v100.slices, v100.vgpus, v100.latency_us) == ((7, 10), "V100", 2, 6, 5711)
+    assert p4.transfer_us == pytest.approx(1398, abs=1)
+    assert pooled.throughput == pytest.approx(1051, abs=1)  # 6 / 5.711 ms; the P4 pool could do 1082

@@ -1,0 +1,87 @@
+"""The analytic estimator: roofline behaviour on real small models, and its error on published tables."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from daskpipe.profiles import ProfileError, estimate_profile, load_catalog, profile_model
+from daskpipe.profiles.accuracy import estimator_error
+from daskpipe.profiles.estimator import CALIBRATED, Constants, op_costs, op_latency_us
+
+
+def conv_net(width: int = 16) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10),
+    ).eval()
+
+
+def test_op_costs_count_conv_flops_and_skip_fused_ops():
+    costs = op_costs(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).eval(), (3, 16, 16), 2)
+    assert len(costs.flops) == 1  # batch norm and relu fold into the conv, as TensorRT does
+    assert costs.total_flops == 2 * 2 * (8 * 16 * 16) * (3 * 9)
+    assert costs.outputs[0] == 2 * 8 * 16 * 16
+
+
+def test_faster_gpus_and_whole_gpus_are_faster():
+    catalog = load_catalog()
+    costs = op_costs(conv_net(64), (3, 64, 64), 4)
+    constants = Constants(launch_us=2.0, saturation=1024.0, default_efficiency=0.5)
+    p4, l4, h100 = (op_latency_us(costs, catalog[g], 1, constants) for g in ("P4", "L4", "H100"))
+    assert p4 > l4 > h100
+    assert op_latency_us(costs, catalog["L4"], 2, constants) > l4
+
+
+def test_estimate_profile_of_a_module_and_of_measured_blocks():
+    module = conv_net()
+    x = torch.randn(1, 3, 32, 32)
+    estimated = estimate_profile(module, x, gpus=["A10", "T4"], name="conv", num_blocks=3, batch_sizes=8)
+    assert estimated.gpu_types == ["A10", "T4"] and estimated.slices("T4") == [1, 2, 3, 4]
+    assert [estimated.max_batch("T4", v) for v in (1, 2, 3, 4)] == [8, 4, 2, 2]
+    assert estimated.slo_us == pytest.approx(5 * estimated.latency("A10", 1, 1))
+    for v in (1, 2):
+        table = estimated.table("T4", v)
+        assert np.all(np.diff(table, axis=1) >= 0)  # bigger batches never get faster
+    measured, blocked = profile_model(module, x, name="conv", num_blocks=3, batch_sizes=2, repeats=1, warmup=0)
+    aligned = estimate_profile(blocked, gpus=["L4"], name="conv", batch_sizes=2, slices=[1])
+    assert aligned.num_blocks == measured.num_blocks and aligned.boundary_bytes == measured.boundary_bytes
+    assert aligned.meta["segment_boundaries"] == measured.meta["segment_boundaries"]
+
+
+def test_estimate_rejects_unknown_gpus():
+    with pytest.raises(ProfileError, match=r"unknown: \['B300'\]"):
+        estimate_profile(conv_net(), torch.randn(1, 3, 8, 8), gpus=["B300"], name="conv", num_blocks=2)
+
+
+def test_calibrated_constants_cover_the_published_gpu_types():
+    assert set(CALIBRATED.efficiency) == {"L4", "P4", "T4", "V100"}
+    assert 0 < CALIBRATED.efficiency_of("H100") < 1
+
+
+def test_error_report_against_published_tables(ppipe_dir, tmp_path):
+    from daskpipe.profiles.cli import profile
+
+    out = tmp_path / "error.json"
+    result = CliRunner().invoke(
+        profile, ["estimator-error", "--profiles", str(ppipe_dir), "--models", "googlenet-v3,repvgg", "--gpus", "L4,T4", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["models"] == ["googlenet-v3-pytorch", "repvgg-b3"]
+    for section in ("out_of_sample", "in_sample"):
+        for gpu in ("L4", "T4"):
+            summary = report[section]["per_gpu"][gpu]
+            assert summary["n"] == 2 * 16 and 0 <= summary["median_ape_pct"] <= summary["mean_ape_pct"] * 3
+
+
+def test_error_report_refuses_models_without_a_build(ppipe_dir):
+    with pytest.raises(ProfileError, match="no torchvision build for .*fcn"):
+        estimator_error(ppipe_dir, ["fcn", "repvgg-b3"])

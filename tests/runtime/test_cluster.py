@@ -1,0 +1,86 @@
+"""EmulatedCluster: workers that follow daskpipe's contract, on TCP and (when installed) UCX."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client
+
+from daskpipe.runtime import cluster as cluster_module
+from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, resolve_protocol, ucx_available
+from daskpipe.runtime.worker import WorkerSpecError
+
+
+def _workers(client: Client) -> dict[str, dict[str, float]]:
+    return {w["name"]: w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+
+
+def test_slots_are_dealt_onto_servers():
+    slots = emulated_slots({"L4": 2, "T4": 3}, slices={"T4": 2}, servers=2)
+    assert [s.name for s in slots] == [
+        "node-0/L4-0/0",
+        "node-0/L4-1/0",
+        "node-0/T4-2/0",
+        "node-0/T4-2/1",
+        "node-1/T4-0/0",
+        "node-1/T4-0/1",
+        "node-1/T4-1/0",
+        "node-1/T4-1/1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "gpus, kwargs, match",
+    [({}, {}, "at least one GPU"), ({"L4": 1}, {"servers": 0}, "servers"), ({"X9": 1}, {}, "unknown GPU type")],
+)
+def test_bad_cluster_specs(gpus, kwargs, match):
+    with pytest.raises(WorkerSpecError, match=match):
+        emulated_slots(gpus, **kwargs)
+
+
+def test_in_process_cluster_follows_the_contract():
+    with EmulatedCluster({"L4": 1, "T4": 1}, slices={"T4": 2}, processes=False, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            workers = _workers(client)
+            assert sorted(workers) == ["node-0/L4-0/0", "node-0/T4-1/0", "node-0/T4-1/1"]
+            assert workers["node-0/T4-1/1"] == {
+                "daskpipe.slot": 1,
+                "daskpipe.gpu.T4": 1,
+                "daskpipe.slices.2": 1,
+                "daskpipe.emulated": 1,
+            }
+            slots = client.run(lambda dask_worker: dask_worker.plugins["daskpipe-slot"].slot.name)
+            assert sorted(slots.values()) == sorted(workers)
+
+
+def test_process_cluster_runs_each_slot_in_its_own_process():
+    with EmulatedCluster({"L4": 1, "T4": 1}, dashboard_address=None) as cluster, Client(cluster) as client:
+        pids = client.run(lambda dask_worker: (dask_worker.name, __import__("os").getpid()))
+        assert sorted(name for name, _ in pids.values()) == ["node-0/L4-0/0", "node-0/T4-1/0"]
+        assert len({pid for _, pid in pids.values()}) == 2
+
+
+def test_unknown_protocol_is_refused():
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        resolve_protocol("udp")
+
+
+def test_ucx_falls_back_to_tcp_with_a_message(monkeypatch):
+    monkeypatch.setattr(cluster_module, "ucx_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="distributed-ucxx.*falling back to tcp"):
+        assert resolve_protocol("ucx") == "tcp"
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        with EmulatedCluster({"L4": 1}, processes=False, protocol="ucx", dashboard_address=None) as cluster:
+            assert cluster.scheduler_address.startswith("tcp://")
+
+
+@pytest.mark.skipif(not ucx_available(), reason="distributed-ucxx is not installed (pip install 'daskpipe[ucx]')")
+def test_ucx_cluster_moves_data_worker_to_worker():
+    import numpy as np
+
+    with EmulatedCluster({"L4": 1, "T4": 1}, protocol="ucx", dashboard_address=None) as cluster:
+        assert cluster.scheduler_address.startswith("ucx://")
+        with Client(cluster) as client:
+            by_name = {w["name"]: address for address, w in client.scheduler_info()["workers"].items()}
+            ones = client.submit(np.ones, 1_000_000, workers=[by_name["node-0/L4-0/0"]])
+            total = client.submit(np.sum, ones, workers=[by_name["node-0/T4-1/0"]])
+            assert total.result() == 1_000_000

@@ -1,0 +1,165 @@
+"""End-to-end tests of serving through Dask: futures, errors, drops, emulation, attainment."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+import torch
+from distributed import as_completed, wait
+
+import daskpipe
+from daskpipe.runtime.errors import InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.plugin import plugin_of
+from tests.runtime.conftest import INPUT, example, tiny_model, two_stage, with_test_dispatcher
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def frames(n: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, *INPUT, generator=generator) for _ in range(n)]
+
+
+def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The unpartitioned model, with the fp16 hand-over at the stage boundary."""
+    model = tiny_model()
+    with torch.inference_mode():
+        return [model.tail(model.head(x).half().float()) for x in xs]
+
+
+def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
+    profile, plan = two_stage(**plan_args)
+    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, time_dilation=k, dispatcher=dispatcher)
+
+
+def test_deploy_profiles_plans_and_serves_on_plain_cpu_workers(cpu_cluster):
+    cluster, client = cpu_cluster
+    model = tiny_model()
+    svc = daskpipe.deploy(client, {"cpu-tiny": model}, example_inputs={"cpu-tiny": example()}, slo_ms={"cpu-tiny": 500}, num_blocks=2, dispatcher="fifo")
+    try:
+        assert {p.gpu for m in svc.plan.models for pipe in m.pipelines for p in pipe.partitions} == {"cpu"}
+        assert svc.profiles["cpu-tiny"].gpu_types == ["cpu"]
+        xs = frames(12)
+        futures = svc.map("cpu-tiny", xs)
+        outputs = client.gather(futures)
+        with torch.inference_mode():
+            for x, out in zip(xs, outputs):
+                torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)
+    finally:
+        svc.close()
+
+
+def test_two_stages_on_emulated_pools_match_the_model_and_work_with_dask_waiting(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        xs = frames(10)
+        futures = svc.map("tiny", xs[:6]) + [svc.submit("tiny", x) for x in xs[6:]]
+        done, not_done = wait(futures, timeout=30)
+        assert not not_done
+        assert sum(1 for _ in as_completed(futures)) == len(futures)
+        for out, ref in zip(client.gather(futures), reference(xs)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        stages = [f.result() for f in svc._stages]
+        assert sorted((s.info().result()["partition"], s.info().result()["emulated"]) for s in stages) == [(0, True), (1, True)]
+        status = svc.status()["tiny"]
+        assert status["completed"] == 10 and status["failed"] == 0
+
+
+def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        bad = {
+            "unknown model": svc.submit("nope", frames(1)[0]),
+            "non-tensor": svc.submit("tiny", np.zeros((1, *INPUT), dtype=np.float32)),
+            "wrong shape": svc.submit("tiny", torch.randn(1, 3, 8, 8)),
+            "wrong dtype": svc.submit("tiny", torch.randn(1, *INPUT, dtype=torch.float64)),
+            "too many samples": svc.submit("tiny", torch.randn(5, *INPUT)),
+        }
+        good = svc.submit("tiny", frames(1)[0])
+        for what, future in bad.items():
+            assert future.done(), what  # erred at once, on the client
+            with pytest.raises(InvalidRequest):
+                future.result()
+        assert "unknown model 'nope'" in str(bad["unknown model"].exception())
+        assert "shape (n, 3, 16, 16)" in str(bad["wrong shape"].exception())
+        assert "torch.float32" in str(bad["wrong dtype"].exception())
+        torch.testing.assert_close(good.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_stage_error_fails_only_its_batch_with_the_cause(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        xs = frames(8)
+        poisoned = svc.map("tiny", xs[:3] + [xs[3] * 1e6])  # one batch of four; stage 2 asserts
+        wait(poisoned, timeout=30)
+        healthy = svc.map("tiny", xs[4:])
+        for future in poisoned:
+            exc = future.exception()
+            assert isinstance(exc, RequestFailed), exc
+            assert "stage 1 of model 'tiny'" in str(exc) and "poisoned input" in str(exc)
+            assert isinstance(exc.cause, AssertionError)
+        for out, ref in zip(client.gather(healthy), reference(xs[4:])):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_drops_err_with_the_reason(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0) as svc:  # one request alone misses the SLO
+        future = svc.submit("tiny", frames(1)[0])
+        with pytest.raises(RequestDropped, match=r"dropped \(deadline\)") as info:
+            future.result(timeout=30)
+        assert info.value.reason == "deadline"
+        assert svc.status()["tiny"]["dropped"] == {"deadline": 1}
+
+    svc = deploy_two_stage(client, slo_ms=20_000.0, dispatcher="fifo")  # the FIFO waits a quarter of the slack before a partial batch
+    queued = svc.map("tiny", frames(2))
+    svc.close()
+    for future in queued:
+        with pytest.raises(RequestDropped, match=r"\(shutdown\)"):
+            future.result(timeout=30)
+    with pytest.raises(InvalidRequest, match="closed"):
+        svc.submit("tiny", frames(1)[0]).result()
+
+
+def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0) -> list:
+    """Submit ``xs`` one by one at Poisson arrivals of ``rate`` per second."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=len(xs))
+    futures, due = [], time.monotonic()
+    for x, gap in zip(xs, gaps):
+        due += gap
+        time.sleep(max(0.0, due - time.monotonic()))
+        futures.append(svc.submit("tiny", x))
+    return futures
+
+
+def serve_at_load_factor(protocol: str) -> None:
+    """A real LocalCluster with processes: two emulated pools, 0.7 of the plan's capacity, k = 10."""
+    from daskpipe.runtime.cluster import EmulatedCluster
+    from distributed import Client
+
+    k = 10.0
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
+        with_test_dispatcher(client, cluster.scheduler)
+        with deploy_two_stage(client, k=k) as svc:
+            capacity = svc.plan.model("tiny").throughput / k
+            xs = frames(120)
+            futures = poisson_load(svc, xs, 0.7 * capacity)
+            wait(futures, timeout=60)
+            for out, ref in zip(client.gather(futures), reference(xs)):
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+            status = svc.status()["tiny"]
+            assert status["submitted"] == len(xs) and status["completed"] == len(xs)
+            assert status["on_time"] / status["submitted"] >= 0.99, status
+            assert plugin_of(cluster.scheduler).served["tiny"].counts["batches"] < len(xs)  # it batched
+
+
+def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
+    serve_at_load_factor("tcp")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("distributed_ucxx") is None, reason="distributed-ucxx is not installed")
+def test_processes_cluster_over_ucx():
+    serve_at_load_factor("ucx")

@@ -1,0 +1,321 @@
+"""PPipe's data plane: probe (Fig. 5), Algorithm 1's three steps, settings, feedback, no lost request."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.profiles.model import Profile
+from daskpipe.sched.api import Feedback, Placement, Request, Slot
+from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.placement import place
+from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
+
+MS = 1e-3
+# per-block latency (ms) at batch 1..4 on GPU A (block 0) and B (block 1)
+A_MS = (10.0, 15.0, 20.0, 25.0)
+B_MS = (20.0, 30.0, 40.0, 50.0)
+BW_GBPS = 8.0
+BOUNDARY = 1e6  # bytes per sample: 1 ms per sample at 8 Gbps
+
+
+def profile(slo_ms: float = 200.0) -> Profile:
+    a, b = np.array(A_MS) * 1e3, np.array(B_MS) * 1e3
+    tables = {("A", 1): np.array([a, a]), ("B", 1): np.array([b, b])}
+    return Profile(model="m", slo_us=slo_ms * 1e3, num_blocks=2, latency_us=tables, boundary_bytes=(BOUNDARY,))
+
+
+def split(vgpus: tuple[int, int] = (1, 2), bs: int = 4) -> Pipeline:
+    """Block 0 on A, block 1 on B."""
+    return Pipeline(bs, 100.0, (Partition((0, 1), "A", 1, vgpus[0], A_MS[bs - 1] * 1e3), Partition((1, 2), "B", 1, vgpus[1], B_MS[bs - 1] * 1e3)))
+
+
+def whole(gpu: str, vgpus: int = 1, bs: int = 4) -> Pipeline:
+    lat = (A_MS if gpu == "A" else B_MS)[bs - 1] * 2e3
+    return Pipeline(bs, 100.0, (Partition((0, 2), gpu, 1, vgpus, lat),))
+
+
+def model(*pipelines: Pipeline, slo_ms: float = 200.0) -> ModelPlan:
+    return ModelPlan("m", slo_ms * 1e3, 1.0, 100.0, tuple(pipelines))
+
+
+def dispatcher(plan: ModelPlan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> PPipeDispatcher:
+    if placement is None:
+        from daskpipe.plan.schema import Plan
+
+        placement = place(Plan(0.0, (plan,)))["m"]
+    return PPipeDispatcher(plan, placement, profile(slo_ms), bw_gbps=BW_GBPS, settings=PPipeSettings(**settings))
+
+
+def fig5() -> tuple[ModelPlan, Placement]:
+    """Pool 1 = {node1}, pool 2 = {node2, node3}, one GPU per node."""
+    slots = {f"node{i}": Slot(f"node{i}", "A" if i == 1 else "B", 1, f"node{i}") for i in (1, 2, 3)}
+    return model(split((1, 2))), Placement("m", {(0, 0): ("node1",), (0, 1): ("node2", "node3")}, slots)
+
+
+def req(i: int, t: float, slo_ms: float = 200.0, size: int = 1) -> Request:
+    return Request(i, "m", t, t + slo_ms * MS, size)
+
+
+# -- probe and reserve (Algorithm 2, Fig. 5) -------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["gaps", "append"])
+def test_fig5_probe_picks_node2_and_reserves_ul_dl_together(mode):
+    plan, placement = fig5()
+    d = dispatcher(plan, placement, timeline=mode)
+    d.timeline.reserve("node3", 0.0, 0.050)  # node3 is busy: it would finish later
+    offer = d.probe(0, 2, now=0.0)
+    assert offer.path == ("node1", "node2")
+    compute1, ul, dl, compute2 = offer.reservations
+    assert (compute1.resource, compute1.start, compute1.end) == ("node1", 0.0, pytest.approx(15 * MS))
+    assert (ul.resource, dl.resource) == ("node1/ul", "node2/dl")
+    assert (ul.start, ul.end) == (dl.start, dl.end) == (compute1.end, pytest.approx(compute1.end + 2 * MS))
+    assert compute2.resource == "node2" and compute2.start == ul.end
+    assert offer.finish == compute2.end == pytest.approx((15 + 2 + 30) * MS)
+    assert offer.wait == pytest.approx(0.0)
+    # probe is stateless; reserve commits
+    assert d.timeline.intervals("node1") == []
+    d.reserve(offer, dispatch_id=7)
+    assert d.timeline.tail("node1/ul") == d.timeline.tail("node2/dl") == ul.end
+    after = d.probe(0, 2, now=0.0)  # node2 frees at 47 ms, node3 at 50 ms: node2 again, after the first batch
+    assert after.path == ("node1", "node2") and after.hops[1].compute.start == compute2.end
+
+
+def test_probe_waits_for_a_busy_receiver_downlink():
+    plan, placement = fig5()
+    d = dispatcher(plan, placement)
+    d.timeline.reserve("node2/dl", 0.0, 0.040)  # node2 can receive only from 40 ms
+    offer = d.probe(0, 1, now=0.0)
+    assert offer.path == ("node1", "node3")
+    d.timeline.reserve("node3/dl", 0.0, 0.045)
+    offer = d.probe(0, 1, now=0.0)
+    assert offer.path == ("node1", "node2") and offer.hops[1].transfer_in[0].start == pytest.approx(0.040)
+    assert offer.wait == pytest.approx(0.030)
+
+
+def test_probe_rejects_bad_arguments():
+    plan, placement = fig5()
+    d = dispatcher(plan, placement)
+    with pytest.raises(ValueError, match="batch sizes 1..4"):
+        d.probe(0, 5, 0.0)
+    with pytest.raises(ValueError, match="pipelines 0..0"):
+        d.probe(1, 1, 0.0)
+
+
+# -- Algorithm 1 ---------------------------------------------------------------------------------------
+def test_batch_shrinks_until_the_head_meets_its_deadline():
+    d = dispatcher(model(whole("A")), slo_ms=42.0)  # bs 4 needs 50 ms, bs 3 needs 40 ms
+    assert d.submit(req(0, 0.0, 42.0), 0.0) == []
+    assert d.next_wake() == pytest.approx(42 * MS - 30 * MS)  # last moment for a batch of 2
+    assert d.submit(req(1, 0.0, 42.0), 0.0) == []
+    [batch] = d.submit(req(2, 0.0, 42.0), 0.0)
+    assert batch.batch_size == 3 and [r.id for r in batch.requests] == [0, 1, 2]
+    assert batch.finish == pytest.approx(40 * MS)
+
+
+def test_wait_until_the_last_moment():
+    d = dispatcher(model(whole("A")))
+    assert d.submit(req(0, 0.0), 0.0) == []
+    wake = d.next_wake()
+    assert wake == pytest.approx(200 * MS - 30 * MS)  # deadline - work(|q| + 1)
+    assert d.wake(0.1) == []  # early wake: nothing changes
+    assert d.next_wake() == wake
+    assert d.submit(req(1, 0.15), 0.15) == []
+    assert d.next_wake() == pytest.approx(200 * MS - 40 * MS)
+    [batch] = d.wake(d.next_wake())
+    assert batch.batch_size == 2 and batch.finish <= 200 * MS + 1e-12
+    assert d.next_wake() is None and d.queued == 0
+
+
+def test_drop_at_admission_when_even_an_idle_path_is_too_slow():
+    d = dispatcher(model(whole("A")))
+    [drop] = d.submit(Request(0, "m", 0.0, 0.005), 0.0)
+    assert drop.reason == "deadline" and d.queued == 0
+    [drop] = d.submit(Request(1, "m", 0.0, 1.0, size=5), 0.0)
+    assert drop.reason == "no-capacity"
+    assert d.stats.dropped == {"deadline": 1, "no-capacity": 1}
+
+
+def test_model_without_pipelines_drops_everything():
+    d = PPipeDispatcher(model(), Placement("m", {}, {}), profile(), bw_gbps=BW_GBPS)
+    [drop] = d.submit(req(0, 0.0), 0.0)
+    assert drop.reason == "no-capacity"
+
+
+def test_overload_bound_drops_at_once():
+    d = dispatcher(model(whole("A", bs=4)), max_queued=2)
+    assert d.submit(req(0, 0.0), 0.0) == [] and d.submit(req(1, 0.0), 0.0) == []
+    [drop] = d.submit(req(2, 0.0), 0.0)
+    assert drop.reason == "overload" and drop.request.id == 2 and d.queued == 2
+
+
+def test_head_dropped_when_busy_tables_leave_no_batch():
+    d = dispatcher(model(whole("A")))
+    d.timeline.reserve("A-0/0", 0.0, 0.195)
+    [drop] = d.submit(req(0, 0.0), 0.0)
+    assert drop.reason == "deadline" and d.queued == 0
+
+
+def test_pipeline_chosen_by_waiting_time():
+    plan = model(whole("A"), whole("A"))
+    d = dispatcher(plan)
+    a0, a1 = d.placement.pools[(0, 0)][0], d.placement.pools[(1, 0)][0]
+    d.timeline.reserve(a0, 0.0, 0.030)
+    for i in range(4):
+        actions = d.submit(req(i, 0.0), 0.0)
+    [batch] = actions
+    assert batch.pipeline == 1 and batch.hops[0].slot == a1
+    for i in range(4, 8):  # now pipeline 1 is busy till 50 ms, pipeline 0 till 30 ms: 0 waits less
+        actions = d.submit(req(i, 0.0), 0.0)
+    [batch] = actions
+    assert batch.pipeline == 0 and batch.hops[0].compute.start == pytest.approx(0.030)
+
+
+def test_sizes_count_samples_and_requests_are_never_split():
+    d = dispatcher(model(whole("A", bs=4)))
+    assert d.submit(req(0, 0.0, size=3), 0.0) == []
+    [batch] = d.submit(req(1, 0.0, size=2), 0.0)  # 5 samples queued, 3 + 2 > 4: the head goes alone...
+    assert [r.id for r in batch.requests] == [0] and batch.batch_size == 3
+    assert d.queued == 1  # ...and the second waits for company
+
+
+def test_two_pass_admission_drops_on_first_look():
+    plan = model(whole("A"))
+    d = dispatcher(plan, slo_ms=42.0, two_pass_admission=True)  # only bs 4 is tried first, and misses
+    [drop] = d.submit(req(0, 0.0, 42.0), 0.0)
+    assert drop.reason == "deadline"
+    assert dispatcher(plan, slo_ms=42.0).submit(req(0, 0.0, 42.0), 0.0) == []  # paper: waits with bs 3
+
+
+def test_bs1_penalty_steers_away_from_batch_one_pipelines_that_miss():
+    plan = model(whole("B", bs=1), whole("A", bs=4))
+    for penalty, expected in ((False, 0), (True, 1)):
+        d = dispatcher(plan, slo_ms=60.0, bs1_penalty=penalty)
+        b = d.placement.pools[(0, 0)][0]
+        d.timeline.reserve(b, 0.0, 0.025)  # the bs-1 pipeline would miss: 25 + 40 > 60 ms
+        a = d.placement.pools[(1, 0)][0]
+        d.timeline.reserve(a, 0.0, 0.030)  # and waits less than the bs-4 one
+        assert d._choose(1, 0.060, 0.0)[0].index == expected
+
+
+def test_drain_drops_everything_queued():
+    d = dispatcher(model(whole("A")))
+    d.submit(req(0, 0.0), 0.0)
+    d.submit(req(1, 0.0), 0.0)
+    drops = d.drain(0.01)
+    assert [x.reason for x in drops] == ["shutdown", "shutdown"] and d.queued == 0 and d.next_wake() is None
+
+
+def test_bad_inputs_are_refused():
+    plan, placement = fig5()
+    d = dispatcher(plan, placement)
+    with pytest.raises(ValueError, match="for model 'other'"):
+        d.submit(Request(0, "other", 0.0, 1.0), 0.0)
+    with pytest.raises(ValueError, match="size"):
+        d.submit(Request(0, "m", 0.0, 1.0, size=0), 0.0)
+    wrong = Placement("m", {(0, 0): ("node2",), (0, 1): ("node3",)}, placement.slots)
+    with pytest.raises(ValueError, match="needs A/v1"):
+        PPipeDispatcher(plan, wrong, profile(), bw_gbps=BW_GBPS)
+    with pytest.raises(ValueError, match="no slots for pool"):
+        PPipeDispatcher(plan, Placement("m", {(0, 0): ("node1",)}, placement.slots), profile(), bw_gbps=BW_GBPS)
+    with pytest.raises(ValueError, match="bw_gbps"):
+        PPipeDispatcher(plan, placement, profile(), bw_gbps=0)
+    with pytest.raises(ValueError, match="timeline"):
+        PPipeSettings(timeline="lanes")
+    with pytest.raises(ValueError, match="max_queued"):
+        PPipeSettings(max_queued=0)
+
+
+# -- feedback --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["gaps", "append"])
+def test_late_feedback_shifts_later_reservations(mode):
+    d = dispatcher(model(whole("A", bs=1)), timeline=mode)
+    [first] = d.submit(req(0, 0.0), 0.0)
+    [second] = d.submit(req(1, 0.0), 0.0)
+    slot = first.hops[0].slot
+    assert second.hops[0].compute.start == pytest.approx(first.finish)
+    d.feedback(Feedback(first.id, 0, "compute", 0.0, first.finish + 0.005), first.finish + 0.005)
+    assert d.timeline.tail(slot) == pytest.approx(second.finish + 0.005)
+    [third] = d.submit(req(2, 0.025), 0.025)
+    assert third.hops[0].compute.start == pytest.approx(second.finish + 0.005)
+    # early feedback frees time for what comes next
+    start = third.hops[0].compute.start
+    d.feedback(Feedback(third.id, 0, "compute", start, start + 0.001), start + 0.0005)
+    assert d.timeline.tail(slot) == pytest.approx(start + 0.001)
+
+
+def test_feedback_rejects_nonsense():
+    d = dispatcher(model(whole("A", bs=1)))
+    [batch] = d.submit(req(0, 0.0), 0.0)
+    with pytest.raises(ValueError, match="partition 3"):
+        d.feedback(Feedback(batch.id, 3, "compute", 0.0, 0.01), 0.01)
+    with pytest.raises(ValueError, match="has none"):
+        d.feedback(Feedback(batch.id, 0, "transfer", 0.0, 0.01), 0.01)
+    with pytest.raises(ValueError, match="kind"):
+        d.feedback(Feedback(batch.id, 0, "network", 0.0, 0.01), 0.01)  # type: ignore[arg-type]
+    assert d.feedback(Feedback(999, 0, "compute", 0.0, 0.01), 0.01) == []  # unknown dispatch: ignored
+
+
+# -- end to end: nothing lost, deadlines met when execution follows the reservations --------------------
+def _check_run(d: PPipeDispatcher, requests: list[Request], **kwargs) -> None:
+    out = drive(d, requests, record=True, **kwargs)
+    dispatched = [r.id for batch in out.dispatches for r in batch.requests]
+    dropped = [x.request.id for x in out.drops]
+    assert sorted(dispatched + dropped) == [r.id for r in requests]  # every request ends exactly once
+    assert out.late == 0
+    for batch in out.dispatches:
+        assert batch.batch_size == sum(r.size for r in batch.requests) <= d.model.pipelines[batch.pipeline].batch_size
+        assert all(batch.finish <= r.deadline for r in batch.requests)
+        for prev, hop in zip(batch.hops, batch.hops[1:]):
+            ul, dl = hop.transfer_in
+            assert ul.start == dl.start >= prev.compute.end and hop.compute.start >= ul.end
+    for resource in {h.slot for b in out.dispatches for h in b.hops}:
+        spans = d.timeline.intervals(resource)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(timeline="gaps"), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)],
+    ids=["paper", "append", "artifact"],
+)
+@pytest.mark.parametrize("load", [0.7, 1.5])
+def test_nothing_lost_and_deadlines_met(settings, load):
+    prof = synthetic_profile()
+    plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
+    m = plan.models[0]
+    d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(**settings))
+    requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=1))
+    _check_run(d, requests)
+    assert not d._live and d.queued == 0  # every dispatch's feedback came back: nothing kept
+    if load > 1:
+        assert d.stats.dropped.get("deadline", 0) > 0
+
+
+def test_noisy_execution_with_feedback_keeps_every_request():
+    prof = synthetic_profile()
+    plan = synthetic_plan(prof, high=2, low=6, gpus_per_server=2)
+    m = plan.models[0]
+    d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"])
+    rng = random.Random(3)
+
+    def noisy(batch):  # every stage runs 0.8x-1.2x its plan, in order, after its input arrives
+        out, ready = [], batch.hops[0].compute.start
+        for hop in batch.hops:
+            if hop.transfer_in is not None:
+                dur = (hop.transfer_in[0].end - hop.transfer_in[0].start) * rng.uniform(0.8, 1.2)
+                start = max(ready, hop.transfer_in[0].start)
+                out.append(Feedback(batch.id, hop.partition, "transfer", start, start + dur))
+                ready = start + dur
+            start = max(ready, hop.compute.start)
+            dur = (hop.compute.end - hop.compute.start) * rng.uniform(0.8, 1.2)
+            out.append(Feedback(batch.id, hop.partition, "compute", start, start + dur))
+            ready = start + dur
+        return out
+
+    requests = list(poisson_arrivals(m.name, m.throughput, m.slo_us * 1e-6, 2000, seed=2))
+    out = drive(d, requests, record=True, execute=noisy)
+    assert out.dispatched + sum(out.dropped.values()) == len(requests)
+    assert d.queued == 0

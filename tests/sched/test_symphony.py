@@ -1,0 +1,165 @@
+"""Symphony's deferred batching: the paper's worked example (§3.3, Figs. 4-5), batch for batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from daskpipe.sched.api import Dispatch, Drop, Request, Slot
+from daskpipe.sched.batching import EagerDispatcher
+from daskpipe.sched.symphony import DeferredDispatcher, DeferredSettings
+from daskpipe.sim.engine import Engine, ReservedDurations
+
+SLO = 12.0
+GPUS = [Slot(f"gpu{i}", "X") for i in (1, 2, 3)]
+
+
+def latency(_model: str, batch: int) -> float:
+    return batch + 5.0  # l(b) = b + 5: alpha 1, beta 5
+
+
+def run_example(dispatcher, removed=(), last=59):
+    """Replays R_i at 0.75 (i - 1) through the simulator; returns (start, gpu, ids) and drops."""
+    engine = Engine({"m": dispatcher}, {s.id: s for s in GPUS}, ReservedDurations())
+    engine.add_arrivals(Request(i, "m", 0.75 * (i - 1), 0.75 * (i - 1) + SLO) for i in range(1, last + 1) if i not in removed)
+    trace = engine.run()
+    batches = [(start, slot, batch) for _, slot, batch, _, start, _ in trace.computes]
+    ids = {d.hops[0].compute.start: [r.id for r in d.requests] for _, d in trace.dispatches}
+    drops = sorted(rid for rid, r in trace.requests.items() if r.dropped)
+    return [(start, slot, ids[start]) for start, slot, _ in sorted(batches)], drops, trace
+
+
+def batches_of(i: int) -> list[int]:
+    return list(range(i, i + 4))
+
+
+class EagerFromR16(EagerDispatcher):
+    """The paper's Fig. 5a: the staggered (deferred) schedule up to R15, eager from R16 on."""
+
+    def _exec_bound(self, model, samples, deadline):
+        if model.queue.at(0).arrival < 11.25:
+            return DeferredDispatcher._exec_bound(self, model, samples, deadline)
+        return super()._exec_bound(model, samples, deadline)
+
+
+def test_first_batch_window():
+    d = DeferredDispatcher({"m": SLO}, GPUS, latency)
+    actions = []
+    for i in range(1, 4):
+        actions += d.submit(Request(i, "m", 0.75 * (i - 1), 0.75 * (i - 1) + SLO), 0.75 * (i - 1))
+    assert actions == [] and d.next_wake() == pytest.approx(12 - 9)  # frontrun of b=3 is d - l(4)
+    (dispatch,) = d.submit(Request(4, "m", 2.25, 14.25), 2.25)  # frontrun d - l(5) = 2 <= 2.25 <= latest 3
+    assert isinstance(dispatch, Dispatch) and [r.id for r in dispatch.requests] == [1, 2, 3, 4]
+    assert dispatch.hops[0].compute.start == 2.25 and dispatch.hops[0].compute.end == 11.25
+
+
+def test_deferred_staggers():
+    schedule, drops, _ = run_example(DeferredDispatcher({"m": SLO}, GPUS, latency))
+    expected = [(2.25 + 3 * k, f"gpu{k % 3 + 1}", batches_of(1 + 4 * k)) for k in range(14)]
+    assert schedule[:14] == expected
+    assert drops == []
+
+
+def test_deferred_recovers_after_missing_requests():
+    schedule, drops, _ = run_example(DeferredDispatcher({"m": SLO}, GPUS, latency), removed=(13, 14, 15))
+    assert schedule[:3] == [(2.25, "gpu1", [1, 2, 3, 4]), (5.25, "gpu2", [5, 6, 7, 8]), (8.25, "gpu3", [9, 10, 11, 12])]
+    # Fig. 5b: the GPUs idle briefly and the staggered pattern comes back, shifted to x.5
+    assert schedule[3:11] == [(13.5 + 3 * k, f"gpu{k % 3 + 1}", batches_of(16 + 4 * k)) for k in range(8)]
+    assert drops == []
+
+
+def test_eager_degrades_after_missing_requests():
+    schedule, drops, _ = run_example(EagerFromR16({"m": SLO}, GPUS, latency), removed=(13, 14, 15))
+    # Fig. 5a: R16 alone at 11.25, two batches of 4, R25 alone at 18, only 2 of R26-R32 at 23.25
+    assert schedule[3:11] == [
+        (11.25, "gpu1", [16]),
+        (14.25, "gpu2", [17, 18, 19, 20]),
+        (17.25, "gpu1", [21, 22, 23, 24]),
+        (18.0, "gpu3", [25]),
+        (23.25, "gpu2", [26, 27]),
+        (24.0, "gpu3", [28, 29, 30]),
+        (26.25, "gpu1", [31, 32, 33]),
+        (30.25, "gpu2", [34]),
+    ]
+    assert drops[:5] == [35, 37, 38, 40, 41]  # "drop R35, R37, R38, and so on"
+
+
+def test_plain_eager_sends_singletons_while_gpus_idle():
+    schedule, _, _ = run_example(EagerDispatcher({"m": SLO}, GPUS, latency), last=12)
+    assert schedule[:3] == [(0.0, "gpu1", [1]), (0.75, "gpu2", [2]), (1.5, "gpu3", [3])]
+
+
+def test_earliest_free_choice_spreads_over_gpus():
+    d = DeferredDispatcher({"m": SLO}, GPUS, latency, settings=DeferredSettings(gpu_choice="earliest-free"))
+    schedule, drops, _ = run_example(d, removed=(13, 14, 15))
+    # GPU2 has been idle since 14.25 and GPU1 since 11.25; earliest-free takes GPU1 first, as lowest id does
+    assert [s[1] for s in schedule[3:6]] == ["gpu1", "gpu2", "gpu3"] and drops == []
+
+
+def test_no_request_is_lost_under_overload():
+    d = DeferredDispatcher({"m": SLO}, GPUS[:1], latency)
+    _, drops, trace = run_example(d, last=40)
+    done = [r for r in trace.requests.values() if r.finish is not None]
+    assert len(done) + len(drops) == 40 and drops
+    assert all(r.finish <= r.deadline for r in done)  # deferred never dispatches a late batch
+
+
+def test_window_drop_keeps_batches_large():
+    head = DeferredDispatcher({"m": SLO}, GPUS[:1], latency)
+    window = DeferredDispatcher({"m": SLO}, GPUS[:1], latency, settings=DeferredSettings(drop_policy="window", target_batch=4))
+    sizes = {}
+    for name, d in (("head", head), ("window", window)):
+        schedule, _, _ = run_example(d, last=40)
+        sizes[name] = [len(ids) for _, _, ids in schedule]
+    assert min(sizes["window"][1:]) >= 4 > min(sizes["head"][1:])
+
+
+def test_multiple_models_share_the_gpus():
+    d = DeferredDispatcher({"a": SLO, "b": SLO}, GPUS, latency)
+    engine = Engine({"a": d, "b": d}, {s.id: s for s in GPUS}, ReservedDurations())
+    reqs = sorted((Request((m, i), m, 0.75 * i + off, 0.75 * i + off + SLO) for m, off in (("a", 0.0), ("b", 0.3)) for i in range(40)), key=lambda r: r.arrival)
+    engine.add_arrivals(reqs)
+    trace = engine.run()
+    models_per_gpu = {}
+    for model, slot, *_ in trace.computes:
+        models_per_gpu.setdefault(slot, set()).add(model)
+    assert any(len(m) == 2 for m in models_per_gpu.values())
+    assert all(r.finish is not None or r.dropped for r in trace.requests.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"models": {}}, "at least one model"),
+        ({"slots": []}, "at least one slot"),
+        ({"slots": [GPUS[0], GPUS[0]]}, "unique"),
+        ({"models": {"m": -1.0}}, "SLO"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"latency": lambda m, b: 0.0}, "latency at batch 1"),
+        ({"settings": "x"}, None),
+    ],
+)
+def test_bad_inputs_are_rejected(kwargs, message):
+    args = {"models": {"m": SLO}, "slots": GPUS, "latency": latency}
+    args.update(kwargs)
+    settings = args.pop("settings", None)
+    if message is None:
+        with pytest.raises(ValueError, match="gpu_choice"):
+            DeferredSettings(gpu_choice=settings)
+        return
+    with pytest.raises(ValueError, match=message):
+        DeferredDispatcher(args.pop("models"), args.pop("slots"), args.pop("latency"), **args)
+
+
+def test_unknown_model_and_oversized_requests():
+    d = DeferredDispatcher({"m": SLO}, GPUS, latency, max_batch=4)
+    with pytest.raises(ValueError, match="does not serve"):
+        d.submit(Request(1, "other", 0.0, SLO), 0.0)
+    (drop,) = d.submit(Request(2, "m", 0.0, SLO, size=5), 0.0)
+    assert isinstance(drop, Drop) and drop.reason == "no-capacity"
+
+
+def test_drain_drops_everything_queued():
+    d = DeferredDispatcher({"m": SLO}, GPUS, latency)
+    d.submit(Request(1, "m", 0.0, SLO), 0.0)
+    drops = d.drain(0.1)
+    assert [x.request.id for x in drops] == [1] and d.queued == 0 and d.next_wake() is None
