@@ -135,12 +135,12 @@ def fit_running(
         return best
 
     low = -0.95 * float(s.min())
-    grid = low + (20.0 * float(s.max()) - low) * np.linspace(0.0, 1.0, 400) ** 3
+    grid = low + (20.0 * float(s.max()) - low) * np.linspace(0.0, 1.0, 160) ** 3
     costs = [solve(k4)[0] for k4 in grid]
     best = int(np.argmin(costs))
     lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
     golden = (math.sqrt(5) - 1) / 2
-    for _ in range(60):
+    for _ in range(40):
         a, c = hi - golden * (hi - lo), lo + golden * (hi - lo)
         if solve(a)[0] < solve(c)[0]:
             hi = c

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 
 class ColocationError(ValueError):
@@ -190,7 +190,3 @@ def worst_task_latency_ms(exec_ms: float, batch: int, rate_per_s: float, queued:
         prev_end = end
     return worst
 
-
-def corunners(placed: Iterable[Colocated], me_index: int) -> list[Colocated]:
-    """Everyone on the GPU except entry ``me_index``."""
-    return [p for i, p in enumerate(placed) if i != me_index]

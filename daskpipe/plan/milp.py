@@ -9,13 +9,10 @@ all alike, and a max-min objective over the models' weighted throughputs.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from daskpipe.plan.configs import Budget, Config, Resource, enumerate_configs, resources_of
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
@@ -284,25 +281,11 @@ def _scaled(pipeline: Pipeline, times: int) -> Pipeline:
 
 
 def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int]) -> _Solved:
-    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m.
-
-    The solvers find good integer points late on this problem, so it starts from one: the LP
-    relaxation names the few configurations worth using, and the MILP restricted to those is
-    tiny; its solution warm-starts the full MILP, which then mostly proves optimality.
-    """
+    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m."""
     import mip
 
-    started = time.perf_counter()
     full = _PoolSizing(spec, configs, gpus)
-    with _c_stdout_silenced():  # CBC prints its LP log whatever the verbosity
-        full.model.optimize(relax=True, max_seconds=spec.time_limit)
-    promising = {m: [c for c, x in zip(cs, full.flows[m]) if (x.x or 0) > 1e-6] for m, cs in configs.items()}
-    if all(promising.values()) and not os.environ.get("NOWARM"):
-        restricted = _PoolSizing(spec, promising, gpus)
-        if restricted.model.optimize(max_seconds=spec.time_limit) in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-            full.model.start = full.start_from(restricted)
-    left = max(spec.time_limit - (time.perf_counter() - started), 1e-3)
-    status = full.model.optimize(max_seconds=left)
+    status = full.model.optimize(max_seconds=spec.time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         raise PlanError(f"the solver found no plan within {spec.time_limit:g} s (status {status.name.lower()}); raise the time limit")
     models = []
@@ -331,16 +314,15 @@ class _PoolSizing:
         model.verbose = 0
         self.z = model.add_var(lb=0)
         self.flows: dict[str, list[mip.Var]] = {}
-        self.opened: dict[str, list[mip.Var]] = {}
         self.counts: dict[str, list[list[mip.Var]]] = {}
         usage: dict[tuple[str, str, int], list[mip.Var]] = {}
         for m, cs in configs.items():
-            self.flows[m], self.opened[m], self.counts[m] = [], [], []
+            self.flows[m], self.counts[m] = [], []
             routes: dict[tuple[str, ...], list[mip.Var]] = {}
             for c in cs:
                 x = model.add_var(lb=0)
-                opened = model.add_var(var_type=mip.BINARY)
-                if spec.one_pipeline_per_route:
+                opened = model.add_var(var_type=mip.BINARY) if spec.one_pipeline_per_route else None
+                if opened is not None:
                     routes.setdefault(tuple(gpu for gpu, _ in c.resources), []).append(opened)
                 # no pool needs more vGPUs than it takes to match the smallest pool the cluster allows
                 ceiling = min(gpus[gpu] * v * throughput for (gpu, v), throughput in zip(c.resources, c.vgpu_throughput))
@@ -349,15 +331,16 @@ class _PoolSizing:
                     most = math.ceil(ceiling / throughput - 1e-9)
                     n = model.add_var(var_type=mip.INTEGER, lb=0, ub=most)
                     model += x <= throughput * n
-                    model += n <= most * opened
+                    if opened is not None:
+                        model += n <= most * opened
                     usage.setdefault((m, gpu, v), []).append(n)
                     ns.append(n)
                 self.flows[m].append(x)
-                self.opened[m].append(opened)
                 self.counts[m].append(ns)
             model += spec.weights[m] * self.z <= mip.xsum(self.flows[m])
             for opened_of_route in routes.values():
                 model += mip.xsum(opened_of_route) <= 1
+                model.add_sos([(u, float(i + 1)) for i, u in enumerate(opened_of_route)], 1)
         self.physical: dict[tuple[str, str, int], mip.Var] = {}
         for (m, gpu, v), ns in usage.items():
             self.physical[(m, gpu, v)] = y = model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[gpu])
@@ -370,45 +353,18 @@ class _PoolSizing:
         """vGPUs of every pool of every configuration of ``model``, as solved."""
         return [[round(n.x or 0) for n in ns] for ns in self.counts[model]]
 
-    def start_from(self, other: _PoolSizing) -> list[tuple[Any, float]]:
-        """A solution of ``other`` (a subset of our configurations) as a start for this model."""
-        start: list[tuple[Any, float]] = [(self.z, other.z.x)]
-        for m, cs in self.configs.items():
-            solved = {c: (x.x, u.x, [n.x for n in ns]) for c, x, u, ns in zip(other.configs[m], other.flows[m], other.opened[m], other.counts[m])}
-            for c, x, u, ns in zip(cs, self.flows[m], self.opened[m], self.counts[m]):
-                flow, opened, counts = solved.get(c, (0.0, 0.0, [0.0] * len(ns)))
-                start += [(x, flow), (u, round(opened))] + [(n, round(k)) for n, k in zip(ns, counts)]
-        start += [(y, round(other.physical[key].x) if key in other.physical else 0) for key, y in self.physical.items()]
-        return start
-
-
-@contextlib.contextmanager
-def _c_stdout_silenced() -> Iterator[None]:
-    """Send file descriptor 1 to /dev/null while a C library would write to it."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
 
 def _solver_name(choice: str) -> str:
-    """CBC, or HiGHS when asked for or (``auto``) when python-mip can load it."""
+    """CBC unless HiGHS is asked for: on these pool-sizing MILPs CBC solves faster (docs/plan.md)."""
     import mip
 
-    if choice == "cbc":
+    if choice in ("auto", "cbc"):
         return mip.CBC
     try:
         mip.Model(solver_name=mip.HIGHS)
-        return mip.HIGHS
     except Exception as exc:  # python-mip raises bare Exceptions when highspy is missing or broken
-        if choice == "highs":
-            raise PlanError(f"solver 'highs' is not usable ({exc}); install highspy or use solver 'cbc'") from None
-        return mip.CBC
+        raise PlanError(f"solver 'highs' is not usable ({exc}); install highspy or use solver 'cbc'") from None
+    return mip.HIGHS
 
 
 # -- plan assembly ---------------------------------------------------------------------------

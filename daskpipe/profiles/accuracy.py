@@ -1,10 +1,11 @@
 """How far the analytic estimator is from measured tables, and the fit of its constants.
 
 The published PPipe tables are TensorRT TF32 with their own block mapping, so the comparison is on
-whole-model latency (sum of blocks) per (GPU type, slices v, batch b). Constants are fitted by
-grid search on the mean absolute log error (the per-kernel launch overhead and the memory
-efficiency stay fixed: the data cannot tell them apart from compute efficiency); the reported error is leave-one-model-out: each model
-is predicted with constants fitted on the other models only.
+whole-model latency (sum of blocks) per (GPU type, slices v, batch b). The saturation and one
+compute efficiency per GPU type are fitted by grid search on the mean absolute log error; the
+launch overhead and the memory efficiency stay fixed, as the data cannot tell them apart from the
+compute efficiency. The reported error is leave-one-model-out: each model is predicted with
+constants fitted on the other models only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from daskpipe.profiles.catalog import GPUSpec, load_catalog
-from daskpipe.profiles.estimator import LAUNCH_US, Constants, OpCosts, mape, op_latency_us, roofline_terms, whole_model_costs
+from daskpipe.profiles.estimator import LAUNCH_US, Constants, OpCosts, mape, op_costs, op_latency_us, roofline_terms
 from daskpipe.profiles.loader import load_profiles
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.zoo import REFERENCE_MODELS, build_reference_model
@@ -53,7 +54,6 @@ def fit_constants(entries: Sequence[Entry], catalog: Mapping[str, GPUSpec]) -> C
     if not entries:
         raise ProfileError("no measured entries to fit the estimator on")
     gpus = sorted({e.gpu for e in entries})
-    fixed = Constants(launch_us=LAUNCH_US, saturation=0.0, default_efficiency=0.0)
     best: tuple[float, Constants] | None = None
     for saturation in SATURATION_GRID:
         per_gpu = {}
@@ -62,15 +62,15 @@ def fit_constants(entries: Sequence[Entry], catalog: Mapping[str, GPUSpec]) -> C
             work = []  # [entry, eff]: roofline time without launch overheads
             for e in rows:
                 compute_us, memory_us = roofline_terms(e.costs, catalog[gpu], e.slices, saturation)
-                per_op = np.maximum(compute_us[None, :] / EFFICIENCY_GRID[:, None], memory_us[None, :] / fixed.memory_efficiency)
-                work.append(per_op.sum(axis=1) + fixed.launch_us * len(compute_us))
+                per_op = np.maximum(compute_us[None, :] / EFFICIENCY_GRID[:, None], memory_us[None, :] / Constants.memory_efficiency)
+                work.append(per_op.sum(axis=1) + LAUNCH_US * len(compute_us))
             measured = np.array([e.measured_us for e in rows])
             per_gpu[gpu] = np.abs(np.log(np.array(work) / measured[:, None])).mean(axis=0)  # per efficiency
         loss = float(sum(errors.min() for errors in per_gpu.values()))
         if best is None or loss < best[0]:
             efficiency = {gpu: float(EFFICIENCY_GRID[np.argmin(errors)]) for gpu, errors in per_gpu.items()}
             best = (loss, Constants(
-                launch_us=fixed.launch_us,
+                launch_us=LAUNCH_US,
                 saturation=float(saturation),
                 default_efficiency=float(np.median(list(efficiency.values()))),
                 efficiency=efficiency,
@@ -113,7 +113,7 @@ def estimator_error(
             progress(name)
         with torch.device("meta"):
             module, shape = build_reference_model(name)
-        costs[name] = whole_model_costs(module, shape, range(1, max(profile.max_batch(g) for g in gpus) + 1))
+        costs[name] = op_costs(module, shape, range(1, max(profile.max_batch(g) for g in gpus) + 1))
     entries = collect_entries(profiles, costs, gpus)
 
     held_out: list[tuple[Entry, float]] = []

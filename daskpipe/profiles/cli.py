@@ -6,6 +6,7 @@ Heavy imports (torch, torchvision) happen inside the commands so ``daskpipe --he
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -45,7 +46,21 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-@click.group()
+class ProfileGroup(click.Group):
+    """Turns the package's input errors into one-line CLI errors instead of tracebacks."""
+
+    def invoke(self, ctx: click.Context):
+        from daskpipe.profiles.model import ProfileError
+
+        try:
+            return super().invoke(ctx)
+        except ProfileError as exc:
+            raise click.ClickException(str(exc)) from exc
+        except ValueError as exc:  # SegmentationError and bad arguments to the profiler
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+
+
+@click.group(cls=ProfileGroup)
 def profile() -> None:
     """Measure, estimate, check and show model profiles."""
 
@@ -58,20 +73,21 @@ def profile() -> None:
 @click.option("--device", default="cpu", show_default=True, help="Torch device to time on (cpu, cuda, cuda:1).")
 @click.option("--slices", default=1, show_default=True, help="MPS slice count this process runs in (labels the table).")
 @click.option("--repeats", default=5, show_default=True, help="Timed runs per measurement (median kept).")
+@click.option("--cpu-threads", type=int, default=None, help="Torch intra-op threads when timing on the CPU (1 is stable on a busy machine).")
 @click.option("--slo-us", type=float, default=None, help="Latency SLO in µs [default: 5x the batch-1 latency].")
 @click.option("--estimate", "estimate_gpus", default=None, help="Comma-separated catalog GPU types to add estimated tables for.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Profile JSON to write.")
 def torchvision_command(
     model: str, blocks: int, batch_sizes: str, input_shape: str | None, device: str, slices: int, repeats: int,
-    slo_us: float | None, estimate_gpus: str | None, out: Path,
+    cpu_threads: int | None, slo_us: float | None, estimate_gpus: str | None, out: Path,
 ) -> None:
     """Profile torchvision MODEL (random weights) on the local device, optionally adding estimates."""
     import torch
     import torchvision
     from rich.progress import Progress
 
+    from daskpipe.profiles.catalog import load_catalog
     from daskpipe.profiles.estimator import estimate_profile
-    from daskpipe.profiles.model import Profile
     from daskpipe.profiles.profiler import profile_model
 
     available = torchvision.models.list_models(module=torchvision.models)
@@ -81,6 +97,10 @@ def torchvision_command(
     module = torchvision.models.get_model(model, weights=None, **extra).eval()
     shape = parse_shape(input_shape or DEFAULT_INPUT_SHAPES.get(model, "3,224,224"))
     sizes = parse_batch_sizes(batch_sizes)
+    targets = parse_names(estimate_gpus) or []
+    known = load_catalog()
+    if any(gpu not in known for gpu in targets):
+        raise click.BadParameter(f"--estimate {estimate_gpus!r}: the catalog knows {', '.join(sorted(known))}")
 
     with Progress(transient=True) as bar:
         tasks: dict[str, int] = {}
@@ -92,25 +112,20 @@ def torchvision_command(
 
         measured, blocked = profile_model(
             module, torch.randn(1, *shape), name=model, num_blocks=blocks, batch_sizes=sizes, device=device,
-            slices=slices, slo_us=slo_us, repeats=repeats, progress=report,
+            slices=slices, slo_us=slo_us, repeats=repeats, cpu_threads=cpu_threads, progress=report,
         )
     result = measured
-    if estimate_gpus:
+    if targets:
         estimated = estimate_profile(
-            blocked, gpus=parse_names(estimate_gpus), name=model, batch_sizes=max(sizes), slo_us=measured.slo_us
+            blocked, gpus=targets, name=model, batch_sizes=max(sizes), slo_us=measured.slo_us
         )
-        result = Profile(
-            **{**_fields(measured), "latency_us": {**estimated.latency_us, **measured.latency_us},
-               "meta": {**measured.meta, "estimated": dict(estimated.meta)}}
+        result = replace(
+            measured,
+            latency_us={**estimated.latency_us, **measured.latency_us},
+            meta={**measured.meta, "estimated": dict(estimated.meta)},
         )
     result.save(out)
     click.echo(f"wrote {out}: {model}, {result.num_blocks} blocks, tables {', '.join(f'{g}/v{v}' for g, v in sorted(result.latency_us))}")
-
-
-def _fields(profile) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(profile, f.name) for f in fields(profile)}
 
 
 @profile.command("estimator-error")

@@ -61,10 +61,10 @@ class Constants:
 # `daskpipe profile estimator-error --profiles ../shared/ppipe` prints these as in_sample.constants.
 # GPU types without a fit use the median efficiency, which is a guess: see docs/profiles.md.
 CALIBRATED = Constants(
-    launch_us=2.0,
-    saturation=1024.0,
-    default_efficiency=0.159,
-    efficiency={"L4": 0.1334, "P4": 0.1848, "T4": 0.1283, "V100": 0.2929},
+    launch_us=LAUNCH_US,
+    saturation=4096.0,
+    default_efficiency=0.169,
+    efficiency={"L4": 0.0874, "P4": 0.1995, "T4": 0.1386, "V100": 0.3224},
 )
 
 
@@ -99,15 +99,20 @@ class _OpRecorder(FlopCounterMode):
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
-def op_costs(block: nn.Module, input_shape: Sequence[int], batch: int, precision: Precision = "tf32") -> OpCosts:
-    """What ``block`` does to a batch of ``batch`` inputs of per-sample ``input_shape``, op by op."""
+def op_costs(
+    block: nn.Module, input_shape: Sequence[int], batches: Iterable[int], precision: Precision = "tf32"
+) -> dict[int, OpCosts]:
+    """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op."""
     on_meta = copy.deepcopy(block).to("meta").eval()
-    recorder = _OpRecorder()
-    with torch.inference_mode(), recorder:
-        on_meta(torch.empty((batch, *input_shape), device="meta"))
-    ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
     scale = 0.5 if precision == "fp16" else 1.0  # meta tensors are fp32
-    return OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * scale, outputs=ops[:, 2])
+    costs = {}
+    for batch in batches:
+        recorder = _OpRecorder()
+        with torch.inference_mode(), recorder:
+            on_meta(torch.empty((batch, *input_shape), device="meta"))
+        ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
+        costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * scale, outputs=ops[:, 2])
+    return costs
 
 
 def peak_tflops(spec: GPUSpec, precision: Precision) -> float:
@@ -167,9 +172,9 @@ def estimate_profile(
         module_or_blocked, example_input, num_blocks, catalog[gpus[0]], constants, precision
     )
     costs = {
-        (i, b): op_costs(block, _block_input(blocked, i), b, precision)
+        (i, b): block_costs
         for i, block in enumerate(blocked.blocks)
-        for b in range(1, max_batch + 1)
+        for b, block_costs in op_costs(block, _block_input(blocked, i), range(1, max_batch + 1), precision).items()
     }
     tables = {}
     for gpu in gpus:
@@ -215,15 +220,10 @@ def _cut_by_estimate(
         raise ProfileError(f"model has only {segmented.num_segments} cut segments; ask for at most that many blocks")
     segments = segmented.segments()
     latency = [
-        op_latency_us(op_costs(block, _block_input(segments, i), 1, precision), spec, 1, constants, precision)
+        op_latency_us(op_costs(block, _block_input(segments, i), [1], precision)[1], spec, 1, constants, precision)
         for i, block in enumerate(segments.blocks)
     ]
     return segmented.cut(greedy_blocks(np.asarray(latency), num_blocks))
-
-
-def whole_model_costs(module: nn.Module, input_shape: Sequence[int], batch_sizes: Iterable[int], precision: Precision = "tf32") -> dict[int, OpCosts]:
-    """Op costs of the whole model per batch size (no cutting needed to compare model totals)."""
-    return {b: op_costs(module, input_shape, b, precision) for b in batch_sizes}
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from daskpipe.plan.prepartition import greedy_blocks
-from daskpipe.profiles.fx import BlockedModel, segment_model
+from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
 from daskpipe.profiles.model import Profile
 
 SLO_FACTOR = 5.0  # PPipe: the SLO is 5x the whole model's batch-1 latency
@@ -71,6 +72,7 @@ def profile_model(
     slo_us: float | None = None,
     repeats: int = 5,
     warmup: int = 2,
+    cpu_threads: int | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, BlockedModel]:
     """Cut ``module`` into ``num_blocks`` blocks of ~equal runtime and time each at each batch size.
@@ -78,23 +80,49 @@ def profile_model(
     ``slices`` only labels the table: running inside a 1/v MPS share (the worker sets
     ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) is the caller's job. Batch sizes missing from a sparse
     ``batch_sizes`` are interpolated linearly (listed in ``meta["interpolated_batch_sizes"]``).
+    ``cpu_threads`` pins torch's intra-op threads while timing on the CPU: on a busy machine the
+    spinning OpenMP threads of a multi-threaded run inflate timings by 10x and more, so 1 is the
+    stable choice there. The blocks share their parameters with ``module`` and come back on the CPU.
     """
     if slices < 1:
         raise ValueError(f"slices must be >= 1, got {slices}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
     measured = sorted(set(normalise_batch_sizes(batch_sizes)) | {1})
     device = torch.device(device)
     gpu_type = gpu_type or device_gpu_type(device)
     module = module.eval()
-    example = example_input[:1]
-    segmented = segment_model(module, example)
+    home = next(module.parameters(), example_input).device
+    segmented = segment_model(module, example_input[:1].to(home))
     if segmented.num_segments < num_blocks:
         raise ValueError(
             f"{name}: has only {segmented.num_segments} single-tensor cut segments; ask for at most that many blocks"
         )
     report = progress or (lambda stage, done, total: None)
+    with _intra_op_threads(cpu_threads if device.type == "cpu" else None):
+        profile, blocked = _measure(segmented, name, num_blocks, measured, device, gpu_type, slices, slo_us, repeats, warmup, report)
+    return profile, blocked.to("cpu")
 
+
+@contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _measure(
+    segmented: SegmentedModel, name: str, num_blocks: int, measured: list[int], device: torch.device, gpu_type: str,
+    slices: int, slo_us: float | None, repeats: int, warmup: int, report: Progress,
+) -> tuple[Profile, BlockedModel]:
     segments = segmented.segments().to(device)
     segment_us = []
     for i, block in enumerate(segments.blocks):
@@ -118,6 +146,7 @@ def profile_model(
         "profiler": "daskpipe.profiles.profiler (torch eager, fp32)",
         "device": str(device),
         "repeats": repeats,
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "measured_batch_sizes": measured,
         "segment_boundaries": blocked.segment_boundaries,
         "segment_latency_us": segment_us,
@@ -136,7 +165,7 @@ def profile_model(
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta=meta,
     )
-    return profile, blocked.to("cpu")
+    return profile, blocked
 
 
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device) -> torch.Tensor:

@@ -75,6 +75,9 @@ def emulated_slots(
 class EmulatedCluster(LocalCluster):
     """A ``LocalCluster`` whose workers are emulated GPU slots following daskpipe's worker contract.
 
+    Its scheduler preloads ``daskpipe`` (as ``dask scheduler --preload daskpipe`` does), so the
+    scheduler plugin is there before the first client connects.
+
     Parameters
     ----------
     gpus : mapping
@@ -116,12 +119,15 @@ class EmulatedCluster(LocalCluster):
     ):
         self.slots = emulated_slots(gpus, slices=slices, servers=servers)
         kwargs.setdefault("memory_limit", equal_memory_share(len(self.slots)))
+        scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
+        scheduler_kwargs["preload"] = ["daskpipe", *scheduler_kwargs.get("preload", ())]
         super().__init__(
             n_workers=0,
             threads_per_worker=nthreads,
             processes=processes,
             protocol=resolve_protocol(protocol),
             dashboard_address=dashboard_address,
+            scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
 

@@ -99,6 +99,7 @@ def run_demo(
     if not 0 < load <= 1:
         raise ValueError(f"load must be in (0, 1], got {load!r}")
     console = Console(stderr=True)
+    torch.set_num_threads(1)  # the workers share these cores; oversubscribed OpenMP threads spin
     torch.manual_seed(seed)
     model, frames, references = _model_and_frames(seed)
 

@@ -42,6 +42,11 @@ DispatcherFactory = Callable[..., Dispatcher]
 
 DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher"}
 
+RUNTIME_MARGIN_S = 0.02
+"""What the runtime adds to a batch beyond its planned reservations, in real (undilated) seconds:
+the batch message to the first worker (the scheduler's 5 ms stream batching), the completion
+message back (2 ms), event-loop turns. Dispatchers plan to end this much before the deadline."""
+
 
 def guarded(method: Callable) -> Callable:
     """Handlers and hooks log their own exceptions: a daskpipe bug must never close a client's
@@ -279,7 +284,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.counts["submitted"] += 1
             served.inputs[key] = (payload, int(size))
             served.deadlines[key] = now + slo
-            request = Request(id=key, model=model, arrival=now, deadline=now + slo, size=int(size))
+            request = Request(id=key, model=model, arrival=now, deadline=now + slo - RUNTIME_MARGIN_S, size=int(size))
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         self._arm()
 

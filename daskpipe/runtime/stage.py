@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from dask.sizeof import sizeof
 from distributed import get_worker
 from distributed.protocol import to_serialize
 from torch import nn
@@ -76,16 +77,23 @@ class Stage:
         self.worker = get_worker()
         install(self.worker)
         # on the worker, in the thread that creates the actor: load the partition on the device and
-        # run it once, so the first request does not pay for the move and the lazy kernel set-up
+        # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
+        # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
         self._module = nn.Sequential(*modules).to(self.device).eval()
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
-        self._compute(torch.zeros((1, *input_shape)), cast_fp16=False)
+        self._input_shape = tuple(input_shape)
+        sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
-        """Open the worker-to-worker streams to the next partition's workers before the first batch."""
+        """Open the worker-to-worker streams to the next partition's workers before the first batch.
+
+        The hello carries a feature map like the real ones, so that both ends have been through
+        the tensor (de)serialisation path once.
+        """
+        sample = self._compute(torch.zeros((1, *self._input_shape)), cast_fp16=True)
         for address in peers:
             if address != self.worker.address:
-                self.worker.send_to_worker(address, {"op": messages.HELLO})
+                self.worker.send_to_worker(address, {"op": messages.HELLO, "data": to_serialize(sample)})
         deadline = time.monotonic() + timeout
         while any(self.worker.stream_comms[a].comm is None for a in peers if a != self.worker.address):
             if time.monotonic() > deadline:
@@ -212,7 +220,7 @@ class _BatchHandler:
             report_failure(worker, batch, RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)))
 
 
-def _hello() -> None:
+def _hello(data: Any = None) -> None:
     """A peer opened its stream to this worker (``Stage.connect``); nothing to do."""
 
 

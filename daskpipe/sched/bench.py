@@ -90,7 +90,7 @@ class Outcome:
     dispatched: int = 0
     batches: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
-    late: int = 0  # dispatched requests that finished after their deadline
+    late: int = 0  # requests dispatched to finish after their deadline (as reserved; whole-pipeline dispatches)
     dispatcher_seconds: float = 0.0  # time spent inside the dispatcher's methods
     max_pending_events: int = 0
     dispatches: list[Dispatch] = field(default_factory=list)  # only with record=True
@@ -104,12 +104,16 @@ def drive(
     feedback: bool = True,
     record: bool = False,
     execute: Callable[[Dispatch], list[Feedback]] | None = None,
+    every: int = 0,
+    tick: Callable[[], None] | None = None,
 ) -> Outcome:
     """Feed ``requests`` (in arrival order) to ``dispatcher`` and run what it decides.
 
     Every dispatch is executed by ``execute`` (default: exactly as reserved), whose feedback is
-    delivered at each reported end when ``feedback`` is on. Ends with a drain, so every request
-    is accounted for.
+    delivered at each reported end when ``feedback`` is on. ``tick`` is called after every
+    ``every`` submissions, outside the timed sections (the bench samples its reference cost
+    there, so that both see the same machine load). Ends with a drain, so every request is
+    accounted for.
     """
     execute = execute or exact_feedback
     outcome = Outcome()
@@ -120,6 +124,9 @@ def drive(
     arrivals = iter(requests)
     request = next(arrivals, None)
     spent = 0.0
+    submitted = 0
+    if tick is not None and every < 1:
+        raise ValueError(f"every must be >= 1 when a tick is given, got {every}")
 
     def handle(actions: list) -> None:
         for action in actions:
@@ -157,6 +164,11 @@ def drive(
         else:
             start = clock()
             actions = dispatcher.submit(request, t_arrival)
+            submitted += 1
+            if tick is not None and submitted % every == 0:
+                spent += clock() - start
+                tick()
+                start = clock()
             request = next(arrivals, None)
         spent += clock() - start
         if actions:
@@ -176,6 +188,9 @@ def exact_feedback(dispatch: Dispatch) -> list[Feedback]:
             out.append(Feedback(dispatch.id, hop.partition, "transfer", hop.transfer_in[0].start, hop.transfer_in[0].end))
         out.append(Feedback(dispatch.id, hop.partition, "compute", hop.compute.start, hop.compute.end))
     return out
+
+
+_REFERENCE_HEAP = 1024  # entries: about the pending events of a simulator of this cluster
 
 
 def heap_pair_us(size: int, pairs: int = 200_000, seed: int = 0) -> float:
@@ -204,10 +219,17 @@ def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | Non
     placement = place(plan)[model.name]
     dispatcher = PPipeDispatcher(model, placement, profile, bw_gbps=plan.cluster["bw_gbps"], settings=settings)
     rate = model.throughput * load
+    pairs: list[float] = []
+
+    def sample() -> None:  # the reference cost, under the same load as the run around it
+        pairs.append(heap_pair_us(_REFERENCE_HEAP, pairs=20_000, seed=len(pairs)))
+
     wall = time.perf_counter()
-    outcome = drive(dispatcher, poisson_arrivals(model.name, rate, model.slo_us * 1e-6, requests, seed))
+    sample()
+    outcome = drive(dispatcher, poisson_arrivals(model.name, rate, model.slo_us * 1e-6, requests, seed), every=max(requests // 20, 1), tick=sample)
+    sample()
     wall = time.perf_counter() - wall
-    pair = heap_pair_us(outcome.max_pending_events)
+    pair = sum(pairs) / len(pairs)
     us_per_request = outcome.dispatcher_seconds / requests * 1e6
     return {
         "requests": requests,
@@ -219,6 +241,9 @@ def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | Non
         "requests_per_second": requests / outcome.dispatcher_seconds,
         "us_per_request": us_per_request,
         "heap_pair_us": pair,
+        "heap_pair_samples": len(pairs),
+        "heap_size": _REFERENCE_HEAP,
+        "max_pending_events": outcome.max_pending_events,
         "ratio": us_per_request / pair,
         "wall_seconds": wall,
         "probes_per_batch": dispatcher.stats.probes / max(outcome.batches, 1),

@@ -15,27 +15,32 @@ wake, feedback that changed a table) it repeats Algorithm 1 while requests are q
 stage first; for every stage after the first it reserves the sender's uplink and the receiver's
 downlink together, then the receiver's slot. It reads the tables and changes nothing.
 
-Complexity. A pool keeps its slots in a sorted list by the time their last reservation ends.
-``probe`` scans that list in order and stops as soon as no later slot can finish sooner: with
-append timelines that is when the next slot's tail is past the best finish, with gap timelines
-when the best reaches the stage's lower bound (its inputs ready, the sender's uplink free).
-The usual scan is 1-2 slots, so a probe costs O(partitions · log pool) and a dispatched batch
-O(pipelines + planned batch size) probes, amortised over its requests; the queue is a heap, so a
-request costs O(log queue) plus its share of its batch. A gap timeline whose every slot is busy
-past the bound degrades to scanning the pool (O(pool)).
+Complexity. A pool keeps its slots in a list sorted (by bisect) on the time their last
+reservation ends; slots with a gap that could take the pool's shortest batch (gap timelines only)
+sort first. ``probe`` scans that list in order and stops as soon as no later slot can finish
+sooner: the next slot's tail is past the best finish, or the best meets the stage's lower bound
+(inputs ready, sender uplink free). The usual scan is 1-2 slots, so a probe costs
+O(partitions · log pool) and a dispatched batch about 3 probes (at most pipelines + planned batch
+size), amortised over its requests; the queue is a heap, so a request costs O(log queue) plus
+its share of its batch. Gaps that cannot be filled, as every slot of a pool holding one, would
+make a scan O(pool).
 
 Between two runs the chosen pipeline and batch size are held: an arrival that leaves the queue
-short of the batch, before the last moment, only queues (O(log n)); ``reevaluate_on_arrival``
-re-runs Algorithm 1 on every arrival instead, as the artifact does.
+short of the batch, before the last moment, only queues (O(log n)), and the arrival that fills
+the batch skips Step 1; ``reevaluate_on_arrival`` re-runs Algorithm 1 on every arrival instead,
+as the artifact does.
+
+Elasticity: ``remove_slot`` (a lost worker: its pending reservations are released, pipelines
+left with an empty pool retire) and ``add_slot`` (a pool grows).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from itertools import count
-from sortedcontainers import SortedList
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.profiles.model import Profile
@@ -134,7 +139,7 @@ class _Stage:
         self.ul = ul  # uplink resource of each slot's server
         self.dl = dl
         self.keys: list[tuple[Time, int]] = [(NEVER, i) for i in range(len(slots))]
-        self.order = SortedList(self.keys)
+        self.order = sorted(self.keys)  # kept sorted with bisect: pools are small, a memmove is cheap
         self.gappy: set[int] = set()  # slots keyed NEVER: a gap before their tail fits the shortest batch
         self.compute = compute  # seconds by batch size (index 0 unused)
         self.transfer = transfer  # seconds to bring the input feature map in, by batch size (0 for the first stage)
@@ -205,10 +210,9 @@ class PPipeDispatcher(Dispatcher):
         self._shortest_batch = min((stage.compute[1] for stage in self._stages), default=0.0)
         self._gaps_checked_at = NEVER
         self._earliest = self.timeline.earliest
+        self._gap_tables = self.timeline.mode == "gaps"  # append tables have no gaps to track
         self._earliest_pair = self.timeline.earliest_pair
-        self._max_batch = max((p.batch_size for p in self._pipes), default=0)
-        # admission: least pure work of a batch of s samples over the pipelines that can hold it
-        self._min_work = [min((p.work[s] for p in self._pipes if p.batch_size >= s), default=INF) for s in range(self._max_batch + 1)]
+        self._refresh_capacity()
         self._queue: list[tuple[Time, int, Request]] = []  # heap by (deadline, arrival order)
         self._queued_samples = 0
         self._seq = count()
@@ -216,8 +220,7 @@ class PPipeDispatcher(Dispatcher):
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
-        self._corrections = 0  # feedback that changed a table; until one does, on-time feedback is skipped
-        self._live: dict[int, tuple[tuple[Hop, ...], int]] = {}  # dispatch id -> (hops, corrections then), until feedback is complete
+        self._live: dict[int, tuple[tuple[Hop, ...], int]] = {}  # dispatch id -> (hops, timeline corrections then), until feedback is complete
         self._live_order: deque[tuple[Time, int]] = deque()  # (planned finish, dispatch id), for pruning
 
     # -- construction --------------------------------------------------------------------------
@@ -243,7 +246,7 @@ class PPipeDispatcher(Dispatcher):
         stats.submitted += 1
         size = request.size
         if size > self._max_batch:
-            detail = "the plan gives this model no pipeline" if not self._pipes else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            detail = "no pipeline of this model has slots in every pool" if not self._active else f"size {size} exceeds the largest planned batch ({self._max_batch})"
             return [self._drop(request, "no-capacity", detail)]
         if now + self._min_work[size] > request.deadline:
             return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
@@ -282,7 +285,7 @@ class PPipeDispatcher(Dispatcher):
         hop = hops[fb.partition]
         last = fb.partition == len(hops) - 1 and fb.kind == "compute"
         planned = hop.compute if fb.kind == "compute" else hop.transfer_in[0] if hop.transfer_in is not None else None
-        if corrections_then == self._corrections and planned is not None and planned.start == fb.start and planned.end == fb.end:
+        if corrections_then == self.timeline.corrections and planned is not None and planned.start == fb.start and planned.end == fb.end:
             if last:  # on time, and no correction moved it since it was reserved: nothing to do
                 del self._live[fb.dispatch]
             return []
@@ -304,7 +307,6 @@ class PPipeDispatcher(Dispatcher):
         if not changed:
             return []
         self._epoch += 1
-        self._corrections += 1
         return self._run(now) if self._queue else []
 
     def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
@@ -318,12 +320,94 @@ class PPipeDispatcher(Dispatcher):
     def queued(self) -> int:
         return len(self._queue)
 
+    # -- elasticity ------------------------------------------------------------------------------
+    def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
+        """``slot_id`` is gone (worker lost, or taken away): plan nothing more on it.
+
+        Batches already dispatched through it are the executor's to fail or retry; their
+        reservations that have not ended are given back so they block nobody. A pipeline left
+        with an empty pool stops taking requests; queued requests no pipeline can hold any more
+        are dropped with ``reason``. Returns the actions of the re-run of Algorithm 1.
+        """
+        entries = self._slot_entries.pop(slot_id, None)
+        if entries is None:
+            raise ValueError(f"{slot_id!r} is not a slot of {self.model.name!r}'s pools")
+        for stage, i in entries:
+            del stage.order[bisect_left(stage.order, stage.keys[i])]
+            stage.gappy.discard(i)
+        for dispatch_id, (hops, _) in list(self._live.items()):
+            if any(hop.slot == slot_id for hop in hops) and hops[-1].compute.end > now:
+                self._release(dispatch_id, hops)
+        self._refresh_capacity()
+        return self._after_capacity_change(now, reason)
+
+    def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
+        """Grow pool (``pipeline``, ``partition``) by ``slot`` (a new or returning worker)."""
+        if not 0 <= pipeline < len(self._pipes) or not 0 <= partition < len(self._pipes[pipeline].stages):
+            raise ValueError(f"model {self.model.name!r} has no pool (pipeline {pipeline}, partition {partition})")
+        part = self.model.pipelines[pipeline].partitions[partition]
+        if slot.gpu != part.gpu or slot.slices != part.slices:
+            raise ValueError(f"slot {slot.id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}")
+        stage = self._pipes[pipeline].stages[partition]
+        if any(s is stage for s, _ in self._slot_entries.get(slot.id, ())):
+            raise ValueError(f"slot {slot.id!r} is already in pool (pipeline {pipeline}, partition {partition})")
+        i = len(stage.slots)
+        stage.slots.append(slot.id)
+        stage.ul.append(f"{nic_of(slot)}/ul")
+        stage.dl.append(f"{nic_of(slot)}/dl")
+        stage.keys.append((NEVER, i))
+        insort(stage.order, (NEVER, i))
+        self._slot_entries.setdefault(slot.id, []).append((stage, i))
+        self._retail(slot.id)
+        self._refresh_capacity()
+        return self._after_capacity_change(now, "no-capacity")
+
+    def _release(self, dispatch_id: int, hops: tuple[Hop, ...]) -> None:
+        timeline = self.timeline
+        for hop in hops:
+            token = (dispatch_id, hop.partition)
+            if hop.transfer_in is not None:
+                for resv in hop.transfer_in:
+                    timeline.release(resv.resource, resv.start, resv.end, token)
+            timeline.release(hop.slot, hop.compute.start, hop.compute.end, token)
+            if hop.slot in self._slot_entries:
+                self._retail(hop.slot)
+        del self._live[dispatch_id]
+
+    def _refresh_capacity(self) -> None:
+        """Which pipelines can run (every pool has a slot), and what admission may accept."""
+        self._active = [pipe for pipe in self._pipes if all(stage.order for stage in pipe.stages)]
+        self._max_batch = max((p.batch_size for p in self._active), default=0)
+        # least pure work of a batch of s samples over the pipelines that can hold it
+        self._min_work = [min((p.work[s] for p in self._active if p.batch_size >= s), default=INF) for s in range(self._max_batch + 1)]
+
+    def _after_capacity_change(self, now: Time, reason: DropReason) -> list[Action]:
+        self._epoch += 1
+        self._waiting = None
+        actions: list[Action] = []
+        if any(entry[2].size > self._max_batch for entry in self._queue):
+            kept = []
+            for entry in self._queue:
+                if entry[2].size > self._max_batch:
+                    actions.append(self._drop(entry[2], reason, "no pipeline left can hold it"))
+                    self._queued_samples -= entry[2].size
+                    self._looked_at.discard(entry[1])
+                else:
+                    kept.append(entry)
+            heapify(kept)
+            self._queue = kept
+        if self._queue:
+            actions.extend(self._run(now))
+        return actions
+
     # -- probe and reserve (Algorithm 2) ---------------------------------------------------------
     def probe(self, pipeline: int, batch_size: int, now: Time) -> Offer:
         """Where and when a batch of ``batch_size`` samples would run on ``pipeline``; changes nothing."""
         if not 0 <= pipeline < len(self._pipes):
             raise ValueError(f"model {self.model.name!r} has pipelines 0..{len(self._pipes) - 1}, not {pipeline}")
         pipe = self._pipes[pipeline]
+        if pipe not in self._active:
+            raise ValueError(f"pipeline {pipeline} has a pool with no slot left")
         if not 1 <= batch_size <= pipe.batch_size:
             raise ValueError(f"pipeline {pipeline} takes batch sizes 1..{pipe.batch_size}, not {batch_size}")
         finish, path = self._probe(pipe, batch_size, now)
@@ -331,8 +415,11 @@ class PPipeDispatcher(Dispatcher):
 
     def reserve(self, offer: Offer, dispatch_id: int) -> None:
         """Commit ``offer``'s reservations under ``dispatch_id`` (the token feedback refers to)."""
+        self._reserve_hops(offer.hops, dispatch_id)
+
+    def _reserve_hops(self, hops: tuple[Hop, ...], dispatch_id: int) -> None:
         timeline = self.timeline
-        for hop in offer.hops:
+        for hop in hops:
             token = (dispatch_id, hop.partition)
             if hop.transfer_in is not None:
                 for resv in hop.transfer_in:
@@ -405,12 +492,13 @@ class PPipeDispatcher(Dispatcher):
         timeline = self.timeline
         tail = timeline.tail(slot_id)
         for stage, i in self._slot_entries[slot_id]:
-            gappy = timeline.has_gap(slot_id, stage.compute[1])
+            gappy = self._gap_tables and timeline.has_gap(slot_id, stage.compute[1])
             key = (NEVER if gappy else tail, i)
             if key != stage.keys[i]:
-                stage.order.remove(stage.keys[i])
+                order = stage.order
+                del order[bisect_left(order, stage.keys[i])]
+                insort(order, key)
                 stage.keys[i] = key
-                stage.order.add(key)
             if gappy:
                 stage.gappy.add(i)
             else:
@@ -418,9 +506,7 @@ class PPipeDispatcher(Dispatcher):
 
     def _refresh_gaps(self, now: Time) -> None:
         """Gaps close as the horizon passes them: re-key slots whose gaps are all behind it.
-        Checked at most once per shortest batch time (a stale entry only costs a longer scan)."""
-        if now < self._gaps_checked_at + self._shortest_batch:
-            return
+        Called at most once per shortest batch time (a stale entry only costs a longer scan)."""
         self._gaps_checked_at = now
         for stage in self._stages:
             for i in list(stage.gappy):
@@ -433,8 +519,10 @@ class PPipeDispatcher(Dispatcher):
         actions: list[Action] = []
         self._waiting = None
         self.timeline.advance(now)
-        self._forget_old(now)
-        self._refresh_gaps(now)
+        if self._live_order and self._live_order[0][0] < now - self.settings.feedback_horizon_s:
+            self._forget_old(now)
+        if now >= self._gaps_checked_at + self._shortest_batch:
+            self._refresh_gaps(now)
         queue = self._queue
         settings = self.settings
         probe = self._probe
@@ -478,7 +566,7 @@ class PPipeDispatcher(Dispatcher):
         best: tuple[_Pipe, Time, list[tuple[int, Time, Time]]] | None = None
         best_wait = INF
         penalty = self.settings.bs1_penalty
-        for pipe in self._pipes:
+        for pipe in self._active:
             bs = pipe.batch_size
             if bs < size:
                 continue
@@ -495,21 +583,26 @@ class PPipeDispatcher(Dispatcher):
     def _dispatch(self, pipe: _Pipe, bs: int, finish: Time, path: list[tuple[int, Time, Time]], now: Time) -> Dispatch:
         """Reserve ``path`` and send the head's batch (requests in deadline order, none split)."""
         queue = self._queue
-        requests = [self._pop()]
-        taken = requests[0].size
+        looked_at = self._looked_at
+        requests = []
+        taken = 0
         while queue and taken + queue[0][2].size <= bs:
-            request = self._pop()
+            _, seq, request = heappop(queue)
             requests.append(request)
             taken += request.size
+            if looked_at:
+                looked_at.discard(seq)
+        self._queued_samples -= taken
         if taken != bs:  # fewer samples than probed (short queue, or sizes that do not add up)
             finish, path = self._probe(pipe, taken, now)
         dispatch_id = next(self._dispatch_ids)
         hops = self._hops(pipe, taken, path)
-        self.reserve(Offer(pipe.index, taken, finish, finish - now - pipe.work[taken], hops), dispatch_id)
-        self._live[dispatch_id] = (hops, self._corrections)
+        self._reserve_hops(hops, dispatch_id)
+        self._live[dispatch_id] = (hops, self.timeline.corrections)
         self._live_order.append((finish, dispatch_id))
-        self.stats.dispatched_batches += 1
-        self.stats.dispatched_requests += len(requests)
+        stats = self.stats
+        stats.dispatched_batches += 1
+        stats.dispatched_requests += len(requests)
         return Dispatch(dispatch_id, self.model.name, pipe.index, taken, requests, hops)
 
     def _pop(self) -> Request:

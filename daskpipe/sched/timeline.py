@@ -6,8 +6,9 @@ simulator keeps one "reserved till" stamp per resource and only appends (digest 
 here, behind one interface, so the dispatcher can run either and the difference can be measured:
 
 * :class:`GapTimeline` — sorted interval lists; ``earliest_slot`` back-fills gaps. Intervals that
-  ended before the horizon (``advance(now)``) are pruned whenever their resource is touched, so
-  memory is bounded by the reservations still in the future.
+  ended before the horizon (``advance(now)``) are pruned when their resource is looked up for a
+  change, or reserved while it holds 8 intervals, so memory is bounded by the reservations still
+  in the future plus 8 per resource.
 * :class:`AppendTimeline` — one stamp per resource; a new reservation starts at or after it. O(1)
   everything and constant memory per resource.
 
@@ -28,6 +29,7 @@ TimelineMode = Literal["gaps", "append"]
 TIMELINE_MODES: tuple[str, ...] = ("gaps", "append")
 NEVER = float("-inf")  # the tail of a resource with nothing reserved
 _EPS = 1e-9  # seconds; float noise tolerated when checking that reservations do not overlap
+_PRUNE_AFTER = 8  # intervals a gap table may hold before a reservation prunes the ended ones
 
 
 class Timeline(ABC):
@@ -37,6 +39,9 @@ class Timeline(ABC):
 
     def __init__(self) -> None:
         self.horizon: Time = NEVER
+        self.corrections = 0
+        """How many ``correct`` calls changed a table. Until it moves, every reservation is where
+        it was made, so on-time feedback needs no lookup (shared by all who use the timeline)."""
 
     def advance(self, now: Time) -> None:
         """Nothing will be asked about times before ``now`` any more; older intervals may go."""
@@ -47,13 +52,10 @@ class Timeline(ABC):
     def earliest(self, resource: str, t: Time, duration: Time) -> Time:
         """Earliest start >= ``t`` at which ``resource`` is free for ``duration``."""
 
+    @abstractmethod
     def earliest_pair(self, first: str, second: str, t: Time, duration: Time) -> Time:
-        """Earliest start >= ``t`` at which both resources are free for ``duration`` together."""
-        while True:
-            start = self.earliest(second, self.earliest(first, t, duration), duration)
-            if start == t:
-                return t
-            t = start
+        """Earliest start >= ``t`` at which both resources are free for ``duration`` together
+        (a transfer: the sender's uplink and the receiver's downlink)."""
 
     def earliest_slot(self, resources: Sequence[str], t: Time, duration: Time) -> Time:
         """Earliest start >= ``t`` at which all ``resources`` are free for ``duration`` together."""
@@ -160,6 +162,7 @@ class AppendTimeline(Timeline):
         if new == till:
             return False
         self._till[resource] = new
+        self.corrections += 1
         return True
 
     def has_gap(self, resource: str, length: Time) -> bool:
@@ -219,8 +222,11 @@ class GapTimeline(Timeline):
         return table
 
     def reserve(self, resource: str, start: Time, end: Time, token: Hashable = None) -> None:
-        _check_interval(resource, (start, end))
-        starts, ends, tokens = self._table(resource)
+        if not start <= end:
+            _check_interval(resource, (start, end))
+        table = self._tables.get(resource)
+        # prune by batches of _PRUNE_AFTER intervals: cheaper than on every call, memory still bounded
+        starts, ends, tokens = self._table(resource) if table is None or len(table[0]) >= _PRUNE_AFTER else table
         i = bisect_right(starts, start)
         if (i and ends[i - 1] > start + _EPS) or (i < len(starts) and starts[i] < end - _EPS):
             raise ValueError(f"reservation [{start}, {end}) of {resource!r} overlaps one already held: {self.intervals(resource)}")
@@ -269,6 +275,7 @@ class GapTimeline(Timeline):
                 break
             starts[j] += overlap
             ends[j] += overlap
+        self.corrections += 1
         return True
 
     def has_gap(self, resource: str, length: Time) -> bool:

@@ -21,7 +21,8 @@ def small_cnn() -> nn.Module:
 def test_profile_matches_the_blocked_model(tmp_path):
     module = small_cnn()
     profile, blocked = profile_model(
-        module, torch.randn(1, 3, 16, 16), name="small", num_blocks=3, batch_sizes=(1, 2, 4), repeats=1, warmup=1
+        module, torch.randn(1, 3, 16, 16), name="small", num_blocks=3, batch_sizes=(1, 2, 4), repeats=1, warmup=1,
+        cpu_threads=1,
     )
     assert profile.model == "small" and profile.gpu_types == ["cpu"] and profile.slices("cpu") == [1]
     assert profile.num_blocks == blocked.num_blocks == 3
@@ -40,10 +41,12 @@ def test_profile_matches_the_blocked_model(tmp_path):
 
 
 def test_labels_slices_and_gpu_type_and_keeps_given_slo():
+    threads = torch.get_num_threads()
     profile, _ = profile_model(
         small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=2, gpu_type="L4",
-        slices=2, slo_us=1234.0, repeats=1, warmup=0,
+        slices=2, slo_us=1234.0, repeats=1, warmup=0, cpu_threads=1,
     )
+    assert torch.get_num_threads() == threads and profile.meta["cpu_threads"] == 1
     assert list(profile.latency_us) == [("L4", 2)] and profile.slo_us == 1234.0
     assert "interpolated_batch_sizes" not in profile.meta
 
@@ -51,6 +54,8 @@ def test_labels_slices_and_gpu_type_and_keeps_given_slo():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="at most"):
         profile_model(small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=100, repeats=1)
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+        profile_model(small_cnn(), torch.randn(1, 3, 8, 8), name="small", cpu_threads=0)
     with pytest.raises(ValueError, match="slices must be >= 1"):
         profile_model(small_cnn(), torch.randn(1, 3, 8, 8), name="small", slices=0)
     with pytest.raises(ValueError, match="batch sizes must be integers >= 1"):

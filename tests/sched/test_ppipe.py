@@ -7,12 +7,13 @@ import random
 import numpy as np
 import pytest
 
-from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Feedback, Placement, Request, Slot
 from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
+from daskpipe.sched.timeline import make_timeline
 
 MS = 1e-3
 # per-block latency (ms) at batch 1..4 on GPU A (block 0) and B (block 1)
@@ -44,8 +45,6 @@ def model(*pipelines: Pipeline, slo_ms: float = 200.0) -> ModelPlan:
 
 def dispatcher(plan: ModelPlan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> PPipeDispatcher:
     if placement is None:
-        from daskpipe.plan.schema import Plan
-
         placement = place(Plan(0.0, (plan,)))["m"]
     return PPipeDispatcher(plan, placement, profile(slo_ms), bw_gbps=BW_GBPS, settings=PPipeSettings(**settings))
 
@@ -224,6 +223,8 @@ def test_bad_inputs_are_refused():
         PPipeDispatcher(plan, placement, profile(), bw_gbps=0)
     with pytest.raises(ValueError, match="timeline"):
         PPipeSettings(timeline="lanes")
+    with pytest.raises(ValueError, match="shared timeline is 'append'"):
+        PPipeDispatcher(plan, placement, profile(), bw_gbps=BW_GBPS, timeline=make_timeline("append"))
     with pytest.raises(ValueError, match="max_queued"):
         PPipeSettings(max_queued=0)
 
@@ -319,3 +320,77 @@ def test_noisy_execution_with_feedback_keeps_every_request():
     out = drive(d, requests, record=True, execute=noisy)
     assert out.dispatched + sum(out.dropped.values()) == len(requests)
     assert d.queued == 0
+
+
+def test_golden_fcn_plan_on_measured_profiles(ppipe_dir):
+    """The paper's golden FCN plan (4 V100 + 12 P4, 6 Gbit/s) on the measured profiles: at 80% of
+    its throughput PPipe's data plane drops nothing and is never late; the reactive baseline drops."""
+    from daskpipe.profiles.loader import load_profiles
+    from daskpipe.sched.reactive import ReactiveDispatcher
+
+    profiles = load_profiles(ppipe_dir, ["fcn"])
+    name, prof = next(iter(profiles.items()))
+
+    def part(blocks, gpu, v, vgpus, bs):
+        return Partition(blocks, gpu, v, vgpus, prof.latency(gpu, v, bs, *blocks))
+
+    pipelines = (
+        Pipeline(1, 1051.0, (part((0, 7), "P4", 1, 12, 1), part((7, 10), "V100", 2, 6, 1))),
+        Pipeline(2, 162.0, (part((0, 10), "V100", 1, 1, 2),)),
+    )
+    m = ModelPlan(name, prof.slo_us, 1.0, 1213.0, pipelines)
+    plan = Plan(1213.0, (m,), cluster={"gpus": {"V100": 4, "P4": 12}, "gpus_per_server": {"V100": 2, "P4": 1}, "bw_gbps": 6})
+    placement = place(plan)[name]
+    requests = list(poisson_arrivals(name, 0.8 * m.throughput, m.slo_us * 1e-6, 5000, seed=1))
+    d = PPipeDispatcher(m, placement, prof, bw_gbps=6)
+    _check_run(d, requests)
+    assert not d.stats.dropped
+    reactive = ReactiveDispatcher(m, placement, prof, bw_gbps=6)
+    out = drive(reactive, requests)
+    assert sum(out.dropped.values()) > 0
+
+
+# -- elasticity ------------------------------------------------------------------------------------------
+def test_remove_slot_releases_in_flight_reservations_and_retires_empty_pipelines():
+    plan = model(whole("A", bs=1), split((1, 1), bs=1))
+    d = dispatcher(plan)
+    a_whole, a_split, b_split = d.placement.pools[(0, 0)][0], d.placement.pools[(1, 0)][0], d.placement.pools[(1, 1)][0]
+    [first] = d.submit(req(0, 0.0), 0.0)
+    [second] = d.submit(req(1, 0.0), 0.0)
+    assert {first.pipeline, second.pipeline} == {0, 1}
+    split_batch = first if first.pipeline == 1 else second
+    assert d.remove_slot(b_split, 0.001) == []
+    assert d.timeline.intervals(a_split) == []  # the split batch cannot finish: its reservations went back
+    assert d.timeline.intervals(f"{d.placement.slots[a_split].server}/ul") == []
+    with pytest.raises(ValueError, match="no slot left"):
+        d.probe(1, 1, 0.001)
+    [third] = d.submit(req(2, 0.001), 0.001)
+    assert third.pipeline == 0 and split_batch.id not in d._live
+    with pytest.raises(ValueError, match="not a slot"):
+        d.remove_slot(b_split, 0.002)
+    [fourth] = d.submit(req(3, 0.002), 0.002)  # batch size 1: sent at once
+    assert d.remove_slot(a_whole, 0.003) == [] and fourth.id not in d._live
+    [drop] = d.submit(req(4, 0.003), 0.003)  # no pipeline left
+    assert drop.reason == "no-capacity"
+
+
+def test_remove_slot_drops_queued_requests_no_pipeline_can_take():
+    d = dispatcher(model(whole("A", bs=4)))
+    d.submit(req(0, 0.0), 0.0)
+    [drop] = d.remove_slot(d.placement.pools[(0, 0)][0], 0.001)
+    assert drop.reason == "worker-lost" and d.queued == 0 and d.next_wake() is None
+
+
+def test_add_slot_grows_a_pool():
+    plan = model(whole("A", bs=1))
+    d = dispatcher(plan)
+    [first] = d.submit(req(0, 0.0), 0.0)
+    assert d.add_slot(Slot("extra", "A", 1, "srv9"), 0, 0, 0.0) == []
+    [second] = d.submit(req(1, 0.0), 0.0)
+    assert second.hops[0].slot == "extra" and second.hops[0].compute.start == 0.0
+    with pytest.raises(ValueError, match="already in pool"):
+        d.add_slot(Slot("extra", "A", 1, "srv9"), 0, 0, 0.0)
+    with pytest.raises(ValueError, match="needs A/v1"):
+        d.add_slot(Slot("b", "B", 1, "srv9"), 0, 0, 0.0)
+    with pytest.raises(ValueError, match="no pool"):
+        d.add_slot(Slot("c", "A", 1, "srv9"), 0, 1, 0.0)

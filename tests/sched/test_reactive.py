@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from daskpipe.plan.schema import Plan
 from daskpipe.sched.api import Feedback, Placement
 from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
@@ -13,8 +16,6 @@ from tests.sched.test_ppipe import BW_GBPS, MS, fig5, model, profile, req, whole
 
 def reactive(plan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> ReactiveDispatcher:
     if placement is None:
-        from daskpipe.plan.schema import Plan
-
         placement = place(Plan(0.0, (plan,)))["m"]
     return ReactiveDispatcher(plan, placement, profile(slo_ms), bw_gbps=BW_GBPS, settings=ReactiveSettings(**settings))
 
@@ -48,8 +49,6 @@ def test_budget_keeps_downstream_slack_and_first_look_drops():
 
 
 def test_weighted_round_robin_follows_planned_throughput():
-    from dataclasses import replace
-
     plan = model(replace(whole("A"), throughput=300.0), replace(whole("B"), throughput=100.0))
     d = reactive(plan, first_look_drop=False)
     pipelines = []
