@@ -23,7 +23,7 @@ from daskpipe.profiles.loader import load_profiles
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.zoo import REFERENCE_MODELS, build_reference_model
 
-SATURATION_GRID = np.array([64.0, 256.0, 1024.0, 4096.0, 16384.0])
+SATURATION_GRID = np.array([256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0])
 EFFICIENCY_GRID = np.geomspace(0.01, 1.0, 241)
 
 

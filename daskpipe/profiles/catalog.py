@@ -37,6 +37,7 @@ class GPUSpec:
     sm_count: int
     memory_gb: float
     pcie_gen: int
+    mps_slicing: bool = True  # MPS execution-resource provisioning (Volta and later): 1/v slices exist
     aliases: tuple[str, ...] = ()
 
     @property
@@ -101,6 +102,9 @@ def _spec(name: str, entry: Any, where: str) -> GPUSpec:
     tf32 = entry.get("tf32_tflops")
     if tf32 is not None and (not isinstance(tf32, (int, float)) or tf32 <= 0):
         raise ProfileError(f"{where}.tf32_tflops: expected a positive number or null, got {tf32!r}")
+    mps_slicing = entry.get("mps_slicing", True)
+    if not isinstance(mps_slicing, bool):
+        raise ProfileError(f"{where}.mps_slicing: expected true or false, got {mps_slicing!r}")
     aliases = entry.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ProfileError(f"{where}.aliases: expected a list of names")
@@ -114,5 +118,6 @@ def _spec(name: str, entry: Any, where: str) -> GPUSpec:
         sm_count=int(entry["sm_count"]),
         memory_gb=float(entry["memory_gb"]),
         pcie_gen=int(entry["pcie_gen"]),
+        mps_slicing=mps_slicing,
         aliases=tuple(aliases),
     )

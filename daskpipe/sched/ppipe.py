@@ -191,12 +191,7 @@ class PPipeDispatcher(Dispatcher):
         timeline: Timeline | None = None,
     ):
         self.settings = settings or PPipeSettings()
-        if placement.model != model.name:
-            raise ValueError(f"placement is for model {placement.model!r}, the plan for {model.name!r}")
-        if profile.model != model.name:
-            raise ValueError(f"profile is of model {profile.model!r}, the plan of {model.name!r}")
-        if not bw_gbps > 0:
-            raise ValueError(f"bw_gbps must be > 0, got {bw_gbps!r}")
+        check_inputs(model, placement, profile, bw_gbps)
         if timeline is not None and timeline.mode != self.settings.timeline:
             raise ValueError(f"the shared timeline is {timeline.mode!r} but settings ask for {self.settings.timeline!r}")
         self.model = model
@@ -221,7 +216,7 @@ class PPipeDispatcher(Dispatcher):
         self._waiting: _Waiting | None = None
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
         self._live: dict[int, tuple[tuple[Hop, ...], int]] = {}  # dispatch id -> (hops, timeline corrections then), until feedback is complete
-        self._live_order: deque[tuple[Time, int]] = deque()  # (planned finish, dispatch id), for pruning
+        self._live_order: deque[int] = deque()  # dispatch ids in dispatch order, to forget old records
 
     # -- construction --------------------------------------------------------------------------
     def _build_pipe(self, pi: int, pipeline: Pipeline, profile: Profile, bw_gbps: float) -> _Pipe:
@@ -519,7 +514,7 @@ class PPipeDispatcher(Dispatcher):
         actions: list[Action] = []
         self._waiting = None
         self.timeline.advance(now)
-        if self._live_order and self._live_order[0][0] < now - self.settings.feedback_horizon_s:
+        if self._live_order:
             self._forget_old(now)
         if now >= self._gaps_checked_at + self._shortest_batch:
             self._refresh_gaps(now)
@@ -599,7 +594,7 @@ class PPipeDispatcher(Dispatcher):
         hops = self._hops(pipe, taken, path)
         self._reserve_hops(hops, dispatch_id)
         self._live[dispatch_id] = (hops, self.timeline.corrections)
-        self._live_order.append((finish, dispatch_id))
+        self._live_order.append(dispatch_id)
         stats = self.stats
         stats.dispatched_batches += 1
         stats.dispatched_requests += len(requests)
@@ -613,15 +608,21 @@ class PPipeDispatcher(Dispatcher):
         return request
 
     def _drop(self, request: Request, reason: DropReason, detail: str) -> Drop:
-        dropped = self.stats.dropped
-        dropped[reason] = dropped.get(reason, 0) + 1
-        return Drop(request, reason, detail)
+        return counted_drop(self.stats, request, reason, detail)
 
     def _forget_old(self, now: Time) -> None:
+        """Drop the ids of finished dispatches from the front of the order, and the records of
+        those whose feedback is overdue by the horizon."""
         order = self._live_order
+        live = self._live
         horizon = now - self.settings.feedback_horizon_s
-        while order and order[0][0] < horizon:
-            self._live.pop(order.popleft()[1], None)
+        while order:
+            record = live.get(order[0])
+            if record is not None:
+                if record[0][-1].compute.end >= horizon:
+                    break
+                del live[order[0]]
+            order.popleft()
 
 
 # -- shared with the reactive baseline ---------------------------------------------------------------
@@ -670,3 +671,19 @@ def check_request(request: Request, model: str) -> None:
         raise ValueError(f"request {request.id!r} enters at block {request.start_block}; pooled pipelines serve whole models (start_block 0)")
     if isinstance(request.size, bool) or not isinstance(request.size, int) or request.size < 1:
         raise ValueError(f"request {request.id!r} has size {request.size!r}; it must be an integer >= 1")
+
+
+def check_inputs(model: ModelPlan, placement: Placement, profile: Profile, bw_gbps: float) -> None:
+    """Refuse a placement, profile or bandwidth that does not belong with ``model``'s plan."""
+    if placement.model != model.name:
+        raise ValueError(f"placement is for model {placement.model!r}, the plan for {model.name!r}")
+    if profile.model != model.name:
+        raise ValueError(f"profile is of model {profile.model!r}, the plan of {model.name!r}")
+    if not bw_gbps > 0:
+        raise ValueError(f"bw_gbps must be > 0, got {bw_gbps!r}")
+
+
+def counted_drop(stats: Stats, request: Request, reason: DropReason, detail: str) -> Drop:
+    """A ``Drop``, counted in ``stats`` under its reason."""
+    stats.dropped[reason] = stats.dropped.get(reason, 0) + 1
+    return Drop(request, reason, detail)

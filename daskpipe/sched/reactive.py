@@ -29,7 +29,7 @@ from itertools import count
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Action, Dispatch, Dispatcher, Drop, DropReason, Feedback, Hop, Placement, Request, Reservation, Stats, Time
-from daskpipe.sched.ppipe import INF, check_request, latency_tables, nic_of, pool_slots
+from daskpipe.sched.ppipe import INF, check_inputs, check_request, counted_drop, latency_tables, nic_of, pool_slots
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,13 @@ class ReactiveDispatcher(Dispatcher):
 
     def __init__(self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: ReactiveSettings | None = None):
         self.settings = settings or ReactiveSettings()
-        if placement.model != model.name:
-            raise ValueError(f"placement is for model {placement.model!r}, the plan for {model.name!r}")
-        if profile.model != model.name:
-            raise ValueError(f"profile is of model {profile.model!r}, the plan of {model.name!r}")
-        if not bw_gbps > 0:
-            raise ValueError(f"bw_gbps must be > 0, got {bw_gbps!r}")
+        check_inputs(model, placement, profile, bw_gbps)
         self.model = model
         self.placement = placement
         self.stats = Stats()
         self._entry: list[_Pool] = []  # first pool of each pipeline
         self._pools: list[_Pool] = []
+        work: list[list[float]] = []  # pure work of each pipeline by batch size
         for pi, pipeline in enumerate(model.pipelines):
             bs = pipeline.batch_size
             chain = []
@@ -105,14 +101,12 @@ class ReactiveDispatcher(Dispatcher):
                 upstream.next = pool
             self._entry.append(chain[0])
             self._pools.extend(chain)
+            work.append([sum(pool.compute[b] + pool.transfer[b] for pool in chain) for b in range(bs + 1)])
         total = sum(p.throughput for p in model.pipelines)
         self._weights = [p.throughput / total if total > 0 else 1.0 for p in model.pipelines]
         self._assigned = [0] * len(model.pipelines)
         self._max_batch = max((p.batch_size for p in model.pipelines), default=0)
-        self._min_work = [
-            min((sum(q.compute[s] + q.transfer[s] for q in self._pools if q.pipeline == e.pipeline) for e in self._entry if e.batch_size >= s), default=INF)
-            for s in range(self._max_batch + 1)
-        ]
+        self._min_work = [min((w[s] for w in work if len(w) > s), default=INF) for s in range(self._max_batch + 1)]
         self._seq = count()
         self._dispatch_ids = count()
         self._looked_at: set[int] = set()
@@ -254,6 +248,4 @@ class ReactiveDispatcher(Dispatcher):
         return Dispatch(dispatch_id, self.model.name, pool.pipeline, taken, requests, (hop,))
 
     def _drop(self, request: Request, reason: DropReason, detail: str) -> Drop:
-        dropped = self.stats.dropped
-        dropped[reason] = dropped.get(reason, 0) + 1
-        return Drop(request, reason, detail)
+        return counted_drop(self.stats, request, reason, detail)

@@ -47,6 +47,7 @@ def test_estimate_profile_of_a_module_and_of_measured_blocks():
     assert estimated.gpu_types == ["A10", "T4"] and estimated.slices("T4") == [1, 2, 3, 4]
     assert [estimated.max_batch("T4", v) for v in (1, 2, 3, 4)] == [8, 4, 2, 2]
     assert estimated.slo_us == pytest.approx(5 * estimated.latency("A10", 1, 1))
+    assert estimate_profile(module, x, gpus=["P4"], name="conv", num_blocks=3).slices("P4") == [1]  # no MPS slicing
     for v in (1, 2):
         table = estimated.table("T4", v)
         assert np.all(np.diff(table, axis=1) >= 0)  # bigger batches never get faster
@@ -87,3 +88,12 @@ def test_error_report_against_published_tables(ppipe_dir, tmp_path):
 def test_error_report_refuses_models_without_a_build(ppipe_dir):
     with pytest.raises(ProfileError, match="no torchvision build for .*fcn"):
         estimator_error(ppipe_dir, ["fcn", "repvgg-b3"])
+
+
+def test_calibrated_constants_reproduce_from_published_tables(ppipe_dir):
+    from daskpipe.profiles.zoo import REFERENCE_MODELS
+
+    fitted = estimator_error(ppipe_dir, list(REFERENCE_MODELS))["in_sample"]["constants"]
+    assert fitted["saturation"] == CALIBRATED.saturation and fitted["launch_us"] == CALIBRATED.launch_us
+    assert fitted["efficiency"] == pytest.approx(dict(CALIBRATED.efficiency), abs=1e-4)
+    assert CALIBRATED.default_efficiency == pytest.approx(float(np.median(list(CALIBRATED.efficiency.values()))), abs=1e-3)

@@ -136,7 +136,11 @@ def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0) -> lis
 
 
 def serve_at_load_factor(protocol: str) -> None:
-    """A real LocalCluster with processes: two emulated pools, 0.7 of the plan's capacity, k = 10."""
+    """A real LocalCluster with processes: two emulated pools, 0.7 of the plan's capacity, k = 10.
+
+    A few requests warm the path first (the first batches through fresh worker processes meet
+    one-time costs of Dask and torch); attainment counts the Poisson run that follows.
+    """
     from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
 
@@ -144,16 +148,19 @@ def serve_at_load_factor(protocol: str) -> None:
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
         with deploy_two_stage(client, k=k) as svc:
+            wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
+            before = svc.status()["tiny"]
             capacity = svc.plan.model("tiny").throughput / k
-            xs = frames(120)
+            xs = frames(150)
             futures = poisson_load(svc, xs, 0.7 * capacity)
             wait(futures, timeout=60)
             for out, ref in zip(client.gather(futures), reference(xs)):
                 torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-            status = svc.status()["tiny"]
-            assert status["submitted"] == len(xs) and status["completed"] == len(xs)
-            assert status["on_time"] / status["submitted"] >= 0.99, status
-            assert plugin_of(cluster.scheduler).served["tiny"].counts["batches"] < len(xs)  # it batched
+            after = svc.status()["tiny"]
+            submitted, completed, on_time = (after[c] - before[c] for c in ("submitted", "completed", "on_time"))
+            assert submitted == completed == len(xs)
+            assert on_time / submitted >= 0.99, after
+            assert after["batches"] - before["batches"] < len(xs)  # it batched
 
 
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():

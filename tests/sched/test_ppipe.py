@@ -394,3 +394,14 @@ def test_add_slot_grows_a_pool():
         d.add_slot(Slot("b", "B", 1, "srv9"), 0, 0, 0.0)
     with pytest.raises(ValueError, match="no pool"):
         d.add_slot(Slot("c", "A", 1, "srv9"), 0, 1, 0.0)
+
+
+def test_records_of_dispatches_without_feedback_are_forgotten_after_the_horizon():
+    prof = synthetic_profile()
+    plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
+    m = plan.models[0]
+    d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(feedback_horizon_s=0.05))
+    out = drive(d, poisson_arrivals(m.name, m.throughput * 0.8, m.slo_us * 1e-6, 5000, seed=4), feedback=False)
+    newest = max(h.compute.end for hops, _ in d._live.values() for h in hops)
+    assert out.batches > 10 * len(d._live) and all(hops[-1].compute.end >= newest - 0.05 - m.slo_us * 1e-6 for hops, _ in d._live.values())
+    assert len(d._live_order) == len(d._live)
