@@ -56,16 +56,17 @@ def make_plan(
         profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route
     )
     started = time.perf_counter()
+    rates = _batch_build_rates(spec) if batch_build_estimate else None
     if strategy == "np":
-        plan = _plan_np(spec, drop_infeasible=False)
-        rates = None
+        plan = _plan_np(spec, rates, drop_infeasible=False)
+    elif strategy == "ppipe":
+        plan = _plan_ppipe(spec, rates)
     else:
-        rates = _batch_build_rates(spec) if batch_build_estimate else None
-        plan = _plan_ppipe(spec, rates) if strategy == "ppipe" else _plan_dart_r(spec, rates)
+        plan = _plan_dart_r(spec, rates)
     settings = {
         "margin": margin,
         "max_parts": 1 if strategy == "np" else max_parts,
-        "batch_build_estimate": batch_build_estimate and strategy != "np",
+        "batch_build_estimate": batch_build_estimate,
         "batch_build_rate": rates,
         "allow_missing_gpus": allow_missing_gpus,
         "one_pipeline_per_route": one_pipeline_per_route,
@@ -192,15 +193,15 @@ class _Solved:
 # -- strategies -----------------------------------------------------------------------------
 
 
-def _plan_np(spec: _Spec, *, drop_infeasible: bool) -> _Solved:
-    """Whole models on whole GPUs (PPipe's NP baseline: max one partition, no slices, no batch-build term).
+def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible: bool) -> _Solved:
+    """Whole models on whole GPUs (PPipe's NP baseline: max one partition, no slices).
 
     With ``drop_infeasible`` a model that no GPU can serve in time gets an empty plan instead of an
     error, so that the others still get a meaningful allocation (used for the batch-build estimate).
     """
     configs = {}
     for m in spec.profiles:
-        configs[m] = spec.configs(m, max_parts=1, max_slices=1, rate=None)
+        configs[m] = spec.configs(m, max_parts=1, max_slices=1, rate=(rates or {}).get(m))
         if not configs[m] and not drop_infeasible:
             raise spec.infeasible(m, max_slices=1)
     solvable = {m: c for m, c in configs.items() if c}
@@ -211,11 +212,12 @@ def _plan_np(spec: _Spec, *, drop_infeasible: bool) -> _Solved:
 
 
 def _batch_build_rates(spec: _Spec) -> dict[str, float] | None:
-    """x_np per model: the NP plan's throughput, the arrival rate the batch-build estimate assumes.
+    """x_np per model: the throughput of the NP plan solved without the estimate, the arrival rate
+    every strategy's batch-build estimate then assumes (the NP baseline's too, as in the artifact).
 
     A model the NP plan cannot serve gets no estimate, as in the artifact.
     """
-    np_plan = _plan_np(spec, drop_infeasible=True)
+    np_plan = _plan_np(spec, None, drop_infeasible=True)
     return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
 
 
@@ -230,18 +232,18 @@ def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
 
 def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
     """DART-r (PPipe §7.1): the NP plan splits the GPUs among the models, the GPUs it leaves idle are
-    split evenly, then each model replicates DART's best plan for one GPU of each type over as many
-    (type A, type B) pairs as it has, and runs the whole model on the GPUs left without a partner."""
+    split evenly (the artifact leaves the remainder of that division idle, and so do we), then each
+    model replicates DART's best plan for one GPU of each type over as many (type A, type B) pairs
+    as it has, and runs the whole model on the GPUs left without a partner."""
     if len(spec.gpus) != 2:
         raise PlanError(f"dart-r pairs GPUs of two types; the cluster has {len(spec.gpus)} ({sorted(spec.gpus)})")
-    np_plan = _plan_np(spec, drop_infeasible=True)
+    np_plan = _plan_np(spec, rates, drop_infeasible=True)
     used = {m.name: _physical_gpus(m) for m in np_plan.models}
     share = {m: dict(used[m]) for m in spec.profiles}
     for gpu, count in spec.gpus.items():
         idle = count - sum(used[m].get(gpu, 0) for m in spec.profiles)
-        each, extra = divmod(idle, len(spec.profiles))
-        for i, m in enumerate(spec.profiles):
-            share[m][gpu] = share[m].get(gpu, 0) + each + (1 if i < extra else 0)
+        for m in spec.profiles:
+            share[m][gpu] = share[m].get(gpu, 0) + idle // len(spec.profiles)
     models, statuses = [], []
     for m in spec.profiles:
         pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m))
@@ -340,7 +342,6 @@ class _PoolSizing:
             model += spec.weights[m] * self.z <= mip.xsum(self.flows[m])
             for opened_of_route in routes.values():
                 model += mip.xsum(opened_of_route) <= 1
-                model.add_sos([(u, float(i + 1)) for i, u in enumerate(opened_of_route)], 1)
         self.physical: dict[tuple[str, str, int], mip.Var] = {}
         for (m, gpu, v), ns in usage.items():
             self.physical[(m, gpu, v)] = y = model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[gpu])

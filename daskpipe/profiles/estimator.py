@@ -86,11 +86,11 @@ class OpCosts:
 
 
 class _OpRecorder(FlopCounterMode):
-    """FlopCounterMode that also keeps each op's FLOPs, bytes moved and output size."""
+    """FlopCounterMode that also keeps each op's FLOPs, elements moved and output size."""
 
     def __init__(self) -> None:
         super().__init__(display=False)
-        self.ops: list[tuple[float, float, float]] = []
+        self.ops: list[tuple[float, float, float]] = []  # (flops, elements read + written, output elements)
 
     def _count_flops(self, func_packet, out, args, kwargs):
         name = func_packet.__name__
@@ -98,8 +98,8 @@ class _OpRecorder(FlopCounterMode):
             flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out) if func_packet in self.flop_registry else 0
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
-            self.ops.append((float(flops), float(moved), float(sum(t.numel() for t in outputs[:1]))))
+            moved = sum(t.numel() for t in inputs + outputs)
+            self.ops.append((float(flops), float(moved), float(outputs[0].numel()) if outputs else 0.0))
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
@@ -108,14 +108,14 @@ def op_costs(
 ) -> dict[int, OpCosts]:
     """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op."""
     on_meta = copy.deepcopy(block).to("meta").eval()
-    scale = 0.5 if precision == "fp16" else 1.0  # meta tensors are fp32
+    element_bytes = 2 if precision == "fp16" else 4
     costs = {}
     for batch in batches:
         recorder = _OpRecorder()
         with torch.inference_mode(), recorder:
             on_meta(torch.empty((batch, *input_shape), device="meta"))
         ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
-        costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * scale, outputs=ops[:, 2])
+        costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * element_bytes, outputs=ops[:, 2])
     return costs
 
 
@@ -191,10 +191,10 @@ def estimate_profile(
                 [[op_latency_us(costs[(i, b)], catalog[gpu], v, constants, precision) for b in range(1, top + 1)]
                  for i in range(blocked.num_blocks)]
             )
-    first = tables[(gpus[0], slice_counts[0])]
+    whole_batch1_us = sum(op_latency_us(costs[(i, 1)], catalog[gpus[0]], 1, constants, precision) for i in range(blocked.num_blocks))
     return Profile(
         model=name,
-        slo_us=slo_us if slo_us is not None else SLO_FACTOR * float(first[:, 0].sum()),
+        slo_us=slo_us if slo_us is not None else SLO_FACTOR * whole_batch1_us,
         num_blocks=blocked.num_blocks,
         latency_us=tables,
         boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),

@@ -55,12 +55,12 @@ class SegmentedModel:
         return self.cuts[0].shape
 
     @property
-    def segment_shapes(self) -> list[tuple[int, ...]]:
+    def cut_shapes(self) -> list[tuple[int, ...]]:
         """Per-sample shape of the tensor at each cut, the model input first and its output last."""
         return [cut.shape for cut in self.cuts]
 
     @property
-    def segment_bytes(self) -> list[int]:
+    def cut_bytes(self) -> list[int]:
         """fp16 bytes per sample of the tensor at each cut, the model input first and its output last."""
         return [cut.fp16_bytes for cut in self.cuts]
 
@@ -140,6 +140,12 @@ class BlockedModel:
             if fp16_boundaries and index < stop - 1:
                 x = x.to(torch.float16).to(x.dtype)
         return x
+
+    def stage(self, start: int, end: int) -> nn.Sequential:
+        """Blocks ``[start, end)`` as one module: a pipeline partition, run where no wire is crossed."""
+        if not 0 <= start < end <= self.num_blocks:
+            raise SegmentationError(f"a stage needs 0 <= start < end <= {self.num_blocks}, got [{start}, {end})")
+        return nn.Sequential(*self.blocks[start:end])
 
     def to(self, device: str | torch.device) -> BlockedModel:
         for block in self.blocks:

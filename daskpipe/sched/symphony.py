@@ -137,8 +137,10 @@ class _Queue:
     def pop(self, count: int) -> list[Request]:
         out = self.items[self.head : self.head + count]
         self.head += count
-        if self.head > 1024 and self.head * 2 > len(self.items):
-            del self.items[: self.head], self.cum[: self.head]
+        if self.head > 1024 and self.head * 2 > len(self.items):  # compact, amortised O(1)
+            base = self.cum[self.head - 1]
+            self.cum = [c - base for c in self.cum[self.head :]]
+            del self.items[: self.head]
             self.head = 0
         return out
 
@@ -149,6 +151,7 @@ class _Candidate:
     samples: int
     exec: Time
     latest: Time
+    deadline: Time
     version: int
     pending: bool = False  # its model timer fired and no GPU was free: waits for a GPU timer
 
@@ -171,9 +174,13 @@ class _Model:
         """Latency of a batch; +inf beyond the largest profiled batch (such a batch cannot exist)."""
         return self.latency[batch - 1] if batch <= len(self.latency) else math.inf
 
-    def largest_batch(self, budget: float) -> int:
-        """Largest batch whose latency fits ``budget`` seconds (0 if not even one)."""
-        return bisect.bisect_right(self.latency, budget)
+    def largest_batch(self, start: Time, deadline: Time) -> int:
+        """Largest batch that started at ``start`` ends by ``deadline`` (0 if not even one), by the
+        same float test ``start + l(b) <= deadline`` used everywhere, so rounding cannot disagree."""
+        batch = bisect.bisect_right(self.latency, deadline - start)
+        while batch and start + self.latency[batch - 1] > deadline:
+            batch -= 1
+        return batch
 
 
 @dataclass(slots=True)
@@ -340,12 +347,12 @@ class DeferredDispatcher(Dispatcher):
             self._set_candidate(model, None)
             return
         deadline = queue.at(0).deadline
-        samples_cap = model.largest_batch(deadline - start)
+        samples_cap = model.largest_batch(start, deadline)
         count = queue.count_fitting(samples_cap)
         samples = queue.samples_from(0) - queue.samples_from(count) if count < len(queue) else queue.samples_from(0)
         latest = deadline - model.l(samples)
         exec_at = max(start, min(self._exec_bound(model, samples, deadline), latest))
-        self._set_candidate(model, _Candidate(count, samples, exec_at, latest, 0))
+        self._set_candidate(model, _Candidate(count, samples, exec_at, latest, deadline, 0))
 
     def _window_drop(self, model: _Model, start: Time, actions: list[Action]) -> None:
         """Nexus-style head drop: find the longest deadline-sorted suffix whose head meets its own
@@ -417,9 +424,10 @@ class DeferredDispatcher(Dispatcher):
             self._clean(self._pending, pending=True)
             if not self._pending:
                 break
-            latest, _, name, _ = heapq.heappop(self._pending)
+            _, _, name, _ = heapq.heappop(self._pending)
             model = self._models[name]
-            if latest < now:  # expired: regather from now (smaller batch, or drops)
+            candidate = model.candidate
+            if now + model.l(candidate.samples) > candidate.deadline:  # expired (GetBatch's own test, not latest < now, so rounding cannot loop)
                 self._update_candidate(model, now, actions)
                 if model.candidate is not None and model.candidate.exec <= now:
                     model.candidate.pending = True

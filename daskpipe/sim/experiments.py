@@ -45,6 +45,11 @@ class LinearModel:
         batch = math.floor((budget - self.beta_ms) / self.alpha_ms)
         return batch, gpus * batch / self.latency_s(batch)
 
+    def gpu_rate_bound(self) -> float:
+        """Upper bound on one GPU's rate: batches as large as the SLO allows, back to back."""
+        batch = max(1, math.floor((self.slo_ms - self.beta_ms) / self.alpha_ms))
+        return batch / self.latency_s(batch)
+
 
 TABLE2_MODELS = (LinearModel("ResNet50", 1.053, 5.072, 25.0), LinearModel("InceptionResNetV2", 5.090, 18.368, 70.0))
 
@@ -73,7 +78,7 @@ def constant_load(model: LinearModel, gpus: int, rate: float, duration: float, *
 def max_rate(model: LinearModel, gpus: int, *, staggered: bool, duration: float = 1.0, target: float = 0.99, precision: float = 0.002) -> tuple[float, float]:
     """Highest constant rate with ``target`` attainment, by bisection (attainment assumed to fall
     with the rate), to a relative ``precision``; returns (rate, mean batch there)."""
-    upper = gpus * model.max_batch_rate()
+    upper = gpus * model.gpu_rate_bound()
     lo, hi = 0.0, upper
     batch = math.nan
     while hi - lo > precision * upper:
@@ -86,22 +91,13 @@ def max_rate(model: LinearModel, gpus: int, *, staggered: bool, duration: float 
     return lo, batch
 
 
-def _max_batch_rate(self: LinearModel) -> float:
-    """Upper bound on one GPU's rate: batches as large as the SLO allows back to back."""
-    batch = max(1, math.floor((self.slo_ms - self.beta_ms) / self.alpha_ms))
-    return batch / self.latency_s(batch)
-
-
-LinearModel.max_batch_rate = _max_batch_rate  # type: ignore[attr-defined]
-
-
-def symphony_table2(gpus: int = 8, duration: float = 1.0) -> list[dict[str, Any]]:
+def symphony_table2(gpus: int = 8, duration: float = 1.0, precision: float = 0.002) -> list[dict[str, Any]]:
     """Symphony's Table 2 by formula and by simulation."""
     rows = []
     for model in TABLE2_MODELS:
         for staggered in (True, False):
             batch, throughput = model.analytic(gpus, staggered)
-            rate, mean_batch = max_rate(model, gpus, staggered=staggered, duration=duration)
+            rate, mean_batch = max_rate(model, gpus, staggered=staggered, duration=duration, precision=precision)
             rows.append({
                 "model": model.name,
                 "scheme": "staggered (deferred)" if staggered else "uncoordinated (per-GPU)",

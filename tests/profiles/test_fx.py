@@ -47,8 +47,8 @@ def test_tiny_net_cut_points_avoid_the_residual_branch():
     assert [cut.value.name for cut in segmented.cuts] == [
         "x", "stem_0", "stem_1", "add", "relu_1", "adaptive_avg_pool2d", "flatten", "head"
     ]
-    assert segmented.segment_shapes[0] == (3, 16, 16) and segmented.segment_shapes[-1] == (5,)
-    assert segmented.segment_bytes[0] == 3 * 16 * 16 * 2
+    assert segmented.cut_shapes[0] == (3, 16, 16) and segmented.cut_shapes[-1] == (5,)
+    assert segmented.cut_bytes[0] == 3 * 16 * 16 * 2
 
 
 def test_tiny_net_blocks_run_alone_and_chain():
@@ -63,6 +63,9 @@ def test_tiny_net_blocks_run_alone_and_chain():
         middle = blocked.blocks[0](x)
         assert middle.shape == (3, 8, 16, 16)
         assert blocked.blocks[1](middle).shape == (3, 5)
+        torch.testing.assert_close(blocked.stage(0, 2)(x), blocked.run(x, fp16_boundaries=False))
+    with pytest.raises(SegmentationError, match="0 <= start < end <= 2"):
+        blocked.stage(1, 1)
 
 
 def test_blocks_hold_only_their_own_parameters():

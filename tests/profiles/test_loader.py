@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daskpipe.profiles import Profile, ProfileError, load_profiles, resolve_model_names
+from daskpipe.profiles import ProfileError, load_profiles, resolve_model_names
 
 TIMINGS = {
     ("L4", 1): "10,18,26\n20,35,50\n",

@@ -45,7 +45,7 @@ def example() -> torch.Tensor:
     return torch.randn(1, *INPUT)
 
 
-def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 50.0, gpus: tuple[str, str] = ("L4", "T4")) -> tuple[Profile, Plan]:
+def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 500.0, gpus: tuple[str, str] = ("L4", "T4")) -> tuple[Profile, Plan]:
     """A profile and a plan: blocks [0, 1) on one ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4.
 
     Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.

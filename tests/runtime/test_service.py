@@ -147,7 +147,7 @@ def serve_at_load_factor(protocol: str) -> None:
     k = 10.0
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
-        with deploy_two_stage(client, k=k) as svc:
+        with deploy_two_stage(client, k=k, slo_ms=50.0) as svc:
             wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
             before = svc.status()["tiny"]
             capacity = svc.plan.model("tiny").throughput / k

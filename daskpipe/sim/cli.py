@@ -1,0 +1,96 @@
+"""``daskpipe simulate``: run a plan in the discrete-event simulator and write its figures as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from daskpipe.sim.simulate import DATAPLANES, SimResult, find_max_load, load_grid, simulate
+
+
+def summary(result: SimResult) -> dict[str, Any]:
+    """The JSON contract of ``daskpipe simulate``: per model, then utilisation per GPU type."""
+    models = {}
+    for name, r in result.models.items():
+        entry = {
+            "attainment": r.attainment,
+            "dropped": r.dropped_total,
+            "dropped_by_reason": r.dropped,
+            "late": r.late,
+            "submitted": r.submitted,
+            "load_factor": r.load_factor,
+            "offered_rate": r.offered_rate,
+            "p50_ms": r.p50_ms,
+            "p99_ms": r.p99_ms,
+            "mean_batch_size": r.mean_batch_size,
+        }
+        if result.max_load_factor:
+            entry["max_load_factor"] = result.max_load_factor[name]
+        models[name] = entry
+    return {
+        "dataplane": result.dataplane,
+        "arrivals": result.arrivals,
+        "duration": result.duration,
+        "seed": result.seed,
+        "models": models,
+        "utilization": result.utilization,
+        "utilization_placed": result.utilization_placed,
+    }
+
+
+@click.command("simulate")
+@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Plan JSON (daskpipe plan).")
+@click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True), help="Profiles: a PPipe-layout folder, a folder of JSON profiles or one file.")
+@click.option("--dataplane", type=click.Choice(DATAPLANES), default="ppipe", show_default=True, help="Data plane that dispatches the requests.")
+@click.option("--arrivals", default="poisson", show_default=True, help="poisson, bursty (gamma gaps, see --bursty-cv) or a trace FILE (docs/simulator.md).")
+@click.option("--load-factor", type=float, default=0.9, show_default=True, help="Offered rate as a multiple of each model's plan throughput.")
+@click.option("--find-max-load", is_flag=True, help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.")
+@click.option("--max-load", type=float, default=1.0, show_default=True, help="Upper end of the --find-max-load search.")
+@click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of arrivals per run.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seeds arrivals and noise; a run is fixed by it.")
+@click.option("--noise", type=float, default=0.0, show_default=True, help="Sigma of a mean-one log-normal factor on every duration.")
+@click.option("--bursty-cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the bursty gaps.")
+@click.option("--bw-gbps", type=float, default=None, help="Network bandwidth (default: the plan's cluster record).")
+@click.option("--timeout-ms", type=float, default=2.0, show_default=True, help="timeout data plane: a batch goes when its oldest request has waited this long.")
+@click.option("--max-batch", type=int, default=None, help="timeout/eager/deferred: largest batch (default: the profiles' largest).")
+@click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True), help="Where to write the figures.")
+def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, find_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path) -> None:
+    """Simulate PLAN under a workload and write per-model SLO attainment, drops, latency and
+    batch size, and utilisation per GPU type, to --json."""
+    from daskpipe.plan.schema import Plan, PlanError
+    from daskpipe.profiles.loader import load_profiles
+    from daskpipe.profiles.model import ProfileError
+
+    try:
+        plan = Plan.load(plan_path)
+        profiles = load_profiles(profiles_dir, [m.name for m in plan.models])
+    except (PlanError, ProfileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if arrivals not in ("poisson", "bursty") and not Path(arrivals).is_file():
+        raise click.BadParameter(f"{arrivals!r} is neither poisson, bursty nor a trace file", param_hint="--arrivals")
+    kwargs = dict(dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
+                  bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3, max_batch=max_batch)
+    try:
+        if find_max_load:
+            from rich.progress import Progress
+
+            grid = load_grid(0.05, max_load)
+            with Progress(transient=True) as progress:
+                task = progress.add_task("finding max load", total=len(plan.models) * max(1, len(grid).bit_length()))
+                result = find_max_load(plan, profiles, max_load=max_load, progress=lambda model, lf: progress.update(task, advance=1, description=f"{model[:24]} LF {lf:.2f}"), **kwargs)
+        else:
+            result = simulate(plan, profiles, load_factor=load_factor, **kwargs)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    out = summary(result)
+    Path(json_path).write_text(json.dumps(out, indent=1))
+    for name, entry in out["models"].items():
+        extra = f"  max LF {entry['max_load_factor']:.2f}" if "max_load_factor" in entry else ""
+        click.echo(f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}")
+    click.echo("utilization: " + ", ".join(f"{gpu} {u:.1%}" for gpu, u in out["utilization"].items()))
+
+
+simulate = simulate_command  # the name daskpipe.cli registers ("daskpipe.sim.cli:simulate")

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from daskpipe.cli import main
+from daskpipe.plan.schema import Plan
+
+from .conftest import synthetic_profile
+
+
+@pytest.fixture
+def profile_dir(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    synthetic_profile("two-block", {("A", 1): [1000, 1000], ("B", 1): [1200, 10000]}).save(folder / "two-block.json")
+    synthetic_profile("other", {("A", 1): [500, 500], ("B", 1): [600, 5000]}).save(folder / "other.json")
+    return folder
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_plan_writes_json_and_prints_a_summary(profile_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("plan", "--profiles", str(profile_dir), "--models", "two,other", "--weights", "1,2", "--gpus", "A=2,B=4",
+                 "--gpus-per-server", "A=1,B=2", "--bw-gbps", "6", "--slo-us", "two=100000", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {"objective", "models", "solver"} <= set(data)
+    assert [m["name"] for m in data["models"]] == ["two-block", "other"]
+    part = data["models"][0]["pipelines"][0]["partitions"][0]
+    assert {"blocks", "gpu", "slices", "num_gpus", "latency_us", "transfer_us"} <= set(part)
+    assert {"name", "status", "seconds"} <= set(data["solver"])
+    assert data["models"][0]["slo_us"] == 100000
+    assert Plan.load(out).objective == pytest.approx(data["objective"])
+    assert "objective" in result.output and "two-block" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "A=x"], "'x' is not a valid COUNT"),
+        (["--gpus", "A"], "is not KEY=COUNT"),
+        (["--gpus", "A=1,A=2"], "'A' is given twice"),
+        (["--weights", "1,2"], "2 weights for 1 models"),
+        (["--weights", "a"], "--weights"),
+        (["--strategy", "best"], "'best' is not one of"),
+        (["--slo-us", "nope=5"], "--slo-us"),
+        (["--gpus", "A=1,Z=1"], "no profile for GPU type(s) ['Z']"),
+        (["--models", "zzz"], "unknown model 'zzz'"),
+    ],
+)
+def test_bad_flags_name_flag_and_value(profile_dir, tmp_path, args, message):
+    base = {"--profiles": str(profile_dir), "--models": "two", "--gpus": "A=1,B=1", "--out": str(tmp_path / "p.json")}
+    flags = dict(zip(args[::2], args[1::2]))
+    argv = ["plan"] + [x for k, v in {**base, **flags}.items() for x in (k, v)]
+    result = run(*argv)
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_golden_case_from_the_command_line(ppipe_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("plan", "--profiles", str(ppipe_dir), "--models", "fcn", "--gpus", "V100=4,P4=12", "--gpus-per-server", "V100=2,P4=1",
+                 "--bw-gbps", "6", "--slo-us", "fcn=33300", "--margin", "0.4", "--max-parts", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["objective"] == pytest.approx(1212, abs=3)
+
+
+def test_bench_plan_reports_ratios_and_times(ppipe_dir):
+    from daskpipe.plan.bench import run_bench
+
+    figures = run_bench(ppipe_dir, cluster_names=["HC3"], group_names=["G4"])
+    (case,) = figures["cases"]
+    assert case["ratio"]["ppipe/np"] > 1.2
+    assert case["objective"]["ppipe"] >= case["objective"]["dart-r"] >= case["objective"]["np"]
+    assert figures["per_cluster"]["HC3"]["ppipe/np"]["paper"] == 1.43
+    assert figures["solve_seconds"]["median"] > 0
