@@ -29,6 +29,7 @@ INPUT_SHAPE = (3, 64, 64)
 DISTINCT_FRAMES = 16  # requests cycle through these, so the reference is computed once per frame
 COMPUTE_HEADROOM = 2.5  # dilated stage latency / CPU compute time: room for the other processes
 MAX_REQUEST_RATE = 30.0  # req/s that 2 cores carry through client, scheduler and workers
+DRAIN_S = 30.0  # after the stream and one SLO, requests still unanswered count as failed
 
 
 @dataclass
@@ -91,7 +92,7 @@ def run_demo(
     from distributed import Client
     from rich.console import Console
 
-    from daskpipe.runtime.cluster import EmulatedCluster
+    from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots
     from daskpipe.runtime.service import deploy
 
     if not duration > 0:
@@ -103,17 +104,19 @@ def run_demo(
     torch.manual_seed(seed)
     model, frames, references = _model_and_frames(seed)
 
+    slots = emulated_slots(gpus)
+    kinds = sorted({(slot.gpu_type, slot.slices) for slot in slots})
+    with console.status(f"profiling {MODEL} for {', '.join(f'{g}/v{v}' for g, v in kinds)} and planning ..."):
+        profile, plan = _profile_and_plan(model, frames[0], kinds, gpus)
+    pools, dilation = _pools_and_dilation(model, frames[0], profile, plan, slots)
+    capacity = plan.model(MODEL).throughput / dilation
+    rate = load * capacity
+    _print_plan(console, pools, dilation, profile.slo_us / 1e3, capacity)
+
     with console.status("starting emulated GPU workers ..."):
         cluster = EmulatedCluster(gpus, protocol=protocol, dashboard_address=dashboard_address)
     with cluster, Client(cluster) as client:
-        kinds = sorted({(slot.gpu_type, slot.slices) for slot in cluster.slots})
-        console.print(f"cluster: {', '.join(slot.name for slot in cluster.slots)}  dashboard: {cluster.dashboard_link}")
-        with console.status(f"profiling {MODEL} for {', '.join(f'{g}/v{v}' for g, v in kinds)} and planning ..."):
-            profile, plan = _profile_and_plan(model, frames[0], kinds, gpus)
-        pools, dilation = _pools_and_dilation(model, frames[0], profile, plan, cluster.slots)
-        capacity = plan.model(MODEL).throughput / dilation
-        rate = load * capacity
-        _print_plan(console, pools, dilation, profile.slo_us / 1e3, capacity)
+        console.print(f"cluster: {', '.join(slot.name for slot in cluster.slots)}; dashboard: {cluster.dashboard_link}")
         with console.status("deploying stage actors ..."):
             service = deploy(
                 client, {MODEL: model}, example_inputs={MODEL: frames[0]}, profiles={MODEL: profile}, plan=plan,
@@ -182,7 +185,6 @@ def _pools_and_dilation(model, example, profile, plan, slots) -> tuple[list[Pool
 
 def _stream(service, frames, references, rate: float, duration: float, summary: Summary, seed: int, console) -> None:
     """Open-loop Poisson arrivals at ``rate`` for ``duration`` s; then wait for every future to end."""
-    from distributed import wait
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from daskpipe.runtime.errors import RequestDropped
@@ -212,11 +214,11 @@ def _stream(service, frames, references, rate: float, duration: float, summary: 
             futures.append(future)
             progress.update(sent, completed=i + 1)
             progress.update(done, completed=len(finished_at))
-        while len(finished_at) < len(futures) and time.perf_counter() - start < duration + 30 + summary.slo_ms / 1e3 * 10:
+        give_up = start + duration + DRAIN_S + summary.slo_ms / 1e3
+        while len(finished_at) < len(futures) and time.perf_counter() < give_up:
             progress.update(done, completed=len(finished_at))
             time.sleep(0.1)
         progress.update(done, completed=len(finished_at))
-    wait(futures, timeout=5)
     status = service.status()[MODEL]
 
     latencies, errors = [], [0.0]

@@ -11,6 +11,7 @@ the inputs to the scheduler in one message per call over the client's batched st
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import time
@@ -34,6 +35,8 @@ from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
 from daskpipe.runtime.stage import Stage
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -238,11 +241,14 @@ def deploy(
 
 # -- steps of deploy ---------------------------------------------------------------------------
 def _inventory(client: Client) -> list[WorkerSlot]:
-    """The cluster's slots, installing the scheduler plugin first if no preload did."""
-    listed = client.sync(client.scheduler.daskpipe_inventory)
-    if listed is None:  # the scheduler has no such handler: no plugin yet
+    """The cluster's slots, installing the scheduler plugin first unless a preload did."""
+    try:  # idempotent: a no-op where ``--preload daskpipe`` installed it
         client.register_plugin(DaskpipeSchedulerPlugin())
-        listed = client.sync(client.scheduler.daskpipe_inventory)
+    except Exception as exc:  # e.g. a scheduler that refuses pickled plugins; the preload may be there
+        logger.info("daskpipe: could not register the scheduler plugin from the client (%s); expecting a preload", exc)
+    listed = client.sync(client.scheduler.daskpipe_inventory)
+    if listed is None:  # the scheduler has no such handler
+        raise DeployError("the scheduler has no daskpipe plugin: start it with `dask scheduler --preload daskpipe`")
     return [WorkerSlot.from_msg(s) for s in listed]
 
 

@@ -47,7 +47,7 @@ def summary(result: SimResult) -> dict[str, Any]:
 @click.option("--dataplane", type=click.Choice(DATAPLANES), default="ppipe", show_default=True, help="Data plane that dispatches the requests.")
 @click.option("--arrivals", default="poisson", show_default=True, help="poisson, bursty (gamma gaps, see --bursty-cv) or a trace FILE (docs/simulator.md).")
 @click.option("--load-factor", type=float, default=0.9, show_default=True, help="Offered rate as a multiple of each model's plan throughput.")
-@click.option("--find-max-load", is_flag=True, help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.")
+@click.option("--find-max-load", "search_max_load", is_flag=True, help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.")
 @click.option("--max-load", type=float, default=1.0, show_default=True, help="Upper end of the --find-max-load search.")
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of arrivals per run.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seeds arrivals and noise; a run is fixed by it.")
@@ -57,7 +57,7 @@ def summary(result: SimResult) -> dict[str, Any]:
 @click.option("--timeout-ms", type=float, default=2.0, show_default=True, help="timeout data plane: a batch goes when its oldest request has waited this long.")
 @click.option("--max-batch", type=int, default=None, help="timeout/eager/deferred: largest batch (default: the profiles' largest).")
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True), help="Where to write the figures.")
-def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, find_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path) -> None:
+def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path) -> None:
     """Simulate PLAN under a workload and write per-model SLO attainment, drops, latency and
     batch size, and utilisation per GPU type, to --json."""
     from daskpipe.plan.schema import Plan, PlanError
@@ -74,7 +74,7 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
     kwargs = dict(dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
                   bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3, max_batch=max_batch)
     try:
-        if find_max_load:
+        if search_max_load:
             from rich.progress import Progress
 
             grid = load_grid(0.05, max_load)

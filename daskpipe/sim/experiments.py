@@ -107,3 +107,158 @@ def symphony_table2(gpus: int = 8, duration: float = 1.0, precision: float = 0.0
                 "simulated_mean_batch": round(mean_batch, 2),
             })
     return rows
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: Mapping[str, int]
+    bw_gbps: float
+    gpus_per_server: Mapping[str, int]
+    low_class: str
+
+
+CLUSTERS = {  # PPipe Table 1 (large, simulated) with the artifact's effective bandwidth and servers
+    "HC1": Cluster({"L4": 25, "P4": 75}, 6.0, {"L4": 1, "P4": 1}, "P4"),
+    "HC2": Cluster({"L4": 25, "T4": 75}, 10.0, {"L4": 4, "T4": 2}, "T4"),
+    "HC3": Cluster({"V100": 25, "P4": 75}, 6.0, {"V100": 2, "P4": 1}, "P4"),
+    "HC4": Cluster({"V100": 25, "T4": 75}, 10.0, {"V100": 4, "T4": 2}, "T4"),
+}
+GROUPS = {
+    "G1": ("efficientnet-b8", "encnet", "rtmdet_x"),
+    "G2": ("colorization-v2", "googlenet-v3", "repvgg-b3"),
+    "G3": ("apcnet", "atss", "gcnet"),
+    "G4": ("fcn", "gfl_x101", "wide_resnet101_2"),
+}
+SHARES = (0.30, 0.33, 0.37)  # MAF'19 workload shares, in group order
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def ppipe_experiment(
+    profiles_dir: str | Path,
+    *,
+    clusters: Sequence[str] = tuple(CLUSTERS),
+    groups: Sequence[str] = tuple(GROUPS),
+    arrivals: Sequence[str] = ("poisson", "bursty"),
+    strategies: Sequence[str] = ("ppipe", "np"),
+    ablation_cluster: str | None = "HC2",
+    duration: float = 30.0,
+    seed: int = 1,
+    time_limit: float = 60.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Max load factor (>= 99% attainment, steps of 0.05) of every model of ``groups`` on
+    ``clusters``, for each planning strategy with PPipe's data plane, plus the ablation (the
+    reactive data plane on PPipe's plan) on ``ablation_cluster``; Poisson runs also give low-class
+    utilisation at each model's max load. Returns raw runs and the paper's summary figures."""
+    from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.schema import PlanError
+    from daskpipe.profiles.loader import load_profiles
+    from daskpipe.sim.simulate import find_max_load
+
+    unknown = [c for c in clusters if c not in CLUSTERS] + [g for g in groups if g not in GROUPS]
+    if unknown:
+        raise ValueError(f"unknown cluster/group name(s) {unknown}; known: {sorted(CLUSTERS)}, {sorted(GROUPS)}")
+    if "ppipe" not in strategies:
+        raise ValueError("strategies must include 'ppipe': load factors are relative to PPipe's plan")
+    note = progress or (lambda _msg: None)
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for cluster_name in clusters:
+        cluster = CLUSTERS[cluster_name]
+        for group_name in groups:
+            profiles = load_profiles(profiles_dir, list(GROUPS[group_name]))
+            weights = dict(zip(profiles, SHARES))
+            plans = {}
+            for strategy in strategies:
+                try:
+                    plans[strategy] = make_plan(profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server, bw_gbps=cluster.bw_gbps,
+                                                margin=0.4, max_parts=2, strategy=strategy, time_limit=time_limit)
+                except PlanError as exc:
+                    runs.append({"cluster": cluster_name, "group": group_name, "strategy": strategy, "error": str(exc)})
+            if "ppipe" not in plans:
+                continue
+            base_rates = {m.name: m.throughput for m in plans["ppipe"].models}
+            cases = [(s, "ppipe", kind) for s in plans for kind in arrivals]
+            if cluster_name == ablation_cluster:
+                cases.append(("ppipe", "reactive", "poisson"))
+            for strategy, dataplane, kind in cases:
+                note(f"{cluster_name} {group_name} {strategy} plan, {dataplane} data plane, {kind}")
+                try:
+                    result = find_max_load(plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates)
+                except ImportError as exc:  # a data plane not written yet
+                    runs.append({"cluster": cluster_name, "group": group_name, "strategy": strategy, "dataplane": dataplane, "arrivals": kind, "error": str(exc)})
+                    continue
+                runs.append({
+                    "cluster": cluster_name, "group": group_name, "strategy": strategy, "dataplane": dataplane, "arrivals": kind,
+                    "max_load_factor": result.max_load_factor,
+                    "attainment": {m: r.attainment for m, r in result.models.items()},
+                    "low_class_utilization": result.utilization.get(cluster.low_class, 0.0),
+                    "utilization": result.utilization,
+                    "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
+                })
+    return {"settings": {"clusters": list(clusters), "groups": list(groups), "arrivals": list(arrivals), "strategies": list(strategies),
+                         "ablation_cluster": ablation_cluster, "duration": duration, "seed": seed, "seconds": round(time.perf_counter() - started, 1)},
+            "summary": summarize(runs), "runs": runs}
+
+
+def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The paper's figures: mean max LF per strategy and workload (Fig. 6), PPipe's gain over each
+    baseline per cluster (ratio of mean max LFs minus 1), the ablation (Fig. 10) and low-class
+    utilisation under Poisson (Fig. 8)."""
+    def lfs(**match: str) -> list[float]:
+        return [lf for r in runs if "error" not in r and all(r.get(k) == v for k, v in match.items()) for lf in r["max_load_factor"].values()]
+
+    done = [r for r in runs if "error" not in r]
+    out: dict[str, Any] = {"mean_max_load_factor": {}, "gain_over": {}, "low_class_utilization": {}, "ablation": {}}
+    kinds = sorted({r["arrivals"] for r in done if r["dataplane"] == "ppipe"})
+    strategies = sorted({r["strategy"] for r in done})
+    for kind in kinds:
+        out["mean_max_load_factor"][kind] = {s: _mean(lfs(strategy=s, dataplane="ppipe", arrivals=kind)) for s in strategies}
+        for base in strategies:
+            if base == "ppipe":
+                continue
+            gains = {}
+            for cluster in sorted({r["cluster"] for r in done}):
+                ours, theirs = _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals=kind)), _mean(lfs(cluster=cluster, strategy=base, dataplane="ppipe", arrivals=kind))
+                gains[cluster] = ours / theirs - 1 if ours and theirs else None
+            out["gain_over"].setdefault(base, {})[kind] = gains
+    for s in strategies:
+        out["low_class_utilization"][s] = _mean([r["low_class_utilization"] for r in done if r["strategy"] == s and r["dataplane"] == "ppipe" and r["arrivals"] == "poisson"])
+    for r in done:
+        if r["dataplane"] == "reactive":
+            cluster = r["cluster"]
+            out["ablation"][cluster] = {"reactive": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="reactive", arrivals="poisson")),
+                                        "ppipe": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals="poisson"))}
+    return out
+
+
+@click.command("experiments")
+@click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True, file_okay=False), help="The PPipe profile folder (../shared/ppipe).")
+@click.option("--clusters", default=",".join(CLUSTERS), show_default=True, help="Comma-separated cluster names.")
+@click.option("--groups", default=",".join(GROUPS), show_default=True, help="Comma-separated model groups.")
+@click.option("--arrivals", default="poisson,bursty", show_default=True, help="Comma-separated workloads.")
+@click.option("--strategies", default="ppipe,np", show_default=True, help="Planning strategies (ppipe, np, dart-r).")
+@click.option("--ablation-cluster", default="HC2", show_default=True, help="Where to run the reactive data plane ('' for nowhere).")
+@click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of arrivals per run (the paper: 30).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--time-limit", type=float, default=60.0, show_default=True, help="MILP time limit per plan.")
+@click.option("--table2/--no-table2", default=True, show_default=True, help="Also simulate Symphony's Table 2.")
+@click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True))
+def experiments(profiles_dir, clusters, groups, arrivals, strategies, ablation_cluster, duration, seed, time_limit, table2, json_path) -> None:
+    """Reproduce PPipe's Figs. 6, 8, 10 (and Symphony's Table 2) in the simulator; write JSON."""
+    def split(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        out = ppipe_experiment(profiles_dir, clusters=split(clusters), groups=split(groups), arrivals=split(arrivals), strategies=split(strategies),
+                               ablation_cluster=ablation_cluster or None, duration=duration, seed=seed, time_limit=time_limit,
+                               progress=lambda msg: click.echo(msg, err=True))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if table2:
+        out["symphony_table2"] = symphony_table2()
+    Path(json_path).write_text(json.dumps(out, indent=1))
+    click.echo(json.dumps(out["summary"], indent=1))
