@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from daskpipe.jsonfile import read_json_object
+
 FORMAT = "daskpipe-plan/1"
 
 
@@ -198,13 +200,4 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path}: not valid JSON ({exc})") from None
-        except OSError as exc:
-            raise PlanError(f"{path}: cannot read plan ({exc.strerror})") from None
-        if not isinstance(data, Mapping):
-            raise PlanError(f"{path}: top level must be a JSON object")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_object(path, PlanError), source=str(path))

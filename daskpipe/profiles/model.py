@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from daskpipe.jsonfile import read_json_object
+
 import numpy as np
 
 FORMAT = "daskpipe-profile/1"
@@ -140,14 +142,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(data, Mapping):
-            raise ProfileError(f"{path}: top level must be a JSON object")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_object(path, ProfileError), source=str(path))
 
     def restricted(self, gpus: list[str]) -> Profile:
         """The same profile with only the tables of ``gpus``."""
