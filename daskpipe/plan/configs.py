@@ -9,6 +9,7 @@ and tight (PPipe's artifact instead encodes partitions as binaries and needs sec
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
@@ -41,6 +42,8 @@ class Budget:
     def nic_cap(self, nbytes: float, resource: Resource) -> float:
         """Requests/s one vGPU can send or receive when all vGPUs of its server share the NIC."""
         gpu, v = resource
+        if nbytes <= 0:
+            return math.inf
         return self.bw_gbps * 1e9 / (nbytes * 8) / (v * self.gpus_per_server.get(gpu, 1))
 
 

@@ -28,7 +28,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 from daskpipe.sched.api import (
     Action,
@@ -48,9 +48,31 @@ from daskpipe.sched.api import (
 GpuChoice = Literal["lowest-id", "earliest-free"]
 DropPolicy = Literal["head", "window"]
 
-Route = Callable[[str, str, Time, int], tuple[int, tuple[Hop, ...], Time]]
-"""``route(model, slot_id, start, batch) -> (pipeline, hops, slot_free)``: how a batch started on a
-first slot at ``start`` travels, and when that first slot is free again."""
+
+
+class Route(Protocol):
+    """How a batch started on a first slot travels on (a plan's later partitions)."""
+
+    def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        """``(pipeline, hops, first slot free)`` for ``batch`` started on ``slot`` at ``start``;
+        changes nothing."""
+
+    def commit(self, hops: tuple[Hop, ...]) -> None:
+        """Book what ``probe`` planned (later slots, NICs)."""
+
+
+class WholeModelRoute:
+    """The whole model on the first slot: Symphony's setting."""
+
+    def __init__(self, latency: Callable[[str, int], float]) -> None:
+        self.latency = latency
+
+    def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        end = start + self.latency(model, batch)
+        return 0, (Hop(0, slot, Reservation(slot, start, end)),), end
+
+    def commit(self, hops: tuple[Hop, ...]) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -125,14 +147,11 @@ class _Queue:
 
     def first_meeting(self, deadline: Time) -> int:
         """Offset of the first request whose deadline is >= ``deadline``."""
-        lo, hi = self.head, len(self.items)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.items[mid].deadline < deadline:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - self.head
+        return bisect.bisect_left(self.items, deadline, lo=self.head, key=lambda r: r.deadline) - self.head
+
+    def head_samples(self, count: int) -> int:
+        """Samples in the first ``count`` requests."""
+        return self.samples_from(0) - self.samples_from(count)
 
     def pop(self, count: int) -> list[Request]:
         out = self.items[self.head : self.head + count]
@@ -249,7 +268,7 @@ class DeferredDispatcher(Dispatcher):
                 table.append(max(value, table[-1]) if table else value)
             self._models[name] = _Model(name, float(slo), table)
         self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
-        self._route = route or self._whole_model_route
+        self._route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
         self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
         heapq.heapify(self._idle)
@@ -261,10 +280,11 @@ class DeferredDispatcher(Dispatcher):
     # -- construction on a plan --------------------------------------------------------------
     @classmethod
     def for_plan(cls, model_plan, placement: Placement, profile, *, bw_gbps: float, settings: DeferredSettings | None = None, **policy) -> DeferredDispatcher:
-        """One dispatcher for one model of a plan: see :func:`daskpipe.sched.symphony.plan_routes`."""
-        slo, slots, latency, max_batch, route = plan_routes(model_plan, placement, profile, bw_gbps=bw_gbps)
-        max_batch = min(max_batch, policy.pop("max_batch", max_batch))
-        return cls({model_plan.name: slo}, slots, lambda _model, batch: latency(batch), max_batch=max_batch, route=route, settings=settings, **policy)
+        """One dispatcher for one model of a plan, over its pipelines' first slots: see :class:`PlanRoute`."""
+        route = PlanRoute(model_plan, placement, profile, bw_gbps=bw_gbps)
+        cap = policy.pop("max_batch", None)
+        max_batch = route.max_batch if cap is None else min(route.max_batch, cap)
+        return cls({model_plan.name: route.slo}, route.first, lambda _model, batch: route.latency(batch), max_batch=max_batch, route=route, settings=settings, **policy)
 
     # -- policy (overridden by the baselines) ------------------------------------------------
     def _exec_bound(self, model: _Model, samples: int, deadline: Time) -> Time:
@@ -349,7 +369,7 @@ class DeferredDispatcher(Dispatcher):
         deadline = queue.at(0).deadline
         samples_cap = model.largest_batch(start, deadline)
         count = queue.count_fitting(samples_cap)
-        samples = queue.samples_from(0) - queue.samples_from(count) if count < len(queue) else queue.samples_from(0)
+        samples = queue.head_samples(count)
         latest = deadline - model.l(samples)
         exec_at = max(start, min(self._exec_bound(model, samples, deadline), latest))
         self._set_candidate(model, _Candidate(count, samples, exec_at, latest, deadline, 0))
@@ -444,18 +464,26 @@ class DeferredDispatcher(Dispatcher):
         candidate = model.candidate
         if candidate is None or candidate.exec > now:
             return False
-        requests = model.queue.pop(candidate.requests)
-        pipeline, hops, unit.free = self._route(model.name, unit.slot, now, candidate.samples)
+        count, samples = candidate.requests, candidate.samples
+        while True:  # later partitions may queue: shrink the batch until its route meets the head's deadline
+            pipeline, hops, free = self._route.probe(model.name, unit.slot, now, samples)
+            if hops[-1].compute.end <= candidate.deadline:
+                break
+            count = model.queue.count_fitting(samples - 1)
+            if count == 0:
+                self._drop(model.queue.pop(1), "deadline", "its route's later stages would finish after its deadline", actions)
+                self._update_candidate(model, now, actions)
+                return False
+            samples = model.queue.head_samples(count)
+        self._route.commit(hops)
+        requests = model.queue.pop(count)
+        unit.free = free
         heapq.heappush(self._busy, (unit.free, unit.index))
-        actions.append(Dispatch(next(self._dispatch_ids), model.name, pipeline, candidate.samples, requests, hops))
+        actions.append(Dispatch(next(self._dispatch_ids), model.name, pipeline, samples, requests, hops))
         self.stats.dispatched_batches += 1
         self.stats.dispatched_requests += len(requests)
         self._update_candidate(model, now, actions)
         return True
-
-    def _whole_model_route(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
-        end = start + self._models[model].l(batch)
-        return 0, (Hop(0, slot, Reservation(slot, start, end)),), end
 
     def _drop(self, requests: list[Request], reason: DropReason, detail: str, actions: list[Action]) -> list[Action]:
         for request in requests:
@@ -465,77 +493,76 @@ class DeferredDispatcher(Dispatcher):
         return actions
 
 
-def plan_routes(model_plan, placement: Placement, profile, *, bw_gbps: float):
-    """Turn one model's plan into what :class:`DeferredDispatcher` needs.
+class PlanRoute:
+    """One model's plan as Symphony "GPUs" plus routes.
 
-    Every first-partition slot of every pipeline is a Symphony "GPU"; the deferred decision is
-    taken for the first partition. The window uses the slowest pipeline's end-to-end latency
-    (compute plus transfers at ``bw_gbps``), as Symphony uses the slowest GPU's profile. Later
-    partitions go to the earliest-free slot of their pool, after the feature map crosses the
-    sender's uplink and the receiver's downlink (each a FIFO the dispatcher books ahead).
-
-    Returns ``(slo_s, first_slots, latency(batch), max_batch, route)``.
+    Every first-partition slot of every pipeline is a Symphony GPU; the deferred decision is taken
+    for the first partition. The window uses the slowest pipeline's end-to-end latency (compute
+    plus transfers at ``bw_gbps``), as Symphony uses the slowest GPU's profile. Later partitions go
+    to the earliest-free slot of their pool, after the feature map crosses the sender's uplink and
+    the receiver's downlink (FIFOs the route books ahead, like the slots).
     """
-    if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
-        raise ValueError(f"bw_gbps must be a positive number, got {bw_gbps!r}")
-    if not model_plan.pipelines:
-        raise ValueError(f"model {model_plan.name!r} has no pipeline in the plan")
-    slots = placement.slots
-    first: list[Slot] = []
-    pipeline_of: dict[str, int] = {}
-    for p, pipeline in enumerate(model_plan.pipelines):
-        for q in range(len(pipeline.partitions)):
-            if (p, q) not in placement.pools or not placement.pools[(p, q)]:
-                raise ValueError(f"placement of {model_plan.name!r} has no slots for pipeline {p} partition {q}")
-        for slot_id in placement.pools[(p, 0)]:
-            first.append(slots[slot_id])
-            pipeline_of[slot_id] = p
 
-    def compute_s(p: int, q: int, batch: int) -> float:
-        part = model_plan.pipelines[p].partitions[q]
-        return profile.latency(part.gpu, part.slices, batch, *part.blocks) / 1e6
+    def __init__(self, model_plan, placement: Placement, profile, *, bw_gbps: float) -> None:
+        if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
+            raise ValueError(f"bw_gbps must be a positive number, got {bw_gbps!r}")
+        if not model_plan.pipelines:
+            raise ValueError(f"model {model_plan.name!r} has no pipeline in the plan")
+        self.plan, self.profile, self.bw_gbps = model_plan, profile, bw_gbps
+        self.slots = placement.slots
+        self.slo = model_plan.slo_us / 1e6
+        self.first: list[Slot] = []
+        self._pipeline_of: dict[str, int] = {}
+        for p, pipeline in enumerate(model_plan.pipelines):
+            for q in range(len(pipeline.partitions)):
+                if not placement.pools.get((p, q)):
+                    raise ValueError(f"placement of {model_plan.name!r} has no slots for pipeline {p} partition {q}")
+            for slot_id in placement.pools[(p, 0)]:
+                self.first.append(self.slots[slot_id])
+                self._pipeline_of[slot_id] = p
+        self.max_batch = min(profile.max_batch(part.gpu, part.slices) for pl in model_plan.pipelines for part in pl.partitions)
+        self._later: dict[tuple[int, int], list[tuple[Time, str]]] = {key: [(0.0, s) for s in ids] for key, ids in placement.pools.items() if key[1] > 0}
+        self._nic_free: dict[str, Time] = {}
 
-    def transfer_s(p: int, q: int, batch: int) -> float:
-        boundary = model_plan.pipelines[p].partitions[q].blocks[0]
-        return batch * profile.cut_bytes(boundary) * 8 / (bw_gbps * 1e9)
+    def _compute_s(self, p: int, q: int, batch: int) -> float:
+        part = self.plan.pipelines[p].partitions[q]
+        return self.profile.latency(part.gpu, part.slices, batch, *part.blocks) / 1e6
 
-    max_batch = min(profile.max_batch(part.gpu, part.slices) for pl in model_plan.pipelines for part in pl.partitions)
+    def _transfer_s(self, p: int, q: int, batch: int) -> float:
+        boundary = self.plan.pipelines[p].partitions[q].blocks[0]
+        return batch * self.profile.cut_bytes(boundary) * 8 / (self.bw_gbps * 1e9)
 
-    def end_to_end(p: int, batch: int) -> float:
-        parts = model_plan.pipelines[p].partitions
-        return sum(compute_s(p, q, batch) + (transfer_s(p, q, batch) if q else 0.0) for q in range(len(parts)))
+    def latency(self, batch: int) -> float:
+        """The window's latency: the slowest pipeline's end to end, without queueing."""
+        return max(
+            sum(self._compute_s(p, q, batch) + (self._transfer_s(p, q, batch) if q else 0.0) for q in range(len(pl.partitions)))
+            for p, pl in enumerate(self.plan.pipelines)
+        )
 
-    def latency(batch: int) -> float:
-        return max(end_to_end(p, batch) for p in range(len(model_plan.pipelines)))
-
-    later_pools: dict[tuple[int, int], list[tuple[Time, str]]] = {
-        key: [(0.0, s) for s in ids] for key, ids in placement.pools.items() if key[1] > 0
-    }
-    for heap in later_pools.values():
-        heapq.heapify(heap)
-    nic_free: dict[str, Time] = {}
-
-    def route(_model: str, slot_id: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
-        p = pipeline_of[slot_id]
-        end = start + compute_s(p, 0, batch)
-        hops = [Hop(0, slot_id, Reservation(slot_id, start, end))]
-        first_free, previous = end, slot_id
-        for q in range(1, len(model_plan.pipelines[p].partitions)):
-            free, target = heapq.heappop(later_pools[(p, q)])
-            transfer = None
-            ready = end
-            sender, receiver = slots[previous].server, slots[target].server
+    def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        p = self._pipeline_of[slot]
+        end = start + self._compute_s(p, 0, batch)
+        hops = [Hop(0, slot, Reservation(slot, start, end))]
+        first_free, previous = end, slot
+        for q in range(1, len(self.plan.pipelines[p].partitions)):
+            free, target = self._later[(p, q)][0]
+            transfer, ready = None, end
+            sender, receiver = self.slots[previous].server, self.slots[target].server
             if sender != receiver:
                 ul, dl = f"{sender}/ul", f"{receiver}/dl"
-                t0 = max(end, nic_free.get(ul, 0.0), nic_free.get(dl, 0.0))
-                ready = t0 + transfer_s(p, q, batch)
-                nic_free[ul] = nic_free[dl] = ready
+                t0 = max(end, self._nic_free.get(ul, 0.0), self._nic_free.get(dl, 0.0))
+                ready = t0 + self._transfer_s(p, q, batch)
                 transfer = (Reservation(ul, t0, ready), Reservation(dl, t0, ready))
             begin = max(ready, free)
-            end = begin + compute_s(p, q, batch)
-            heapq.heappush(later_pools[(p, q)], (end, target))
+            end = begin + self._compute_s(p, q, batch)
             hops.append(Hop(q, target, Reservation(target, begin, end), transfer))
             previous = target
         return p, tuple(hops), first_free
 
-    return model_plan.slo_us / 1e6, first, latency, max_batch, route
+    def commit(self, hops: tuple[Hop, ...]) -> None:
+        p = self._pipeline_of[hops[0].slot]
+        for hop in hops[1:]:
+            heapq.heapreplace(self._later[(p, hop.partition)], (hop.compute.end, hop.slot))
+            if hop.transfer_in is not None:
+                for reservation in hop.transfer_in:
+                    self._nic_free[reservation.resource] = reservation.end

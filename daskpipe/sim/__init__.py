@@ -1,1 +1,5 @@
-"""daskpipe.sim"""
+"""Discrete-event simulation of the data planes on a plan (see docs/simulator.md)."""
+
+from daskpipe.sim.simulate import ModelResult, SimResult, find_max_load, simulate
+
+__all__ = ["ModelResult", "SimResult", "find_max_load", "simulate"]

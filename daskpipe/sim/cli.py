@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from daskpipe.sim.simulate import DATAPLANES, SimResult, find_max_load, load_grid, simulate
+from daskpipe.sim.simulate import DATAPLANES, SimResult, find_max_load, load_grid
+from daskpipe.sim.simulate import simulate as run_simulation
 
 
 def summary(result: SimResult) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
                 task = progress.add_task("finding max load", total=len(plan.models) * max(1, len(grid).bit_length()))
                 result = find_max_load(plan, profiles, max_load=max_load, progress=lambda model, lf: progress.update(task, advance=1, description=f"{model[:24]} LF {lf:.2f}"), **kwargs)
         else:
-            result = simulate(plan, profiles, load_factor=load_factor, **kwargs)
+            result = run_simulation(plan, profiles, load_factor=load_factor, **kwargs)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     out = summary(result)

@@ -80,10 +80,6 @@ class _Op:
     end: Time | None = None
     timer_at: Time | None = None
 
-    @property
-    def key(self) -> tuple[Time, int]:
-        return (self.planned, self.seq)
-
 
 class _Resource:
     __slots__ = ("queue", "busy", "busy_time", "slices")
@@ -294,7 +290,7 @@ class Engine:
                 raise ValueError(f"dispatch {dispatch.id}: hops must follow partitions in order, got {hop.partition} after {previous.partition}")
             feeder = previous
             if previous is not None and self.slots[previous.resources[0]].server != slot.server:
-                planned = hop.transfer_in[0].start if hop.transfer_in else hop.compute.start
+                planned = hop.transfer_in[0].start if hop.transfer_in else hop.compute.start  # the api.Dispatch contract
                 sender, receiver = self.slots[previous.resources[0]].server, slot.server
                 feeder = self._op(source, dispatch, hop.partition, "transfer", (f"{sender}/ul", f"{receiver}/dl"), planned,
                                   self._scaled(self.durations.transfer(dispatch, hop.partition)), previous)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -217,6 +217,9 @@ def _prepare(
         from daskpipe.sim.workload import load_trace
 
         arrivals = load_trace(arrivals)
+    missing = [m.name for m in plan.models if m.name not in profiles]
+    if missing:
+        raise ValueError(f"no profile for model(s) {missing} of the plan (have {sorted(profiles)})")
     bw = bw_gbps if bw_gbps is not None else plan.cluster.get("bw_gbps")
     if bw is None:
         raise ValueError("the plan records no cluster bandwidth; pass bw_gbps")

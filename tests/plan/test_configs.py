@@ -58,3 +58,9 @@ def test_prune_keeps_pareto_front_and_lowest_latency_on_ties():
             mine, theirs = dict(zip(c.resources, c.vgpu_throughput)), dict(zip(o.resources, o.vgpu_throughput))
             assert not all(theirs[r] >= mine[r] for r in mine), (c, o)
     assert prune_dominated(configs) == configs
+
+
+def test_free_boundaries_cost_nothing():
+    p = synthetic_profile("m", {("A", 1): [100, 100], ("B", 1): [100, 100]}, boundary_bytes=[0.0])
+    split = [c for c in enumerate_configs(p, resources_of(p, ["A", "B"]), budget(), max_parts=2) if c.num_parts == 2]
+    assert split and all(c.transfer_us == (0.0, 0.0) and c.vgpu_throughput == pytest.approx((1e4, 1e4)) for c in split)

@@ -139,3 +139,23 @@ def test_golden_fcn_on_v100_and_p4(ppipe_dir):
     assert (v100.blocks, v100.gpu, v100.slices, v100.vgpus, v100.latency_us) == ((7, 10), "V100", 2, 6, 5711)
     assert p4.transfer_us == pytest.approx(1398, abs=1)
     assert pooled.throughput == pytest.approx(1051, abs=1)  # 6 / 5.711 ms; the P4 pool could do 1082
+
+
+def test_three_parts_never_worse_than_two():
+    p = synthetic_profile("m", {("A", 1): [300, 1000, 300], ("B", 1): [400, 9000, 400], ("B", 2): [700, 16000, 700]})
+    two = make_plan({"m": p}, {"A": 2, "B": 5}, max_parts=2, solver="cbc")
+    three = make_plan({"m": p}, {"A": 2, "B": 5}, max_parts=3, solver="cbc")
+    assert three.objective >= two.objective - 1e-6
+    assert three.settings["max_parts"] == 3
+
+
+def test_golden_fcn_with_routes_shared(ppipe_dir):
+    """Without PPipe's one-pipeline-per-route restriction two P4 -> V100/2 pipelines beat the paper's plan."""
+    from daskpipe.profiles.loader import load_profiles
+
+    profiles = load_profiles(ppipe_dir, ["fcn"])
+    (name,) = profiles
+    plan = make_plan(profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6, slo_us={name: 33300}, solver="cbc",
+                     one_pipeline_per_route=False)
+    assert plan.objective == pytest.approx(1218.9, abs=0.1)
+    assert plan.gpus_used() == {"V100": 4, "P4": 12}

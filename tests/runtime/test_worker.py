@@ -183,48 +183,40 @@ def test_fake_backend_checks_the_visible_device(fake_gpus, monkeypatch):
 # -- the real CLI -----------------------------------------------------------------------------
 
 
-def _run_cli(args: list[str], env: dict[str, str], expected_workers: int):
-    """Start ``daskpipe worker`` against a fresh scheduler; return what each worker reports."""
-    with LocalCluster(n_workers=0, processes=False, protocol="tcp", dashboard_address=":0") as cluster:
-        with Client(cluster) as client:
-            process = subprocess.Popen(
-                [*DASKPIPE, "worker", cluster.scheduler_address, *args],
-                env={**os.environ, **env},
-            )
-            try:
-                client.wait_for_workers(expected_workers, timeout=60)
-                return client.run(_describe_worker)
-            finally:
-                process.terminate()
-                assert process.wait(30) == 0
-
-
 def _describe_worker(dask_worker):
     cuda = {k: v for k, v in os.environ.items() if k.startswith("CUDA_VISIBLE") or k.startswith("CUDA_MPS_A")}
     plugin = dask_worker.plugins["daskpipe-slot"]
     return dask_worker.name, dict(dask_worker.state.total_resources), cuda, plugin.device_name
 
 
-def test_cli_worker_per_gpu_slice(mps_pipe):
-    reports = _run_cli(
-        ["--slices", "L4=2", "--server", "gpu-a"],
-        {gpu.FAKE_GPUS_ENV: FAKE_GPUS, gpu.MPS_PIPE_ENV: str(mps_pipe)},
-        expected_workers=3,
-    )
+def test_cli_starts_a_worker_per_gpu_slice(mps_pipe):
+    """Two nodes against one scheduler: one with (faked) real GPUs sliced by MPS, one emulating."""
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            nodes = [
+                (["--slices", "L4=2", "--server", "gpu-a"], {gpu.FAKE_GPUS_ENV: FAKE_GPUS, gpu.MPS_PIPE_ENV: str(mps_pipe)}),
+                (["--emulate", "L4:1,T4:1", "--server", "laptop"], {gpu.FAKE_GPUS_ENV: ""}),
+            ]
+            processes = [
+                subprocess.Popen([*DASKPIPE, "worker", cluster.scheduler_address, *args], env={**os.environ, **env})
+                for args, env in nodes
+            ]
+            try:
+                client.wait_for_workers(5, timeout=90)
+                reports = client.run(_describe_worker)
+            finally:
+                for process in processes:
+                    process.terminate()
+                assert [process.wait(30) for process in processes] == [0, 0], "SIGTERM should close the workers cleanly"
     by_name = {name: (resources, cuda, device) for name, resources, cuda, device in reports.values()}
-    assert sorted(by_name) == ["gpu-a/L4-0/0", "gpu-a/L4-0/1", "gpu-a/T4-1/0"]
+    assert sorted(by_name) == ["gpu-a/L4-0/0", "gpu-a/L4-0/1", "gpu-a/T4-1/0", "laptop/L4-0/0", "laptop/T4-1/0"]
     resources, cuda, device = by_name["gpu-a/L4-0/1"]
     assert resources == {"daskpipe.slot": 1, "daskpipe.gpu.L4": 1, "daskpipe.slices.2": 1}
     assert cuda == {"CUDA_VISIBLE_DEVICES": "GPU-fake-0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
     assert device == "NVIDIA L4", "the worker created its device context at start"
     assert by_name["gpu-a/T4-1/0"][1] == {"CUDA_VISIBLE_DEVICES": "GPU-fake-1"}
-
-
-def test_cli_worker_emulated():
-    reports = _run_cli(["--emulate", "L4:1,T4:1", "--server", "laptop"], {gpu.FAKE_GPUS_ENV: ""}, expected_workers=2)
-    names = sorted(name for name, *_ in reports.values())
-    assert names == ["laptop/L4-0/0", "laptop/T4-1/0"]
-    assert all(resources["daskpipe.emulated"] == 1 and cuda == {} for _, resources, cuda, _ in reports.values())
+    resources, cuda, device = by_name["laptop/T4-1/0"]
+    assert resources["daskpipe.emulated"] == 1 and cuda == {} and device is None
 
 
 def test_cli_worker_explains_missing_mps(no_mps, monkeypatch):

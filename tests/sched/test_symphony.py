@@ -163,3 +163,11 @@ def test_drain_drops_everything_queued():
     d.submit(Request(1, "m", 0.0, SLO), 0.0)
     drops = d.drain(0.1)
     assert [x.request.id for x in drops] == [1] and d.queued == 0 and d.next_wake() is None
+
+
+def test_out_of_order_deadlines_are_served_earliest_first():
+    d = DeferredDispatcher({"m": SLO}, GPUS[:1], latency, max_batch=3)
+    assert d.submit(Request("late", "m", 0.0, 30.0), 0.0) == []
+    assert d.submit(Request("later", "m", 0.0, 40.0), 0.0) == []  # frontrun 30 - l(3) = 22
+    (first,) = d.submit(Request("urgent", "m", 0.0, 8.0), 0.0)  # a full batch (3) goes at once
+    assert [r.id for r in first.requests] == ["urgent", "late", "later"]
