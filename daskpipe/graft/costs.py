@@ -22,7 +22,7 @@ from daskpipe.profiles.model import Profile, ProfileError
 
 SHARE_STEPS = np.arange(1, 101, dtype=float)  # MPS active-thread percentages Graft may give an instance
 _EPS = 1e-9
-DEFAULT_BURST_RISK = 0.01
+DEFAULT_BURST_RISK = 0.05
 
 
 def poisson_quantile(means: np.ndarray, level: float) -> np.ndarray:

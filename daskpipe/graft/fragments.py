@@ -6,20 +6,22 @@ minus device compute minus upload) and request rate ``q``. Devices pick ``k`` as
 does, minimising device + upload + server latency at batch 1, so fragments of one model land at
 different split points as bandwidth varies.
 
-Device model: a phone-class board runs a block in ``gflops(block) / effective_gflops`` seconds,
-using the estimator's per-block FLOP counts (``Profile.meta["block_gflops_batch1"]``). The two
-boards of the Graft testbed are calibrated to its Table II Inception-v3 latencies (Nano 165 ms,
-TX2 94 ms for 11.5 GFLOP). The SLO is 95% of the device's whole-model latency (Graft §5.1).
+Device model: the two boards of the Graft testbed take their whole-model latencies from its
+Table II (Jetson Nano / TX2 at batch 1) and spread them over blocks in proportion to the
+estimator's per-block FLOPs (``Profile.meta["block_gflops_batch1"]``); a model Table II lacks
+runs at the board's Inception-v3 rate (11.5 GFLOP in 165 / 94 ms). The SLO is 95% of the
+device's whole-model latency (Graft §5.1).
 
-Uplink: bandwidth is log-normal, median 20 Mbit/s, sigma 0.8 (roughly 5 to 80 Mbit/s, the spread
-of 5G uplink traces such as Raca et al.), plus a fixed one-way network delay of 5 ms. Feature maps
-travel at the profile's fp16 boundary sizes; the raw input at ``Profile.input_bytes``.
+Uplink: bandwidth is log-normal, median 40 Mbit/s, sigma 0.9 (roughly 7 to 240 Mbit/s, the spread
+of 5G uplink traces such as Raca et al.), plus a fixed one-way network delay of 5 ms. The raw
+input travels as fp32 (twice the profile's fp16 ``input_bytes``: 602 KB at 224x224, the paper's
+"about 588 KB"); feature maps at the profile's fp16 boundary sizes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -29,6 +31,7 @@ from daskpipe.profiles.model import Profile, ProfileError
 
 SLO_FRACTION = 0.95  # Graft: SLO = 95% of the on-device whole-model latency
 DEFAULT_RATE_RPS = 30.0  # Graft: requests per second per device
+RAW_INPUT_FACTOR = 2.0  # the device uploads the fp32 image; profiles count fp16 bytes
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,11 @@ class Fragment:
 
 @dataclass(frozen=True)
 class DeviceType:
-    """A phone-class board: ``effective_gflops`` is what it sustains on CNN blocks at batch 1."""
+    """A phone-class board: measured whole-model latencies, else a sustained GFLOP/s rate."""
 
     name: str
     effective_gflops: float
+    whole_model_ms: Mapping[str, float] = field(default_factory=dict)
 
     def block_latency_ms(self, profile: Profile) -> np.ndarray:
         """Per-block latency (ms) of ``profile``'s blocks on this device."""
@@ -71,20 +75,26 @@ class DeviceType:
                 f"{profile.source}: model {profile.model!r} lacks meta.block_gflops_batch1 (one per block); "
                 "estimate it with daskpipe.profiles.estimate_profile to get device latencies"
             )
-        return np.asarray(gflops, dtype=float) / self.effective_gflops * 1e3
+        gflops = np.asarray(gflops, dtype=float)
+        if profile.model in self.whole_model_ms:
+            return gflops / gflops.sum() * self.whole_model_ms[profile.model]
+        return gflops / self.effective_gflops * 1e3
 
 
 _INCEPTION_V3_GFLOP = 11.5  # 2 x 5.7 GMAC at 299x299
-JETSON_NANO = DeviceType("jetson-nano", _INCEPTION_V3_GFLOP / 0.165)
-JETSON_TX2 = DeviceType("jetson-tx2", _INCEPTION_V3_GFLOP / 0.094)
+# Graft Table II; its "Mob" is DeepLabV3-MobileNetV3-Large, which mobilenet_v3_large stands in for
+JETSON_NANO = DeviceType("jetson-nano", _INCEPTION_V3_GFLOP / 0.165,
+                         {"inception_v3": 165.0, "resnet101": 226.0, "vgg11": 147.0, "mobilenet_v3_large": 84.0})
+JETSON_TX2 = DeviceType("jetson-tx2", _INCEPTION_V3_GFLOP / 0.094,
+                        {"inception_v3": 94.0, "resnet101": 114.0, "vgg11": 77.0, "mobilenet_v3_large": 67.0})
 
 
 @dataclass(frozen=True)
 class Uplink:
     """The device-to-server link: log-normal bandwidth in Mbit/s plus a fixed one-way delay."""
 
-    median_mbps: float = 20.0
-    sigma: float = 0.8
+    median_mbps: float = 40.0
+    sigma: float = 0.9
     delay_ms: float = 5.0
 
     def sample_mbps(self, rng: np.random.Generator, size: int) -> np.ndarray:
@@ -118,7 +128,7 @@ def neurosurgeon_split(costs: StageCosts, device: DeviceType, mbps: float, uplin
     device_blocks = device.block_latency_ms(profile)
     device_prefix = np.concatenate([[0.0], np.cumsum(device_blocks)])
     slo_ms = SLO_FRACTION * float(device_prefix[-1])
-    upload_bytes = [profile.input_bytes, *profile.boundary_bytes]
+    upload_bytes = [RAW_INPUT_FACTOR * profile.input_bytes, *profile.boundary_bytes]
     candidates = [
         Split(k, float(device_prefix[k]), uplink.transfer_ms(upload_bytes[k], mbps), costs.suffix_batch1_ms(k), slo_ms)
         for k in range(profile.num_blocks)
@@ -156,11 +166,3 @@ def sample_fragments(
             )
     return fragments
 
-
-def fragment_table(fragments: Sequence[Fragment]) -> Mapping[str, list[float]]:
-    """Columns (start block, budget, rate) for printing or JSON."""
-    return {
-        "start_block": [f.start_block for f in fragments],
-        "budget_ms": [round(f.budget_ms, 2) for f in fragments],
-        "rate_rps": [f.rate_rps for f in fragments],
-    }

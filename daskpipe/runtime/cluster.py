@@ -7,9 +7,11 @@ code tested here meets the same contract on a GPU cluster.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -137,6 +139,29 @@ class EmulatedCluster(LocalCluster):
         for slot in self.slots:
             self.worker_spec[slot.name] = {"cls": base["cls"], "options": {**base["options"], **slot.worker_options()}}
         await super()._start()
+
+
+def inject_mps_fault(client: Any, gpu: str) -> list[str]:
+    """Emulate an MPS fatal fault on ``gpu`` (``"<server>/<TYPE>-<index>"``, e.g. ``"node-0/T4-1"``).
+
+    MPS delivers a fatal fault to every client on the GPU, so every slice's worker process of that
+    GPU exits at once; their Nannies start them again, as after a real fault once the MPS server
+    has recovered. Returns the names of the workers hit. Only emulated GPUs can be faulted.
+    """
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    hit = {address: info for address, info in workers.items() if str(info["name"]).rpartition("/")[0] == gpu}
+    if not hit:
+        names = sorted({str(info["name"]).rpartition("/")[0] for info in workers.values()})
+        raise ValueError(f"no worker runs on GPU {gpu!r}; the cluster's GPUs are {', '.join(names)}")
+    if any("daskpipe.emulated" not in info["resources"] for info in hit.values()):
+        raise ValueError(f"GPU {gpu!r} is real; faults are injected only into emulated GPUs")
+    client.run(_exit_soon, workers=list(hit))
+    return sorted(str(info["name"]) for info in hit.values())
+
+
+async def _exit_soon() -> None:
+    """In the worker: die like an MPS client that received a fatal fault, after replying to the call."""
+    asyncio.get_running_loop().call_later(0.1, os._exit, 1)
 
 
 emulated_cluster = EmulatedCluster  # the function-style spelling, as in ``with emulated_cluster({...}) as cluster``

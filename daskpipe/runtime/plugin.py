@@ -23,7 +23,7 @@ import importlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
@@ -46,6 +46,10 @@ RUNTIME_MARGIN_S = 0.02
 """What the runtime adds to a batch beyond its planned reservations, in real (undilated) seconds:
 the batch message to the first worker (the scheduler's 5 ms stream batching), the completion
 message back (2 ms), event-loop turns. Dispatchers plan to end this much before the deadline."""
+TIMER_SLACK_S = RUNTIME_MARGIN_S / 2
+"""A wake that fires this much late is given the time it asked for: the margin pays for it. A
+deadline-driven dispatcher that waits for a batch's last moment would otherwise find that moment
+just past, and drop the batch, on every timer that fires a millisecond late."""
 
 
 def guarded(method: Callable) -> Callable:
@@ -431,7 +435,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for model, served in list(self.served.items()):
             wake = served.dispatcher.next_wake()
             if wake is not None and wake <= now:
-                self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(now)))
+                at = max(wake, now - TIMER_SLACK_S)
+                self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
         self._arm()
 
 

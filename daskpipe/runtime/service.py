@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import os
+import pickle
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -340,7 +341,7 @@ def _start_stages(client: Client, placed, plan: Plan, blocked, slots) -> tuple[l
             input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
             device = "cpu" if slot.gpu == messages.CPU or slot.emulated else "cuda"
             future = client.submit(
-                Stage, name, q, blocked[name].blocks[start:end], input_shape=input_shape, device=device, emulated=slot.emulated,
+                Stage, name, q, pickle.dumps(blocked[name].blocks[start:end]), input_shape=input_shape, device=device, emulated=slot.emulated,
                 actor=True, workers=[slot.address], allow_other_workers=False, pure=False,
                 key=f"daskpipe-stage-{name}-{p}-{q}-{uuid.uuid4().hex[:8]}",
             )

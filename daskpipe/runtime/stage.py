@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -48,13 +49,16 @@ class _SlotRuntime:
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
+_LOADING = threading.Lock()
+"""Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
+the whole process: workers that share a process (``processes=False``) load one stage at a time."""
 
 
 class Stage:
     """Partition ``partition`` of ``model`` on this worker's device.
 
-    ``modules`` are the partition's torch.fx blocks (picklable), loaded on the worker when the
-    actor is created: a partition that does not fit fails the deploy with the cause, not the
+    ``modules`` is the pickled list of the partition's torch.fx blocks, loaded on the worker when
+    the actor is created: a partition that does not fit fails the deploy with the cause, not the
     first requests. ``input_shape`` is the per-sample shape the partition takes.
     """
 
@@ -62,7 +66,7 @@ class Stage:
         self,
         model: str,
         partition: int,
-        modules: Sequence[nn.Module],
+        modules: bytes,
         *,
         input_shape: Sequence[int],
         device: str = "cpu",
@@ -79,10 +83,11 @@ class Stage:
         # on the worker, in the thread that creates the actor: load the partition on the device and
         # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
         # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
-        self._module = nn.Sequential(*modules).to(self.device).eval()
-        self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
-        self._input_shape = tuple(input_shape)
-        sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
+        with _LOADING:
+            self._module = nn.Sequential(*pickle.loads(modules)).to(self.device).eval()
+            self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
+            self._input_shape = tuple(input_shape)
+            sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.

@@ -342,15 +342,21 @@ class DeferredDispatcher(Dispatcher):
                 model.arrivals.popleft()
 
     def _target_batch(self, model: _Model) -> int:
-        """Window policy target: the authors' estimator, eqs. (1)-(2) with the measured rate."""
+        """Window policy target: the authors' estimator, eqs. (1)-(2) with the measured rate (a
+        scan over batch sizes: O(max_batch), a constant of the profile)."""
         if self.settings.target_batch is not None:
             return min(self.settings.target_batch, model.max_batch)
         rate = len(model.arrivals) / self.settings.rate_window_s
         best = 1
         for b in range(1, model.max_batch + 1):
             lat = model.l(b)
-            gpus = rate * lat / b
-            fits = lat * (1 + 1 / max(gpus, 1.0)) <= model.slo if gpus > 1 else lat + (b / rate if rate > 0 else lat) <= model.slo
+            gpus = rate * lat / b  # GPUs this rate keeps busy at batch b
+            if gpus > 1:
+                fits = lat * (1 + 1 / gpus) <= model.slo  # staggered over n GPUs
+            elif rate > 0:
+                fits = lat + b / rate <= model.slo  # Nexus: one GPU, the batch fills while it waits
+            else:
+                fits = 2 * lat <= model.slo  # no rate measured yet
             if not fits:
                 break
             best = b

@@ -9,13 +9,13 @@ from daskpipe.graft import StageCosts
 from daskpipe.graft.costs import poisson_quantile
 from daskpipe.profiles.model import Profile
 
-FIXED_US = np.array([300.0, 200.0, 200.0, 100.0])  # per block, per batch
+FIXED_US = np.array([900.0, 600.0, 600.0, 300.0])  # per block, per batch
 SCALABLE_US_PER_SAMPLE = np.array([2000.0, 1500.0, 1000.0, 500.0])
 
 
 def toy_profile(max_batch: int = 8) -> Profile:
     batches = np.arange(1, max_batch + 1)
-    scalable = SCALABLE_US_PER_SAMPLE[:, None] * (0.5 + 0.5 * batches[None, :])  # batching amortises half the work
+    scalable = SCALABLE_US_PER_SAMPLE[:, None] * (0.75 + 0.25 * batches[None, :])  # batching amortises most work
     fixed = np.repeat(FIXED_US[:, None], max_batch, axis=1)
     return Profile(
         model="toy",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 from distributed import Client
 
 from daskpipe.runtime import cluster as cluster_module
-from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, resolve_protocol, ucx_available
+from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, inject_mps_fault, resolve_protocol, ucx_available
 from daskpipe.runtime.worker import WorkerSpecError
 
 
@@ -84,3 +87,31 @@ def test_ucx_cluster_moves_data_worker_to_worker():
             ones = client.submit(np.ones, 1_000_000, workers=[by_name["node-0/L4-0/0"]])
             total = client.submit(np.sum, ones, workers=[by_name["node-0/T4-1/0"]])
             assert total.result() == 1_000_000
+
+
+def test_mps_fault_takes_down_every_slice_of_that_gpu_only():
+    """M1: a fatal MPS fault reaches every client on the GPU; the Nannies bring the slices back."""
+    with EmulatedCluster({"L4": 1, "T4": 1}, slices={"T4": 2}, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            before = _pids(client)
+            assert inject_mps_fault(client, "node-0/T4-1") == ["node-0/T4-1/0", "node-0/T4-1/1"]
+            after = _pids(client, changed_from=before, expected=2)
+            assert after["node-0/L4-0/0"] == before["node-0/L4-0/0"], "another GPU's worker was hit"
+            with pytest.raises(ValueError, match="no worker runs on GPU"):
+                inject_mps_fault(client, "node-0/T4-9")
+
+
+def _pids(client: Client, *, changed_from: dict[str, int] | None = None, expected: int = 0) -> dict[str, int]:
+    """Worker name -> pid, once all three workers are up and ``expected`` of them have new pids."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            pids = client.run(lambda dask_worker: (dask_worker.name, os.getpid()))
+        except Exception:  # a worker left between listing and the call
+            pids = {}
+        by_name = dict(pids.values())
+        fresh = sum(by_name.get(name) != pid for name, pid in (changed_from or {}).items())
+        if len(by_name) == 3 and fresh >= expected:
+            return by_name
+        assert time.monotonic() < deadline, f"workers did not come back: {by_name}"
+        time.sleep(0.2)

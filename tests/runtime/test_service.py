@@ -12,7 +12,6 @@ from distributed import as_completed, wait
 
 import daskpipe
 from daskpipe.runtime.errors import InvalidRequest, RequestDropped, RequestFailed
-from daskpipe.runtime.plugin import plugin_of
 from tests.runtime.conftest import INPUT, example, tiny_model, two_stage, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +37,7 @@ def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **pla
 def test_deploy_profiles_plans_and_serves_on_plain_cpu_workers(cpu_cluster):
     cluster, client = cpu_cluster
     model = tiny_model()
-    svc = daskpipe.deploy(client, {"cpu-tiny": model}, example_inputs={"cpu-tiny": example()}, slo_ms={"cpu-tiny": 500}, num_blocks=2, dispatcher="fifo")
+    svc = daskpipe.deploy(client, {"cpu-tiny": model}, example_inputs={"cpu-tiny": example()}, slo_ms={"cpu-tiny": 500}, num_blocks=2)
     try:
         assert {p.gpu for m in svc.plan.models for pipe in m.pipelines for p in pipe.partitions} == {"cpu"}
         assert svc.profiles["cpu-tiny"].gpu_types == ["cpu"]
@@ -114,7 +113,7 @@ def test_drops_err_with_the_reason(emulated_inproc):
         assert info.value.reason == "deadline"
         assert svc.status()["tiny"]["dropped"] == {"deadline": 1}
 
-    svc = deploy_two_stage(client, slo_ms=20_000.0, dispatcher="fifo")  # the FIFO waits a quarter of the slack before a partial batch
+    svc = deploy_two_stage(client, slo_ms=20_000.0)  # the FIFO waits a quarter of the slack before a partial batch
     queued = svc.map("tiny", frames(2))
     svc.close()
     for future in queued:
@@ -136,7 +135,7 @@ def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0) -> lis
 
 
 def serve_at_load_factor(protocol: str) -> None:
-    """A real LocalCluster with processes: two emulated pools, 0.7 of the plan's capacity, k = 10.
+    """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity, k = 20.
 
     A few requests warm the path first (the first batches through fresh worker processes meet
     one-time costs of Dask and torch); attainment counts the Poisson run that follows.
@@ -144,10 +143,10 @@ def serve_at_load_factor(protocol: str) -> None:
     from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
 
-    k = 10.0
+    k = 20.0
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
-        with deploy_two_stage(client, k=k, slo_ms=50.0) as svc:
+        with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
             wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
             before = svc.status()["tiny"]
             capacity = svc.plan.model("tiny").throughput / k

@@ -171,3 +171,14 @@ def test_out_of_order_deadlines_are_served_earliest_first():
     assert d.submit(Request("later", "m", 0.0, 40.0), 0.0) == []  # frontrun 30 - l(3) = 22
     (first,) = d.submit(Request("urgent", "m", 0.0, 8.0), 0.0)  # a full batch (3) goes at once
     assert [r.id for r in first.requests] == ["urgent", "late", "later"]
+
+
+def test_window_target_follows_the_measured_rate():
+    """With no fixed target, the window policy sizes its target from the arrival rate."""
+    slow = DeferredDispatcher({"m": SLO}, GPUS, latency, settings=DeferredSettings(drop_policy="window"))
+    fast = DeferredDispatcher({"m": SLO}, GPUS, latency, settings=DeferredSettings(drop_policy="window", rate_window_s=2.0))
+    for d, gap in ((slow, 1.9), (fast, 0.1)):
+        for i in range(10):
+            d.submit(Request(i, "m", i * gap, i * gap + 100.0), i * gap)
+    # l(b) = b + 5, SLO 12: 1 req/s gives (1 + 1/n) l(b) <= 12 up to b = 3, 5 req/s up to b = 5
+    assert (slow._target_batch(slow._models["m"]), fast._target_batch(fast._models["m"])) == (3, 5)

@@ -85,3 +85,13 @@ def test_fcn_golden_cluster_holds_high_load(ppipe_dir):
     result = simulate(plan, profiles, dataplane="ppipe", load_factor=0.9, duration=1.0)
     (r,) = result.models.values()
     assert r.attainment >= 0.99 and r.on_time + r.late + r.dropped_total == r.submitted
+
+
+@pytest.mark.parametrize("dataplane", ["ppipe", "reactive"])
+def test_planned_and_staged_dataplanes_run_on_the_toy_plan(toy, dataplane):
+    pytest.importorskip(f"daskpipe.sched.{dataplane}")
+    plan, profiles = toy
+    result = simulate(plan, profiles, dataplane=dataplane, load_factor=0.8, duration=0.5, seed=2)
+    r = result.models["toy"]
+    assert r.on_time + r.late + r.dropped_total == r.submitted > 0
+    assert r.attainment > 0.9
