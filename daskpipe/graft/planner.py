@@ -34,6 +34,8 @@ from daskpipe.graft.fragments import Fragment
 DEFAULT_MERGE_THRESHOLD = 0.2
 DEFAULT_GROUP_SIZE = 5
 DEFAULT_BUDGET_QUANTUM_MS = 1.0
+DEFAULT_RESTARTS = 8
+DEFAULT_EXTRA_GROUPS = 1
 
 
 class PlanningError(ValueError):
@@ -201,26 +203,32 @@ def _internal_variance(similarity: np.ndarray, members: list[int]) -> float:
     return float(inner.var())
 
 
-def group(fragments: Sequence[Fragment], *, size: int = DEFAULT_GROUP_SIZE,
+def group(fragments: Sequence[Fragment], *, size: int = DEFAULT_GROUP_SIZE, count: int | None = None,
           weights: tuple[float, float, float] = (1.0, 1.0, 1.0), rng: np.random.Generator) -> list[list[Fragment]]:
-    """Greedy balanced partition into ``ceil(n / size)`` groups of at most ``size`` (Graft §4.2).
+    """Greedy balanced partition into ``count`` (default ``ceil(n / size)``) groups of at most
+    ``size`` fragments (Graft §4.2).
 
     Random seeds start the groups; every other fragment, in input order, joins the open group
     whose Eq. 1 cost rises least: the change in that group's internal similarity variance minus
-    twice the similarity to its members (those edges stop crossing groups).
+    twice its *mean* similarity to the group's members. Eq. 1 counts the sum (the edges that stop
+    crossing groups), which grows with the group and so drew every fragment into the first group
+    to fill up; the mean keeps the intent, joining the most similar group, without that pull.
     """
     if size < 1:
         raise ValueError(f"group size must be >= 1, got {size}")
     if not fragments:
         return []
     similarity = similarity_matrix(fragments, weights)
-    count = math.ceil(len(fragments) / size)
+    count = math.ceil(len(fragments) / size) if count is None else count
+    if not math.ceil(len(fragments) / size) <= count <= len(fragments):
+        raise ValueError(f"{len(fragments)} fragments in groups of at most {size} need {math.ceil(len(fragments) / size)}.."
+                         f"{len(fragments)} groups, got {count}")
     seeds = [int(i) for i in rng.choice(len(fragments), size=count, replace=False)]
     members = [[s] for s in seeds]
     for i in (i for i in range(len(fragments)) if i not in seeds):
         def rise(k: int) -> float:
             variance_change = _internal_variance(similarity, members[k] + [i]) - _internal_variance(similarity, members[k])
-            return variance_change - 2.0 * float(similarity[i, members[k]].sum())
+            return variance_change - 2.0 * float(similarity[i, members[k]].mean())
 
         open_groups = [k for k in range(count) if len(members[k]) < size]
         members[min(open_groups, key=rise)].append(i)
@@ -236,6 +244,8 @@ def realign(costs: StageCosts, fragments: Sequence[Fragment]) -> GroupPlan:
     ``F_B`` is always a suffix of the fragments sorted by start block).
     """
     ordered = tuple(sorted(fragments, key=lambda f: (f.start_block, f.budget_ms, f.members)))
+    for fragment in ordered:
+        serve_alone(costs, fragment)  # raises, naming the fragment, if even serving it alone cannot work
     memo: dict[int, tuple[Level, ...] | None] = {}
 
     def best_from(first: int) -> tuple[Level, ...] | None:
@@ -255,10 +265,7 @@ def realign(costs: StageCosts, fragments: Sequence[Fragment]) -> GroupPlan:
         return memo[first]
 
     levels = best_from(0)
-    if levels is None:
-        for fragment in ordered:
-            serve_alone(costs, fragment)  # raises, naming the fragment
-        raise PlanningError(f"no re-alignment of {[f.members for f in ordered]} fits its budgets")
+    assert levels is not None  # p = N serves every remaining fragment alone, which was checked feasible
     return GroupPlan(levels)
 
 
@@ -293,13 +300,37 @@ def plan_graft(
     group_size: int = DEFAULT_GROUP_SIZE,
     weights: tuple[float, float, float] = (1.0, 1.0, 1.0),
     budget_quantum_ms: float = DEFAULT_BUDGET_QUANTUM_MS,
+    restarts: int = DEFAULT_RESTARTS,
+    extra_groups: int = DEFAULT_EXTRA_GROUPS,
     seed: int = 0,
 ) -> GraftPlan:
-    """Graft's plan for the fragments of one model: merge, group, re-align each group."""
+    """Graft's plan for the fragments of one model: merge, group, re-align each group.
+
+    The grouping greedy depends on its random seeds, and Algorithm 1 cannot split fragments with
+    the same start block but far-apart budgets inside one group. So grouping is run ``restarts``
+    times for each group count from ``ceil(n / group_size)`` to ``extra_groups`` more, and the
+    grouping whose re-aligned plan is cheapest wins (``restarts=1, extra_groups=0`` is the paper's
+    single greedy pass). Re-alignments are memoised per group.
+    """
     check_fragments(costs, fragments)
+    if restarts < 1 or extra_groups < 0:
+        raise ValueError(f"need restarts >= 1 and extra_groups >= 0, got {restarts} and {extra_groups}")
     merged = merge(costs, fragments, threshold=threshold, budget_quantum_ms=budget_quantum_ms)
-    groups = group(merged, size=group_size, weights=weights, rng=np.random.default_rng(seed))
-    return GraftPlan(costs.profile.model, costs.gpu, tuple(realign(costs, g) for g in groups))
+    rng = np.random.default_rng(seed)
+    realigned: dict[frozenset[tuple[str, ...]], GroupPlan] = {}
+    best: tuple[GroupPlan, ...] = ()
+    fewest = math.ceil(len(merged) / group_size)
+    for count in range(fewest, min(len(merged), fewest + extra_groups) + 1):
+        for _ in range(restarts):
+            plans = []
+            for members in group(merged, size=group_size, count=count, weights=weights, rng=rng):
+                key = frozenset(f.members for f in members)
+                if key not in realigned:
+                    realigned[key] = realign(costs, members)
+                plans.append(realigned[key])
+            if not best or sum(p.cost for p in plans) < sum(p.cost for p in best):
+                best = tuple(plans)
+    return GraftPlan(costs.profile.model, costs.gpu, best)
 
 
 def check_fragments(costs: StageCosts, fragments: Sequence[Fragment]) -> None:

@@ -125,7 +125,9 @@ def worker(
 
 
 @click.command()
-@click.option("--duration", type=float, default=45.0, show_default=True, help="Seconds of request stream (the whole demo takes about 20 s more).")
+@click.option(
+    "--duration", type=float, default=30.0, show_default=True, help="Seconds of request stream; start-up adds 20-40 s."
+)
 @click.option(
     "--dashboard-address",
     default=":8787",

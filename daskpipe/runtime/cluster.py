@@ -8,7 +8,6 @@ code tested here meets the same contract on a GPU cluster.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import math
 import os
@@ -27,7 +26,11 @@ PROTOCOLS = ("tcp", "tls", "ucx", "inproc")
 
 def ucx_available() -> bool:
     """Whether ``protocol="ucx"`` can work: distributed needs the distributed-ucxx package for it."""
-    return importlib.util.find_spec("distributed_ucxx") is not None
+    try:
+        import distributed_ucxx  # noqa: F401  (registers the ucx:// backend with distributed)
+    except (ImportError, OSError):  # not installed, or its UCX libraries do not load
+        return False
+    return True
 
 
 def resolve_protocol(protocol: str) -> str:
@@ -41,8 +44,8 @@ def resolve_protocol(protocol: str) -> str:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     if scheme == "ucx" and not ucx_available():
         message = (
-            "protocol='ucx' needs the distributed-ucxx package, which is not installed; falling back to "
-            "tcp. Install it with `pip install 'daskpipe[ucx]'` (distributed-ucxx-cu12)."
+            "protocol='ucx' needs the distributed-ucxx package, which is not installed or does not load; "
+            "falling back to tcp. Install it with `pip install 'daskpipe[ucx]'` (distributed-ucxx-cu12)."
         )
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         logger.warning(message)
@@ -104,7 +107,8 @@ class EmulatedCluster(LocalCluster):
     Raises
     ------
     WorkerSpecError
-        ``gpus`` names a type the catalog lacks, or ``slices``/``servers`` are out of range.
+        ``gpus`` names a type the catalog lacks, or ``slices``/``servers`` are out of range; also
+        from ``scale(n)`` beyond the slots, since a generic worker would have no GPU type.
     """
 
     def __init__(
@@ -122,7 +126,8 @@ class EmulatedCluster(LocalCluster):
         self.slots = emulated_slots(gpus, slices=slices, servers=servers)
         kwargs.setdefault("memory_limit", equal_memory_share(len(self.slots)))
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
-        scheduler_kwargs["preload"] = ["daskpipe", *scheduler_kwargs.get("preload", ())]
+        preload = scheduler_kwargs.get("preload", ())
+        scheduler_kwargs["preload"] = ["daskpipe", *([preload] if isinstance(preload, str) else preload)]
         super().__init__(
             n_workers=0,
             threads_per_worker=nthreads,
@@ -131,6 +136,13 @@ class EmulatedCluster(LocalCluster):
             dashboard_address=dashboard_address,
             scheduler_kwargs=scheduler_kwargs,
             **kwargs,
+        )
+
+    def new_worker_spec(self) -> dict[str, Any]:
+        """Scaling up would add workers without a GPU type; refuse, and say how to add GPUs."""
+        raise WorkerSpecError(
+            "an EmulatedCluster's workers are fixed by its gpus=...; to add emulated GPUs, run "
+            f"`daskpipe worker {self.scheduler_address} --emulate T4:1 --server node-N`"
         )
 
     async def _start(self) -> None:

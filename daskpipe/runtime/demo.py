@@ -77,7 +77,7 @@ class Summary:
 
 def run_demo(
     *,
-    duration: float = 45.0,
+    duration: float = 30.0,
     dashboard_address: str | None = ":8787",
     protocol: str = "tcp",
     json_path: str | Path | None = None,

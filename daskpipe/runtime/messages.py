@@ -1,8 +1,8 @@
 """The wire vocabulary of daskpipe's runtime: message ops, handler names and worker resources.
 
 Every message is a plain dict (msgpack), so the scheduler never unpickles user data: request
-inputs ride inside as ``to_serialize`` payloads that the scheduler's comms keep opaque
-(``Serialized``) and forward as they are. Times on the wire are wall-clock seconds
+inputs ride inside as raw bytes (msgpack ``bin``, one per request), which the scheduler keeps and
+forwards as they are; feature maps and exceptions ride as ``to_serialize`` payloads. Times on the wire are wall-clock seconds
 (``time.time()``), the one clock that processes on different nodes share; the scheduler converts
 them to its monotonic clock.
 

@@ -11,8 +11,8 @@ Requests are real Dask keys. On submission the plugin creates a ``released`` tas
 run spec for each key and records that the submitting client wants it; when the last stage
 reports its outputs stored, ``Scheduler.update_data`` moves the keys to memory on that worker
 (as ``scatter`` does) and the clients' futures finish; a drop or failure puts the key in
-``erred`` with a daskpipe exception, which the client's future raises. Request inputs stay
-``Serialized`` on the scheduler (its comms do not deserialize) and are forwarded as they are.
+``erred`` with a daskpipe exception, which the client's future raises. Request inputs are raw
+bytes that the scheduler keeps and forwards as they are: it never deserializes them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
+from daskpipe.dashboard import attach_dashboard
+from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
@@ -84,7 +86,7 @@ class _Served:
     dispatcher: Dispatcher
     stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
     emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
-    inputs: dict[Any, tuple[Serialized, int]] = field(default_factory=dict)  # queued: key -> (payload, samples)
+    inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, _Flight] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "batches": 0, "overruns": 0})
@@ -125,6 +127,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        self.metrics = ServiceMetrics()  # what the dashboard and /metrics show
 
     # -- SchedulerPlugin hooks -----------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -148,6 +151,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             for address in scheduler.workers:
                 self.add_worker(scheduler, address)
+            attach_dashboard(scheduler)
         except Exception:
             logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
 
@@ -224,6 +228,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
         )
+        self.metrics.serve(model, model_plan, placement)
         logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g", model, len(stage_keys), len(model_plan.pipelines), time_dilation)
         return "OK"
 
@@ -244,6 +249,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             leftover = list(served.inputs)  # anything the dispatcher did not hand back
             self._err(served, model, leftover, lambda key: RequestDropped(reason, "", model, key))
             served.dropped[reason] = served.dropped.get(reason, 0) + len(leftover)
+            self.metrics.drop(model, reason, len(leftover), now)
             drained[model] = len(actions) + len(leftover)
         return drained
 
@@ -290,6 +296,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.deadlines[key] = now + slo
             request = Request(id=key, model=model, arrival=now, deadline=now + slo - RUNTIME_MARGIN_S, size=int(size))
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
+        self.metrics.submit(model, len(fresh), now, len(served.inputs))
         self._arm()
 
     @guarded
@@ -316,6 +323,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             counts["completed"] += 1
             counts["on_time"] += done <= served.deadlines.pop(key, -1.0)
         self._feedback(served, model, dispatch, timings, overrun)
+        self.metrics.done(model, dispatch, done)
         self._arm()
 
     @guarded
@@ -325,6 +333,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if served is not None:
             served.flights.pop(dispatch, None)
             served.counts["failed"] += len(keys)
+            self.metrics.fail(model, dispatch, len(keys), time.monotonic())
             for key in keys:
                 served.deadlines.pop(key, None)
         self._err_keys(keys, exception)
@@ -347,6 +356,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
         for partition, kind, start, end in timings:
             fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
+            self.metrics.feedback(model, fb)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
     def _act(self, served: _Served, model: str, actions: list) -> None:
@@ -356,6 +366,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             elif isinstance(action, Drop):
                 key = action.request.id
                 served.dropped[action.reason] = served.dropped.get(action.reason, 0) + 1
+                self.metrics.drop(model, action.reason, 1, time.monotonic())
                 self._err(served, model, [key], lambda key: RequestDropped(action.reason, action.detail, model, key))
 
     def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
@@ -385,6 +396,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return
         served.flights[action.id] = _Flight(keys, addresses)
         served.counts["batches"] += 1
+        self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
         self.scheduler.worker_send(
             route[0]["address"],
             {"op": messages.BATCH, "model": model, "dispatch": action.id, "keys": keys, "sizes": sizes, "inputs": payloads, "route": route},

@@ -59,7 +59,9 @@ class Stage:
 
     ``modules`` is the pickled list of the partition's torch.fx blocks, loaded on the worker when
     the actor is created: a partition that does not fit fails the deploy with the cause, not the
-    first requests. ``input_shape`` is the per-sample shape the partition takes.
+    first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
+    (a torch dtype name) is the requests' dtype, with which the first partition rebuilds a batch
+    from the requests' raw bytes (``service.encode_input``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Stage:
         modules: bytes,
         *,
         input_shape: Sequence[int],
+        input_dtype: str = "float32",
         device: str = "cpu",
         emulated: bool = False,
     ):
@@ -87,6 +90,7 @@ class Stage:
             self._module = nn.Sequential(*pickle.loads(modules)).to(self.device).eval()
             self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
             self._input_shape = tuple(input_shape)
+            self._input_dtype = getattr(torch, input_dtype)
             sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
@@ -110,7 +114,7 @@ class Stage:
         return {"model": self.model, "partition": self.partition, "device": str(self.device), "emulated": self.emulated, "batches": self.batches, "overruns": self.overruns}
 
     # -- the batch path (worker event loop) ----------------------------------------------------
-    async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[torch.Tensor], received_at: float | None = None) -> None:
+    async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         """Run one batch: compute, then forward the feature map or store the outputs."""
         worker = self.worker
         slot = _SLOTS[worker]
@@ -159,9 +163,12 @@ class Stage:
         )
         worker.update_data(data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
 
-    def _compute(self, data: torch.Tensor | Sequence[torch.Tensor], cast_fp16: bool) -> torch.Tensor:
-        """Runs in the slot's compute thread: never on the event loop or the actor thread."""
-        x = torch.cat(list(data)) if isinstance(data, (list, tuple)) else data
+    def _compute(self, data: torch.Tensor | Sequence[bytes], cast_fp16: bool) -> torch.Tensor:
+        """Runs in the slot's compute thread: never on the event loop or the actor thread.
+
+        ``data`` is the previous stage's feature map, or the requests' raw bytes for the first one.
+        """
+        x = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray().join(data), dtype=self._input_dtype).reshape(-1, *self._input_shape)
         with torch.inference_mode():
             y = self._module(x.to(self.device, self._dtype))
             if cast_fp16:

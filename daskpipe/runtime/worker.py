@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from daskpipe.runtime.gpu import GPU, discover_gpus, gpu_backend, mps_status
+from daskpipe.runtime.gpu import GPU, discover_gpus, gpu_backend, gpu_type, mps_status
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,12 @@ class SlotSetup(WorkerPlugin):
         if self.slot.emulated:
             return
         self.device_name = gpu_backend().init_device()
+        if gpu_type(self.device_name) != self.slot.gpu_type:
+            raise RuntimeError(
+                f"worker {self.slot.name} advertises GPU type {self.slot.gpu_type} but CUDA gave it a {self.device_name} "
+                f"(CUDA_VISIBLE_DEVICES={self.slot.env.get('CUDA_VISIBLE_DEVICES')}); the dispatcher would plan "
+                "with the wrong latencies"
+            )
         logger.info("worker %s runs on %s (CUDA context created)", self.slot.name, self.device_name)
 
 

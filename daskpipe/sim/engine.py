@@ -82,13 +82,14 @@ class _Op:
 
 
 class _Resource:
-    __slots__ = ("queue", "busy", "busy_time", "slices")
+    """A slot or a NIC direction: one operation at a time, in planned-start order."""
 
-    def __init__(self, slices: int = 1) -> None:
+    __slots__ = ("queue", "busy", "busy_time")
+
+    def __init__(self) -> None:
         self.queue: list[tuple[Time, int, _Op]] = []
         self.busy = False
         self.busy_time = 0.0
-        self.slices = slices
 
 
 @dataclass
@@ -160,10 +161,9 @@ class Engine:
         self.trace = Trace()
         self._heap: list[tuple[Time, int, int, Callable[[Time], None]]] = []
         self._seq = itertools.count()
-        self._resources: dict[str, _Resource] = {s.id: _Resource(s.slices) for s in self.slots.values()}
+        self._resources: dict[str, _Resource] = {s.id: _Resource() for s in self.slots.values()}
         self._wake_at: list[Time | None] = [None] * len(self.sources)
         self._idle_wakes = [0] * len(self.sources)
-        self._ops: dict[tuple[int, int], list[_Op]] = {}  # (source, dispatch id) -> its ops
         self._last_compute: dict[Hashable, _Op] = {}  # request id -> the compute that holds its data
         self.now: Time = 0.0
 
@@ -303,7 +303,6 @@ class Engine:
                 raise ValueError(f"dispatch {dispatch.id} runs partition {hop.partition}; pipeline {dispatch.pipeline} of {dispatch.model!r} has {last_partition + 1}")
         for request in dispatch.requests:
             self._last_compute[request.id] = previous
-        self._ops[(source, dispatch.id)] = ops
         for op in ops:
             self._enqueue(op)
 

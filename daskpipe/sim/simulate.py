@@ -246,12 +246,15 @@ def _prepare(
 
 def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: float) -> tuple[ModelResult, Trace, Placement]:
     rate = load_factor * setup.base_rates[model_plan.name]
-    placement = setup.placements[model_plan.name]
-    if rate <= 0 or not model_plan.pipelines:
+    placement = setup.placements.get(model_plan.name) or Placement(model_plan.name, {}, {})
+    if rate <= 0:
         return ModelResult(model_plan.name, load_factor, rate, 0, 0, 0, {}, None, None, None), Trace(), placement
     profile = setup.profiles[model_plan.name]
     rng = np.random.default_rng([setup.seed, index])
     times = make_arrivals(setup.arrivals, rate, setup.duration, rng, cv=setup.cv)
+    if not model_plan.pipelines:  # the plan gives it nothing: every request is refused
+        dropped = {"no-capacity": len(times)} if len(times) else {}
+        return ModelResult(model_plan.name, load_factor, rate, len(times), 0, 0, dropped, None, None, None), Trace(), placement
     slo = model_plan.slo_us / 1e6
     dispatcher = make_dispatcher(setup.dataplane, model_plan, placement, profile, bw_gbps=setup.bw_gbps, **setup.dispatcher_kwargs)
     engine = Engine({model_plan.name: dispatcher}, placement.slots, ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),

@@ -53,7 +53,7 @@ def test_local_cluster_shared_stage_batches_three_entries(tiny) -> None:
     plan = shared_plan(profile)
     images, requests = device_requests(module, blocked)
     batches_seen: list[tuple[int, int]] = []
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:
         actors = [client.submit(StageActor, blocked.stage(s.start, s.end), actor=True).result() for s in plan.stages]
 

@@ -102,3 +102,13 @@ def test_clear_errors(costs: StageCosts) -> None:
         plan_graft(costs, [Fragment("other", 0, 50.0, 30.0, ("o",))])
     with pytest.raises(PlanningError, match="starts at block 4"):
         plan_graft(costs, [frag(4, 50.0)])
+
+
+def test_merged_devices_share_a_route_and_settings_are_checked(costs: StageCosts) -> None:
+    uniform = [frag(1, 60.0, 30.0, f"u{i}") for i in range(4)]
+    plan = plan_graft(costs, uniform, threshold=-1.0).serving()
+    assert len({plan.routes[f"u{i}"] for i in range(4)}) == 1
+    with pytest.raises(ValueError, match="restarts"):
+        plan_graft(costs, uniform, restarts=0)
+    with pytest.raises(ValueError, match="groups"):
+        group(uniform, size=2, count=1, rng=np.random.default_rng(0))

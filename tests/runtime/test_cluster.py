@@ -53,13 +53,9 @@ def test_in_process_cluster_follows_the_contract():
             }
             slots = client.run(lambda dask_worker: dask_worker.plugins["daskpipe-slot"].slot.name)
             assert sorted(slots.values()) == sorted(workers)
-
-
-def test_process_cluster_runs_each_slot_in_its_own_process():
-    with EmulatedCluster({"L4": 1, "T4": 1}, dashboard_address=None) as cluster, Client(cluster) as client:
-        pids = client.run(lambda dask_worker: (dask_worker.name, __import__("os").getpid()))
-        assert sorted(name for name, _ in pids.values()) == ["node-0/L4-0/0", "node-0/T4-1/0"]
-        assert len({pid for _, pid in pids.values()}) == 2
+            with pytest.raises(WorkerSpecError, match="--emulate"):
+                cluster.scale(4)
+            cluster.scale(3)  # no change: allowed
 
 
 def test_unknown_protocol_is_refused():
@@ -94,6 +90,7 @@ def test_mps_fault_takes_down_every_slice_of_that_gpu_only():
     with EmulatedCluster({"L4": 1, "T4": 1}, slices={"T4": 2}, dashboard_address=None) as cluster:
         with Client(cluster) as client:
             before = _pids(client)
+            assert len(set(before.values())) == 3, "each slot runs in its own process"
             assert inject_mps_fault(client, "node-0/T4-1") == ["node-0/T4-1/0", "node-0/T4-1/1"]
             after = _pids(client, changed_from=before, expected=2)
             assert after["node-0/L4-0/0"] == before["node-0/L4-0/0"], "another GPU's worker was hit"

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from daskpipe.cli import main
@@ -13,6 +14,7 @@ from daskpipe.cli import main
 DASKPIPE = [sys.executable, "-c", "from daskpipe.cli import main; main()"]  # the console script's code
 
 
+@pytest.mark.slow
 def test_demo_serves_the_stream_and_matches_the_unpartitioned_model(tmp_path):
     out = tmp_path / "out.json"
     run = subprocess.run(

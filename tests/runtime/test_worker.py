@@ -236,3 +236,12 @@ def test_slot_spec_pickles_into_the_worker():
 
     spec = SlotSpec("s", "L4", 0, 0, 1, emulated=True)
     assert pickle.loads(pickle.dumps(spec.worker_options()["plugins"][0])).slot == spec
+
+
+def test_slot_setup_refuses_a_device_of_another_type(fake_gpus, monkeypatch):
+    from daskpipe.runtime.worker import SlotSetup
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-fake-1")  # the T4
+    l4 = SlotSpec("gpu-a", "L4", 0, 0, 1, emulated=False, uuid="GPU-fake-0")
+    with pytest.raises(RuntimeError, match="advertises GPU type L4 but CUDA gave it a Tesla T4"):
+        SlotSetup(l4).setup(worker=None)

@@ -95,3 +95,14 @@ def test_planned_and_staged_dataplanes_run_on_the_toy_plan(toy, dataplane):
     r = result.models["toy"]
     assert r.on_time + r.late + r.dropped_total == r.submitted > 0
     assert r.attainment > 0.9
+
+
+def test_a_model_without_pipelines_has_its_requests_refused(toy):
+    from daskpipe.plan.schema import ModelPlan, Plan
+
+    plan, profiles = toy
+    starved = Plan(1.0, plan.models + (ModelPlan("none", 50_000.0, 1.0, 0.0, ()),), cluster=plan.cluster)
+    profiles = dict(profiles, none=profiles["toy"])
+    result = simulate(starved, profiles, dataplane="deferred", duration=0.2, base_rates={"toy": 1000.0, "none": 500.0})
+    r = result.models["none"]
+    assert r.submitted > 0 and r.dropped == {"no-capacity": r.submitted} and r.attainment == 0.0

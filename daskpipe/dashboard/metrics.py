@@ -1,0 +1,264 @@
+"""What the dashboard and ``/metrics`` show, recorded as it happens: :class:`ServiceMetrics`.
+
+The scheduler plugin (or a simulator replay) calls one method per event; each call does O(1)
+work on bounded structures (per-second counters, ring buffers, fixed histogram buckets) and keeps
+references to objects the caller made anyway (the ``Dispatch``, the ``Feedback``). Aggregation
+(rates, percentiles, utilisation) is left to the readers: the dashboard's periodic ``update`` and
+the Prometheus collector, which run far less often than requests arrive.
+
+Times are the caller's clock (the plugin's ``time.monotonic()``, or the simulator's virtual
+clock); readers pass their own ``now`` in the same clock.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daskpipe.plan.schema import ModelPlan
+    from daskpipe.sched.api import Dispatch, Feedback, Placement
+
+BUCKET_S = 1.0
+"""Width of one bucket of the rate series."""
+HISTORY_BUCKETS = 600
+"""Buckets kept per series: ten minutes of per-second counts."""
+LATENCY_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+"""Upper bounds of the latency histogram's buckets (Prometheus ``le``); one more bucket is +Inf."""
+LATENCY_BINS_S = tuple(1e-4 * 10 ** (i / 20) for i in range(121))
+"""Edges of the fine latency bins kept per bucket, for percentiles over time: 0.1 ms to 100 s,
+12% apart (a percentile is read as its bin's upper edge)."""
+DISPATCH_HISTORY = 4_000
+"""Recent dispatches kept per model, for the reservation timeline."""
+BUSY_HISTORY = 20_000
+"""Recent actual busy intervals kept (all resources together)."""
+PENDING_LIMIT = 10_000
+"""Dispatches awaiting their completion, per model; past it the oldest is forgotten (a batch whose
+worker died reports nothing)."""
+
+
+class _Series:
+    """Per-:data:`BUCKET_S` buckets, the last :data:`HISTORY_BUCKETS` of them: ``[index, value]``."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self) -> None:
+        self.buckets: deque[list] = deque(maxlen=HISTORY_BUCKETS)
+
+    def _current(self, now: float, empty: Any) -> list:
+        """The bucket of ``now`` (or the latest, for a slightly earlier time), appended if new with
+        ``empty`` (called first if callable)."""
+        index = int(now // BUCKET_S)
+        buckets = self.buckets
+        if not buckets or buckets[-1][0] < index:
+            buckets.append([index, empty() if callable(empty) else empty])
+        return buckets[-1]
+
+    def values(self, first: int, last: int, missing: Any) -> list:
+        """Values of buckets ``first`` to ``last`` inclusive (``missing`` where nothing happened)."""
+        out = [missing] * (last - first + 1)
+        for index, value in self.buckets:
+            if first <= index <= last:
+                out[index - first] = value
+        return out
+
+
+class PeakSeries(_Series):
+    """The highest value seen in each bucket (the queue-depth series)."""
+
+    __slots__ = ()
+
+    def add(self, now: float, value: int) -> None:
+        bucket = self._current(now, value)
+        if value > bucket[1]:
+            bucket[1] = value
+
+
+class LatencySeries(_Series):
+    """A histogram of latencies per bucket over :data:`LATENCY_BINS_S`: percentiles over time at
+    O(log bins) per sample."""
+
+    __slots__ = ()
+
+    def add(self, now: float, latency: float) -> None:
+        self._current(now, lambda: [0] * (len(LATENCY_BINS_S) + 1))[1][bisect_left(LATENCY_BINS_S, latency)] += 1
+
+    def percentiles(self, first: int, last: int, q: float) -> list[float]:
+        """The ``q``-th percentile (0-100) of each bucket, in seconds; NaN where nothing completed."""
+        out = []
+        for counts in self.values(first, last, None):
+            if not counts:
+                out.append(float("nan"))
+                continue
+            rank, seen = q / 100 * sum(counts), 0
+            for edge, count in zip((*LATENCY_BINS_S, float("inf")), counts):
+                seen += count
+                if count and seen >= rank:
+                    out.append(edge)
+                    break
+        return out
+
+
+class RateSeries(_Series):
+    """Event counts per bucket, and in all."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def add(self, now: float, count: int = 1) -> None:
+        self._current(now, 0)[1] += count
+        self.total += count
+
+    def counts(self, first: int, last: int) -> list[int]:
+        return self.values(first, last, 0)
+
+
+@dataclass
+class ModelMetrics:
+    """Everything recorded about one model."""
+
+    slo_s: float = 0.0
+    plan: ModelPlan | None = None
+    placement: Placement | None = None
+    offered: RateSeries = field(default_factory=RateSeries)
+    completed: RateSeries = field(default_factory=RateSeries)
+    on_time: RateSeries = field(default_factory=RateSeries)
+    failed: RateSeries = field(default_factory=RateSeries)
+    dropped: dict[str, RateSeries] = field(default_factory=dict)  # reason -> series
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    latency_sum: float = 0.0
+    latencies: LatencySeries = field(default_factory=LatencySeries)
+    batch_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # (pipeline, requests in batch) -> batches
+    dispatches: deque[tuple[float, Dispatch]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))
+    pending: dict[int, Dispatch] = field(default_factory=dict)  # dispatch id -> dispatch, until done
+    queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
+
+class ServiceMetrics:
+    """The recorder: one instance per scheduler plugin (or per simulated run)."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, ModelMetrics] = {}
+        self.busy: deque[tuple[str, float, float]] = deque(maxlen=BUSY_HISTORY)  # (resource, start, end)
+        self.gpu_of: dict[str, str] = {}  # slot id -> GPU type
+        self.last_time = 0.0
+
+    def model(self, model: str) -> ModelMetrics:
+        found = self.models.get(model)
+        if found is None:
+            found = self.models[model] = ModelMetrics()
+        return found
+
+    # -- events ---------------------------------------------------------------------------------
+    def serve(self, model: str, plan: ModelPlan, placement: Placement) -> None:
+        """``model`` is served by ``plan`` on ``placement`` from now on."""
+        metrics = self.model(model)
+        metrics.plan, metrics.placement, metrics.slo_s = plan, placement, plan.slo_us * 1e-6
+        for slot in placement.slots.values():
+            self.gpu_of[slot.id] = slot.gpu
+
+    def submit(self, model: str, count: int, now: float, queued: int) -> None:
+        """``count`` requests arrived; ``queued`` wait now (the live queue-depth gauge)."""
+        metrics = self.model(model)
+        metrics.offered.add(now, count)
+        metrics.queue.add(now, queued)
+        self.last_time = now
+
+    def dispatch(self, model: str, dispatch: Dispatch, now: float, queued: int) -> None:
+        """A batch left the queue along ``dispatch.hops`` (with their planned reservations)."""
+        metrics = self.model(model)
+        key = (dispatch.pipeline, len(dispatch.requests))
+        metrics.batch_sizes[key] = metrics.batch_sizes.get(key, 0) + 1
+        metrics.dispatches.append((now, dispatch))
+        pending = metrics.pending
+        pending[dispatch.id] = dispatch
+        if len(pending) > PENDING_LIMIT:
+            del pending[next(iter(pending))]
+        metrics.queue.add(now, queued)
+        self.last_time = now
+
+    def feedback(self, model: str, fb: Feedback) -> None:
+        """A reservation of a pending dispatch really ran over [fb.start, fb.end)."""
+        dispatch = self.models[model].pending.get(fb.dispatch) if model in self.models else None
+        if dispatch is None:
+            return
+        for hop in dispatch.hops:
+            if hop.partition != fb.partition:
+                continue
+            if fb.kind == "compute":
+                self.busy.append((hop.slot, fb.start, fb.end))
+            elif hop.transfer_in is not None:
+                for reservation in hop.transfer_in:
+                    self.busy.append((reservation.resource, fb.start, fb.end))
+            return
+
+    def busy_interval(self, resource: str, start: float, end: float) -> None:
+        """``resource`` (a slot, or a ``<server>/ul|dl`` NIC direction) was busy over [start, end)."""
+        self.busy.append((resource, start, end))
+
+    def done(self, model: str, dispatch_id: int, now: float) -> None:
+        """The last stage of dispatch ``dispatch_id`` finished: its requests completed."""
+        metrics = self.models.get(model)
+        dispatch = metrics.pending.pop(dispatch_id, None) if metrics is not None else None
+        if dispatch is None:
+            return
+        for request in dispatch.requests:
+            self.complete(model, now - request.arrival, now)
+
+    def complete(self, model: str, latency: float, now: float) -> None:
+        """One request completed ``latency`` seconds after it arrived."""
+        metrics = self.model(model)
+        metrics.completed.add(now)
+        if latency <= metrics.slo_s:
+            metrics.on_time.add(now)
+        metrics.latency_buckets[bisect_left(LATENCY_BOUNDS_S, latency)] += 1
+        metrics.latency_sum += latency
+        metrics.latencies.add(now, latency)
+        self.last_time = now
+
+    def drop(self, model: str, reason: str, count: int, now: float) -> None:
+        """``count`` requests were dropped for ``reason`` (a ``DropReason``)."""
+        metrics = self.model(model)
+        series = metrics.dropped.get(reason)
+        if series is None:
+            series = metrics.dropped[reason] = RateSeries()
+        series.add(now, count)
+        self.last_time = now
+
+    def fail(self, model: str, dispatch_id: int, count: int, now: float) -> None:
+        """A stage of dispatch ``dispatch_id`` raised: ``count`` requests failed."""
+        metrics = self.model(model)
+        metrics.pending.pop(dispatch_id, None)
+        metrics.failed.add(now, count)
+        self.last_time = now
+
+    # -- readers --------------------------------------------------------------------------------
+    def recent_busy(self, start: float) -> Iterator[tuple[str, float, float]]:
+        """Busy intervals that may end after ``start``, newest first: they are recorded in about
+        the order they end, so the walk stops a second (of reordering) past ``start``."""
+        for interval in reversed(self.busy):
+            if interval[2] < start - 1.0:
+                return
+            yield interval
+
+    def busy_seconds(self, start: float, end: float) -> dict[str, float]:
+        """Seconds each resource was busy within [start, end), from the recent busy intervals."""
+        busy: dict[str, float] = {}
+        for resource, begin, finish in self.recent_busy(start):
+            if finish > start and begin < end:
+                busy[resource] = busy.get(resource, 0.0) + min(finish, end) - max(begin, start)
+        return busy
+
+    def utilisation_by_gpu(self, busy: dict[str, float], window: float) -> dict[str, float]:
+        """Busy share of each GPU type's slots over ``window`` seconds, given :meth:`busy_seconds`."""
+        slots: dict[str, int] = {}
+        seconds: dict[str, float] = {}
+        for slot, gpu in self.gpu_of.items():
+            slots[gpu] = slots.get(gpu, 0) + 1
+            seconds[gpu] = seconds.get(gpu, 0.0) + busy.get(slot, 0.0)
+        return {gpu: min(1.0, seconds[gpu] / (window * slots[gpu])) for gpu in sorted(slots)}

@@ -1,0 +1,110 @@
+"""daskpipe's Prometheus metrics, on the scheduler's ``/metrics`` and on ``/daskpipe/metrics``.
+
+Registered the way distributed registers its own collectors (``PrometheusHandler``): one collector
+instance in ``prometheus_client.REGISTRY`` for the process, pointed at the newest scheduler (tests
+start several in sequence). Latencies are *histograms* (they aggregate across schedulers and give
+a server-side p99); queue depth is read live from the plugin, not after completions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import prometheus_client
+from distributed.http.prometheus import PrometheusCollector
+from distributed.http.utils import RequestHandler
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from daskpipe.dashboard.metrics import LATENCY_BOUNDS_S
+
+UTILISATION_WINDOW_S = 10.0
+"""Utilisation gauges are the busy share over this many recent seconds."""
+
+
+class DaskpipeCollector(PrometheusCollector):
+    """Per model: requests by outcome, drops by reason, SLO attainment, queue depth, latency and
+    batch-size histograms; per GPU type and NIC direction: recent utilisation."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(server)
+        self.subsystem = "daskpipe"
+
+    def collect(self) -> Iterator[Metric]:
+        plugin = self.server.plugins.get("daskpipe") if self.server is not None else None
+        metrics = getattr(plugin, "metrics", None)
+        if metrics is None:
+            return
+        name = self.build_name
+        outcomes = CounterMetricFamily(name("requests"), "Requests by outcome (submitted, completed, on_time = goodput, failed)", labels=["model", "outcome"])
+        dropped = CounterMetricFamily(name("requests_dropped"), "Requests dropped, by reason", labels=["model", "reason"])
+        attainment = GaugeMetricFamily(name("slo_attainment"), "Share of ended requests that finished within the SLO", labels=["model"])
+        latency = HistogramMetricFamily(name("request_latency_seconds"), "End-to-end latency of completed requests", labels=["model"])
+        batches = CounterMetricFamily(name("batches"), "Batches dispatched, by pipeline and requests in the batch", labels=["model", "pipeline", "batch_size"])
+        for model, recorded in metrics.models.items():
+            totals = {"submitted": recorded.offered.total, "completed": recorded.completed.total, "on_time": recorded.on_time.total, "failed": recorded.failed.total}
+            for outcome, total in totals.items():
+                outcomes.add_metric([model, outcome], total)
+            drops = 0
+            for reason, series in recorded.dropped.items():
+                dropped.add_metric([model, reason], series.total)
+                drops += series.total
+            ended = totals["completed"] + totals["failed"] + drops
+            attainment.add_metric([model], totals["on_time"] / ended if ended else 1.0)
+            cumulative, buckets = 0, []
+            for bound, count in zip((*map(str, LATENCY_BOUNDS_S), "+Inf"), recorded.latency_buckets):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            latency.add_metric([model], buckets, recorded.latency_sum)
+            for (pipeline, size), count in sorted(recorded.batch_sizes.items()):
+                batches.add_metric([model, str(pipeline), str(size)], count)
+        queue = GaugeMetricFamily(name("queue_depth"), "Requests waiting for a batch, now", labels=["model"])
+        in_flight = GaugeMetricFamily(name("in_flight"), "Requests in dispatched batches, now", labels=["model"])
+        for model, status in plugin.status().items():
+            queue.add_metric([model], status["queued"])
+            in_flight.add_metric([model], status["in_flight"])
+        now = time.monotonic()
+        busy = metrics.busy_seconds(now - UTILISATION_WINDOW_S, now)
+        gpus = GaugeMetricFamily(name("gpu_utilization"), f"Busy share of each GPU type's slots over the last {UTILISATION_WINDOW_S:g} s", labels=["gpu"])
+        for gpu, share in metrics.utilisation_by_gpu(busy, UTILISATION_WINDOW_S).items():
+            gpus.add_metric([gpu], share)
+        slots = GaugeMetricFamily(name("slot_utilization"), f"Busy share of each slot over the last {UTILISATION_WINDOW_S:g} s", labels=["slot", "gpu"])
+        for slot, gpu in metrics.gpu_of.items():
+            slots.add_metric([slot, gpu], min(1.0, busy.get(slot, 0.0) / UTILISATION_WINDOW_S))
+        nics = GaugeMetricFamily(name("nic_utilization"), f"Busy share of each server's NIC direction over the last {UTILISATION_WINDOW_S:g} s", labels=["server", "direction"])
+        for resource, seconds in busy.items():
+            server, _, direction = resource.rpartition("/")
+            if direction in ("ul", "dl"):
+                nics.add_metric([server, direction], min(1.0, seconds / UTILISATION_WINDOW_S))
+        yield from (outcomes, dropped, attainment, latency, batches, queue, in_flight, gpus, slots, nics)
+
+
+_COLLECTOR: DaskpipeCollector | None = None
+_OWN_REGISTRY = prometheus_client.CollectorRegistry(auto_describe=False)
+"""Only daskpipe's collector: what ``/daskpipe/metrics`` serves."""
+
+
+def register_collector(scheduler: Any) -> DaskpipeCollector:
+    """Register the process's collector once (in the global registry, which ``/metrics`` serves),
+    and point it at ``scheduler``."""
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        _COLLECTOR = DaskpipeCollector(scheduler)
+        prometheus_client.REGISTRY.register(_COLLECTOR)
+        _OWN_REGISTRY.register(_COLLECTOR)
+    _COLLECTOR.server = scheduler
+    return _COLLECTOR
+
+
+class DaskpipeMetricsHandler(RequestHandler):
+    """``/daskpipe/metrics``: daskpipe's metrics alone, in Prometheus' text format."""
+
+    def get(self) -> None:
+        self.write(prometheus_client.generate_latest(_OWN_REGISTRY))
+        self.set_header("Content-Type", prometheus_client.CONTENT_TYPE_LATEST)
+
+
+def route(scheduler: Any, prefix: str = "") -> tuple[str, type, dict]:
+    """The tornado route of ``/daskpipe/metrics`` under the dashboard's ``prefix``."""
+    return (f"{prefix.rstrip('/')}/daskpipe/metrics", DaskpipeMetricsHandler, {"dask_server": scheduler})
