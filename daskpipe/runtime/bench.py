@@ -124,12 +124,15 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             wait(client.map(_noop, range(100), pure=False))  # warm both paths
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
+            settled = len(cluster.scheduler.tasks)  # the stage actors
             daskpipe_latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), latency_samples)
             dask_latencies = _closed_loop(lambda: client.submit(_noop, 0, pure=False), latency_samples)
             lag = LoopLag()
             dask_rates, daskpipe_rates, lags, failed = [], [], [], 0
             for _ in range(rounds):
+                _settle(cluster.scheduler, settled)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
+                _settle(cluster.scheduler, settled)
                 cluster.sync(lag.start)
                 rate, round_failed = _throughput(lambda: _submit_in_chunks(svc, x, requests, chunk), requests)
                 lags.extend(cluster.sync(lag.stop))
@@ -181,6 +184,14 @@ def _throughput(submit: Callable[[], list], requests: int) -> tuple[float, int]:
     wait(futures)
     rate = requests / (time.perf_counter() - start)
     return rate, sum(f.status != "finished" for f in futures)
+
+
+def _settle(scheduler: Any, tasks: int, timeout_s: float = 60.0) -> None:
+    """Wait until the scheduler has forgotten the previous run's keys (their release is work on
+    its event loop that the next run must not be charged for)."""
+    deadline = time.monotonic() + timeout_s
+    while len(scheduler.tasks) > tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:

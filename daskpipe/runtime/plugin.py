@@ -276,7 +276,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def on_submit(self, client: str, model: str, keys: list, inputs: list, sizes: list) -> None:
         """New requests from ``client``: make their keys, queue them, step the dispatcher."""
         scheduler = self.scheduler
-        fresh = [k for k in keys if k not in scheduler.tasks]
+        fresh = {k: None for k in keys if k not in scheduler.tasks}  # ordered, O(1) membership
         for key in fresh:
             scheduler.new_task(key, None, "released")
         scheduler.client_desires_keys(keys=fresh, client=client)

@@ -1,0 +1,90 @@
+"""The recorder on hand-made events: series, percentiles, busy intervals, a replayed trace, a report."""
+
+from __future__ import annotations
+
+import math
+
+from daskpipe.dashboard.components import GPUView, SLOView
+from daskpipe.dashboard.metrics import LATENCY_BOUNDS_S, LatencySeries, RateSeries, ServiceMetrics
+from daskpipe.dashboard.report import record_trace, save_report
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.sched.api import Dispatch, Feedback, Hop, Placement, Request, Reservation, Slot
+from daskpipe.sim.engine import RequestRecord, Trace
+
+PLAN = ModelPlan(
+    name="m", slo_us=100_000.0, weight=1.0, throughput=100.0,
+    pipelines=(Pipeline(batch_size=2, throughput=100.0, partitions=(
+        Partition(blocks=(0, 1), gpu="L4", slices=1, vgpus=1, latency_us=10_000.0),
+        Partition(blocks=(1, 2), gpu="T4", slices=2, vgpus=1, latency_us=20_000.0),
+    )),),
+)
+PLACEMENT = Placement(model="m", pools={(0, 0): ("a",), (0, 1): ("b",)}, slots={"a": Slot("a", "L4", 1, "s0"), "b": Slot("b", "T4", 2, "s1")})
+
+
+def batch(dispatch_id: int, arrivals: list[float], at: float) -> Dispatch:
+    requests = [Request(id=f"r{dispatch_id}-{i}", model="m", arrival=t, deadline=t + 0.1) for i, t in enumerate(arrivals)]
+    hops = (
+        Hop(0, "a", Reservation("a", at, at + 0.01)),
+        Hop(1, "b", Reservation("b", at + 0.015, at + 0.035), (Reservation("s0/ul", at + 0.01, at + 0.015), Reservation("s1/dl", at + 0.01, at + 0.015))),
+    )
+    return Dispatch(id=dispatch_id, model="m", pipeline=0, batch_size=2, requests=requests, hops=hops)
+
+
+def test_rate_series_counts_per_bucket_and_in_all():
+    series = RateSeries()
+    for t in (10.1, 10.9, 12.5):
+        series.add(t)
+    series.add(12.7, 3)
+    assert series.counts(9, 13) == [0, 2, 0, 4, 0]
+    assert series.total == 6
+
+
+def test_latency_percentiles_are_read_from_fine_bins():
+    series = LatencySeries()
+    for ms in range(1, 101):
+        series.add(5.5, ms / 1e3)
+    p50, p99 = series.percentiles(5, 5, 50)[0], series.percentiles(5, 5, 99)[0]
+    assert 0.050 <= p50 <= 0.050 * 1.13 and 0.099 <= p99 <= 0.099 * 1.13
+    assert math.isnan(series.percentiles(4, 4, 50)[0])
+
+
+def test_dispatch_feedback_and_done_give_busy_intervals_batches_and_latencies():
+    metrics = ServiceMetrics()
+    metrics.serve("m", PLAN, PLACEMENT)
+    metrics.submit("m", 2, 1.0, queued=2)
+    metrics.dispatch("m", batch(7, [1.0, 1.0], 1.02), 1.02, queued=0)
+    metrics.feedback("m", Feedback(7, 0, "compute", 1.02, 1.03))
+    metrics.feedback("m", Feedback(7, 1, "transfer", 1.03, 1.04))
+    metrics.feedback("m", Feedback(7, 1, "compute", 1.04, 1.2))
+    metrics.done("m", 7, 1.2)  # 200 ms: late against the 100 ms SLO
+    metrics.drop("m", "deadline", 1, 1.3)
+    model = metrics.models["m"]
+    assert model.batch_sizes == {(0, 2): 1} and not model.pending
+    assert (model.completed.total, model.on_time.total, model.dropped["deadline"].total) == (2, 0, 1)
+    assert model.latency_buckets[LATENCY_BOUNDS_S.index(0.2)] == 2  # both in (0.1, 0.2]
+    busy = metrics.busy_seconds(1.0, 2.0)
+    assert busy.keys() == {"a", "b", "s0/ul", "s1/dl"} and math.isclose(busy["b"], 0.16)
+    assert metrics.utilisation_by_gpu(busy, 1.0) == {"L4": busy["a"], "T4": busy["b"]}
+    view = GPUView(lambda: (metrics, 2.0))
+    view.update()
+    assert sorted(set(view.timeline_source.data["kind"])) == ["busy", "planned"]
+    assert view.nic_source.data["link"] == ["s0/ul", "s1/dl"]
+
+
+def test_a_replayed_simulator_trace_makes_a_report(tmp_path):
+    trace = Trace(end_time=3.0)
+    dispatch = batch(1, [1.0, 1.01], 1.02)
+    for request, finish in zip(dispatch.requests, (1.06, 1.07)):
+        trace.requests[request.id] = RequestRecord("m", request.arrival, request.deadline, finish=finish)
+    trace.requests["late"] = RequestRecord("m", 2.0, 2.1, dropped="deadline")
+    trace.dispatches.append((1.02, dispatch))
+    trace.computes += [("m", "a", 2, 0, 1.02, 1.03), ("m", "b", 2, 1, 1.04, 1.06)]
+    metrics = record_trace(ServiceMetrics(), PLAN, PLACEMENT, trace)
+    model = metrics.models["m"]
+    assert (model.offered.total, model.on_time.total, model.dropped["deadline"].total) == (3, 2, 1)
+    assert model.queue.values(1, 2, 0) == [2, 1]  # two waited before the batch; one until its drop
+    slos = SLOView(lambda: (metrics, metrics.last_time))
+    slos.update()
+    assert dict(zip(slos.rates.source.data["label"], map(sum, slos.rates.source.data["ys"]))) == {"m offered": 3, "m goodput": 2}
+    path = save_report(metrics, tmp_path / "sim.html")
+    assert "Batches and queues" in path.read_text()
