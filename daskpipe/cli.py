@@ -31,6 +31,7 @@ class LazyGroup(click.Group):
         "plan": "daskpipe.plan.cli:plan",
         "profile": "daskpipe.profiles.cli:profile",
         "simulate": "daskpipe.sim.cli:simulate",
+        "experiments": "daskpipe.sim.experiments:experiments",
         "worker": "daskpipe.runtime.cli:worker",
         "demo": "daskpipe.runtime.cli:demo",
     },

@@ -2,7 +2,8 @@
 
 The throughput part of ``daskpipe bench runtime`` (its trivial two-stage model and plan, requests
 sent with ``Service.map`` in chunks), run alternately with no page open and with all four daskpipe
-pages open in headless Chromium, on one ``LocalCluster`` with a dashboard. Rounds alternate so that
+pages open in headless Chromium, on one ``LocalCluster`` with a dashboard. One Chromium stays up
+throughout and only the four tabs are opened or closed; rounds alternate in ABBA order so that
 drift (warm-up, other load on the machine) hits both sides alike; the figures are medians.
 
 The recorder's hooks are always on (they are part of the plugin); what the pages add is their
@@ -11,6 +12,7 @@ periodic ``update`` on the scheduler's event loop and the Bokeh patches they pus
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import statistics
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import click
+import psutil
 import torch
 
 from daskpipe.dashboard.server import PAGES
@@ -26,42 +29,72 @@ from daskpipe.runtime.bench import BATCH, _profile_and_plan, _trivial_model
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "trivial-b32"
+SETTLE_S = 2.0
+"""Pause after opening or closing the pages (and after the previous round's futures are
+released) before a round is timed."""
+
+
+class Pages:
+    """A headless Chromium that stays up for the whole run, and opens or closes the daskpipe pages
+    (one tab each, updating live): only the pages differ between the two sides."""
+
+    def __init__(self, browser, base_url: str) -> None:
+        self.browser, self.base_url, self.tabs = browser, base_url, []
+
+    def open(self) -> None:
+        for url, _ in PAGES:
+            tab = self.browser.new_page()
+            tab.goto(f"{self.base_url}/{url}")
+            tab.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0")
+            self.tabs.append(tab)
+
+    def close(self) -> None:
+        while self.tabs:
+            self.tabs.pop().close()
 
 
 @contextmanager
-def open_pages(base_url: str, chromium: str) -> Iterator[None]:
-    """All daskpipe pages open (one tab each, updating live) in headless Chromium."""
+def chromium_pages(base_url: str, chromium: str) -> Iterator[Pages]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_FLAGS)
         try:
-            for url, _ in PAGES:
-                page = browser.new_page()
-                page.goto(f"{base_url}/{url}")
-                page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0")
-            yield
+            yield Pages(browser, base_url)
         finally:
             browser.close()
 
 
-def requests_per_second(svc, requests: int, chunk: int) -> float:
-    """Requests/s of ``requests`` sent in ``chunk``\\ s, as ``daskpipe bench runtime`` sends them."""
+def chromium_cpu_s() -> float:
+    """CPU seconds used so far by the running Chromium processes (browser, renderers, GPU process)."""
+    total = 0.0
+    for process in psutil.process_iter(["name", "cpu_times"]):
+        if "chrom" in (process.info["name"] or "") and process.info["cpu_times"] is not None:
+            total += process.info["cpu_times"].user + process.info["cpu_times"].system
+    return total
+
+
+def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
+    """One round as ``daskpipe bench runtime`` sends it: requests/s, this process's CPU per request
+    (client, scheduler and workers share it: the cost the pages put on the scheduler shows here),
+    and Chromium's CPU seconds meanwhile (what the browser takes from the machine)."""
     from distributed import wait
 
     x = torch.zeros(1, 16)
-    start = time.perf_counter()
+    cpu, browser, start = time.process_time(), chromium_cpu_s(), time.perf_counter()
     futures = []
     for offset in range(0, requests, chunk):
         futures.extend(svc.map(MODEL, [x] * min(chunk, requests - offset)))
     wait(futures)
     elapsed = time.perf_counter() - start
+    cpu, browser = time.process_time() - cpu, chromium_cpu_s() - browser
     if any(f.status != "finished" for f in futures):
         raise RuntimeError("some requests did not finish; the figures would not compare like with like")
-    return requests / elapsed
+    del futures
+    return {"requests_per_second": requests / elapsed, "python_cpu_us_per_request": cpu / requests * 1e6, "chromium_cpu_s": browser}
 
 
-def run(requests: int = 3000, rounds: int = 3, chunk: int = 500, chromium: str | None = None) -> dict:
+def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, chromium: str | None = None) -> dict:
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
@@ -70,35 +103,38 @@ def run(requests: int = 3000, rounds: int = 3, chunk: int = 500, chromium: str |
     if chromium is None:
         raise click.UsageError("needs a Chromium binary (apt-get install chromium), or --chromium PATH")
     requests = -(-requests // BATCH) * BATCH
-    closed, opened = [], []
+    sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         profiles, plan = _profile_and_plan({MODEL: BATCH})
         svc = daskpipe.deploy(client, {MODEL: _trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
         try:
             wait(svc.map(MODEL, [torch.zeros(1, 16)] * 2 * BATCH))  # warm the path
             base_url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
-            for _ in range(rounds):
-                closed.append(requests_per_second(svc, requests, chunk))
-                with open_pages(base_url, chromium):
-                    opened.append(requests_per_second(svc, requests, chunk))
+            with chromium_pages(base_url, chromium) as pages:
+                for round_index in range(rounds):
+                    for side in ("closed", "open") if round_index % 2 == 0 else ("open", "closed"):  # ABBA: no side always goes first
+                        pages.open() if side == "open" else pages.close()
+                        time.sleep(SETTLE_S)
+                        gc.collect()
+                        sides[side].append(timed_round(svc, requests, chunk))
         finally:
             svc.close()
-    closed_rps, open_rps = statistics.median(closed), statistics.median(opened)
+    medians = {side: {key: statistics.median(r[key] for r in results) for key in results[0]} for side, results in sides.items()}
     return {
-        "cluster": "LocalCluster, 2 CPU workers, in-process (threads), protocol tcp, dashboard on",
+        "cluster": f"LocalCluster, 2 CPU workers, in-process (threads), protocol tcp, dashboard on; {psutil.cpu_count()} CPUs, Chromium on the same machine",
         "requests_per_round": requests,
-        "rounds": rounds,
-        "pages_closed_requests_per_second": closed_rps,
-        "pages_open_requests_per_second": open_rps,
-        "drop": 1 - open_rps / closed_rps,
-        "rounds_closed": closed,
-        "rounds_open": opened,
+        "rounds_per_side": rounds,
+        "pages_closed": medians["closed"],
+        "pages_open": medians["open"],
+        "throughput_drop": 1 - medians["open"]["requests_per_second"] / medians["closed"]["requests_per_second"],
+        "python_cpu_increase": medians["open"]["python_cpu_us_per_request"] / medians["closed"]["python_cpu_us_per_request"] - 1,
+        "rounds": sides,
     }
 
 
 @click.command("dashboard")
-@click.option("--requests", default=3000, show_default=True, help="Requests per round.")
-@click.option("--rounds", default=3, show_default=True, help="Rounds, each one with the pages closed then one with them open.")
+@click.option("--requests", default=10000, show_default=True, help="Requests per round.")
+@click.option("--rounds", default=4, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
 @click.option("--chromium", type=click.Path(exists=True, dir_okay=False), help="The Chromium binary (default: chromium on PATH).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_dashboard(requests: int, rounds: int, chromium: str | None, json_path: str | None) -> None:

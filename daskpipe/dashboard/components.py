@@ -31,6 +31,9 @@ SERIES_BUCKETS = 120
 """Buckets the time series show: the last two minutes."""
 TIMELINE_S = 5.0
 """Seconds of reservations and busy intervals the GPU timeline shows."""
+TIMELINE_BARS = 400
+"""At most this many planned and this many busy bars, the newest: under heavy load the timeline
+shows less than :data:`TIMELINE_S` rather than thousands of bars per refresh."""
 PERCENTILES = (50, 99)
 
 
@@ -183,8 +186,8 @@ class SLOView(DashboardComponent):
     @staticmethod
     def _percentiles(name: str, model: ModelMetrics, first: int, xs: list[float]) -> list[tuple[str, list[float], list[float]]]:
         """Latency percentiles per bucket, in ms (NaN, drawn as a gap, where nothing completed)."""
-        last = first + len(xs) - 1
-        return [(f"{name} p{q}", xs, [v * 1e3 for v in model.latencies.percentiles(first, last, q)]) for q in PERCENTILES]
+        by_q = model.latencies.percentiles(first, first + len(xs) - 1, PERCENTILES)
+        return [(f"{name} p{q}", xs, [v * 1e3 for v in values]) for q, values in by_q.items()]
 
 
 class GPUView(DashboardComponent):
@@ -222,18 +225,24 @@ class GPUView(DashboardComponent):
             bars["color"].append(color)
 
         resources: set[str] = set()
+        planned = 0
         for model in (metrics.models.values() if metrics else ()):
             for _, dispatch in reversed(model.dispatches):
-                if dispatch.hops[0].compute.start < start - TIMELINE_S:  # older dispatches cannot reach the window
+                if dispatch.hops[0].compute.start < start - TIMELINE_S or planned >= TIMELINE_BARS:  # older ones cannot reach the window
                     break
                 for hop in dispatch.hops:
                     if hop.compute.end > start and hop.compute.start < now:
                         bar(hop.slot, "planned", hop.compute.start, hop.compute.end, "#9ecae1")
                         resources.add(hop.slot)
+                        planned += 1
+        busy = 0
         for resource, begin, end in (metrics.recent_busy(start) if metrics else ()):
+            if busy >= TIMELINE_BARS:
+                break
             if end > start and begin < now and resource in metrics.gpu_of:
                 bar(resource, "busy", begin, end, "#e6550d")
                 resources.add(resource)
+                busy += 1
         factors = [(r, kind) for r in sorted(resources) for kind in ("planned", "busy")]
         if list(self.timeline.y_range.factors) != factors:
             self.timeline.y_range.factors = factors

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from daskpipe.plan.schema import ModelPlan
     from daskpipe.sched.api import Dispatch, Feedback, Placement
@@ -86,19 +88,19 @@ class LatencySeries(_Series):
     def add(self, now: float, latency: float) -> None:
         self._current(now, lambda: [0] * (len(LATENCY_BINS_S) + 1))[1][bisect_left(LATENCY_BINS_S, latency)] += 1
 
-    def percentiles(self, first: int, last: int, q: float) -> list[float]:
-        """The ``q``-th percentile (0-100) of each bucket, in seconds; NaN where nothing completed."""
-        out = []
-        for counts in self.values(first, last, None):
-            if not counts:
-                out.append(float("nan"))
-                continue
-            rank, seen = q / 100 * sum(counts), 0
-            for edge, count in zip((*LATENCY_BINS_S, float("inf")), counts):
-                seen += count
-                if count and seen >= rank:
-                    out.append(edge)
-                    break
+    def percentiles(self, first: int, last: int, qs: tuple[float, ...]) -> dict[float, list[float]]:
+        """Each ``q``-th percentile (0-100) of each bucket ``first`` to ``last``, in seconds; NaN
+        where nothing completed."""
+        out = {q: [float("nan")] * (last - first + 1) for q in qs}
+        rows = [(index - first, counts) for index, counts in self.buckets if first <= index <= last]
+        if rows:
+            cumulative = np.cumsum([counts for _, counts in rows], axis=1)
+            edges = np.append(LATENCY_BINS_S, np.inf)
+            for q in qs:
+                ranks = np.maximum(q / 100 * cumulative[:, -1], 1)
+                bins = (cumulative < ranks[:, None]).sum(axis=1)
+                for (position, _), edge in zip(rows, edges[bins]):
+                    out[q][position] = float(edge)
         return out
 
 

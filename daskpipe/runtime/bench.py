@@ -6,8 +6,9 @@ client's and the scheduler's streams, the dispatcher, batch messages, the worker
 feature map, outputs stored on the last worker, completions back to the client.
 
 * requests per second: ``--requests`` requests (rounded up to whole batches, so that no partial
-  batch waits for its last moment) sent with ``Service.map`` in chunks as fast as the client can,
-  through a pipeline planned at batch 32 with a generous SLO, until every future has ended;
+  batch waits for its last moment) sent with one ``Service.map`` call (a message per
+  ``SUBMIT_CHUNK`` requests) through a pipeline planned at batch 32 with a generous SLO, until
+  every future has ended;
 * plain Dask: ``client.map`` of a no-op over as many tasks, until every future has ended;
 * per-request overhead: closed-loop single requests through a pipeline planned at batch 1 (so
   no deferred batching waits), end-to-end latency (result fetched) minus the stages' profiled
@@ -93,7 +94,7 @@ class LoopLag:
             self.lags_s.append(loop.time() - asked)
 
 
-def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = False, chunk: int = 500, latency_samples: int = 200, rounds: int = 2) -> dict:
+def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = False, latency_samples: int = 200, rounds: int = 2) -> dict:
     """The figures of ``daskpipe bench runtime``, all on one cluster.
 
     Throughput rounds alternate plain Dask and daskpipe so that drift (warm-up, other load on the
@@ -124,17 +125,17 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             wait(client.map(_noop, range(100), pure=False))  # warm both paths
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
-            settled = len(cluster.scheduler.tasks)  # the stage actors
+            _settle(cluster.scheduler)
             daskpipe_latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), latency_samples)
             dask_latencies = _closed_loop(lambda: client.submit(_noop, 0, pure=False), latency_samples)
             lag = LoopLag()
             dask_rates, daskpipe_rates, lags, failed = [], [], [], 0
             for _ in range(rounds):
-                _settle(cluster.scheduler, settled)
+                _settle(cluster.scheduler)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
-                _settle(cluster.scheduler, settled)
+                _settle(cluster.scheduler)
                 cluster.sync(lag.start)
-                rate, round_failed = _throughput(lambda: _submit_in_chunks(svc, x, requests, chunk), requests)
+                rate, round_failed = _throughput(lambda: svc.map("trivial-b32", [x] * requests), requests)
                 lags.extend(cluster.sync(lag.stop))
                 daskpipe_rates.append(rate)
                 failed += round_failed
@@ -167,13 +168,6 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _submit_in_chunks(svc: Any, x: torch.Tensor, requests: int, chunk: int) -> list:
-    futures = []
-    for offset in range(0, requests, chunk):
-        futures.extend(svc.map("trivial-b32", [x] * min(chunk, requests - offset)))
-    return futures
-
-
 def _throughput(submit: Callable[[], list], requests: int) -> tuple[float, int]:
     """Items per second from the first submission until every future has ended, and how many
     did not finish."""
@@ -186,11 +180,11 @@ def _throughput(submit: Callable[[], list], requests: int) -> tuple[float, int]:
     return rate, sum(f.status != "finished" for f in futures)
 
 
-def _settle(scheduler: Any, tasks: int, timeout_s: float = 60.0) -> None:
-    """Wait until the scheduler has forgotten the previous run's keys (their release is work on
-    its event loop that the next run must not be charged for)."""
+def _settle(scheduler: Any, timeout_s: float = 60.0) -> None:
+    """Wait until the scheduler holds only the stage actors: the previous run's keys are released
+    and forgotten, work on its event loop that the next run must not be charged for."""
     deadline = time.monotonic() + timeout_s
-    while len(scheduler.tasks) > tasks and time.monotonic() < deadline:
+    while any(not ts.actor for ts in list(scheduler.tasks.values())) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

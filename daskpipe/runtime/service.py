@@ -5,9 +5,9 @@ on a worker's real device; estimated for emulated or unmeasured GPU types), plan
 places one stage actor per (pool, slot) and tells the plugin to start serving. A
 :class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
 validates the input on the client (the profile knows its shape), creates the futures, and sends
-the inputs to the scheduler in one message per call over the client's batched stream, each as its
-raw bytes (:func:`encode_input`): msgpack carries them as they are, so neither the scheduler nor the
-comms spend a serializer call and frames per request, and nothing is unpickled on the way.
+the inputs to the scheduler over the client's batched stream, a message per ``SUBMIT_CHUNK``
+requests, each input as its raw bytes (:func:`encode_input`): msgpack carries them as they are,
+so no serializer call or extra frames per request, and nothing is unpickled on the way.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
 from daskpipe.runtime.stage import Stage
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+SUBMIT_CHUNK = 256
+"""Most requests in one submit message: the scheduler registers a message's keys in one go on its
+event loop (tens of microseconds each), so this bounds how long one message holds the loop."""
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class Service:
         return self.map(model, [x])[0]
 
     def map(self, model: str, xs: Iterable[torch.Tensor]) -> list[Future]:
-        """Many requests in one message to the scheduler; one future each, in order."""
+        """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order."""
         futures, keys, inputs, sizes = [], [], [], []
         for x in xs:
             key = f"daskpipe-{model}-{self._token}-{next(self._counter)}"
@@ -111,9 +114,15 @@ class Service:
             keys.append(key)
             inputs.append(encode_input(x))
             sizes.append(size)
+            if len(keys) == SUBMIT_CHUNK:  # sent now: the scheduler starts on them while the rest are made
+                self._send(model, keys, inputs, sizes)
+                keys, inputs, sizes = [], [], []
         if keys:
-            self.client._send_to_scheduler({"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes})
+            self._send(model, keys, inputs, sizes)
         return futures
+
+    def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int]) -> None:
+        self.client._send_to_scheduler({"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes})
 
     def _check(self, model: str, x: Any) -> int:
         if self.closed:

@@ -148,8 +148,8 @@ class Stage:
             worker.batched_send({"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
             return
         outputs = {key: chunk.clone() for key, chunk in zip(batch["keys"], torch.split(output, list(batch["sizes"])))}
-        # the scheduler must learn the keys are in memory before the worker's own add-keys message
-        # reaches it (else it asks the worker to drop them as redundant): same stream, this first
+        # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
+        # DONE is the one message that puts the batch's keys in memory there
         worker.batched_send(
             {
                 "op": messages.DONE,
@@ -168,7 +168,7 @@ class Stage:
 
         ``data`` is the previous stage's feature map, or the requests' raw bytes for the first one.
         """
-        x = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray().join(data), dtype=self._input_dtype).reshape(-1, *self._input_shape)
+        x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
             y = self._module(x.to(self.device, self._dtype))
             if cast_fp16:
@@ -182,6 +182,11 @@ class Stage:
             cause=_picklable(exc),
         )
         report_failure(self.worker, batch, error)
+
+
+def decode_inputs(payloads: Sequence[bytes], dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The batch ``(n, *shape)`` made of requests' raw bytes (``service.encode_input``), in one copy."""
+    return torch.frombuffer(bytearray().join(payloads), dtype=dtype).reshape(-1, *shape)
 
 
 def _picklable(exc: BaseException) -> BaseException:

@@ -67,6 +67,18 @@ def test_two_stages_on_emulated_pools_match_the_model_and_work_with_dask_waiting
         assert status["completed"] == 10 and status["failed"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_inputs_travel_as_raw_bytes_and_rebuild_into_the_batch(dtype):
+    from daskpipe.runtime.service import encode_input
+    from daskpipe.runtime.stage import decode_inputs
+
+    xs = [(torch.randn(n, 4, 3) * 10).to(dtype) for n in (1, 3, 2)]
+    xs[1] = xs[1].transpose(1, 2).contiguous().transpose(1, 2)  # not contiguous
+    payloads = [encode_input(x) for x in xs]
+    assert all(type(p) is bytes for p in payloads)  # msgpack bin: nothing for the scheduler to unpickle
+    assert torch.equal(decode_inputs(payloads, dtype, (4, 3)), torch.cat(xs))
+
+
 def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:
