@@ -75,6 +75,11 @@ class PPipeSettings:
         ``False`` (default): an arrival that leaves the queue short of the chosen batch before
         its last moment only queues. ``True`` (artifact): every arrival re-runs Algorithm 1,
         so the pipeline choice follows the clock between dispatches (costs a few probes each).
+    uplink_aware
+        ``False`` (paper, Algorithm 2): each stage takes the slot of its pool that finishes
+        first. ``True`` (artifact): a stage followed by another takes the slot whose output can
+        leave first (compute done and its server's uplink free for the next transfer), so a
+        batch does not finish early on a server whose uplink is booked.
     feedback_horizon_s
         A dispatch's reservations are remembered for feedback until its last compute feedback
         arrives, or this long after its planned finish (memory stays bounded if feedback never
@@ -86,6 +91,7 @@ class PPipeSettings:
     bs1_penalty: bool = False
     max_queued: int | None = None
     reevaluate_on_arrival: bool = False
+    uplink_aware: bool = False
     feedback_horizon_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -99,7 +105,7 @@ class PPipeSettings:
     @classmethod
     def artifact(cls, **overrides: object) -> PPipeSettings:
         """The published simulator's behaviour (digest §3.6)."""
-        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)
+        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True)
         choices.update(overrides)
         return cls(**choices)  # type: ignore[arg-type]
 
@@ -426,45 +432,53 @@ class PPipeDispatcher(Dispatcher):
     def _probe(self, pipe: _Pipe, bs: int, now: Time) -> tuple[Time, list[tuple[int, Time, Time]]]:
         """(finish, [(slot index, transfer start, compute start) per stage]): the greedy path.
 
-        A pool is scanned in key order: slots with a usable gap first (key ``NEVER``), then the
-        others by tail; as those cannot start before their tail, the scan stops once a tail is
-        past the best finish, or once the best meets the stage's lower bound (inputs ready,
-        sender uplink free)."""
+        Each stage picks the slot that finishes first (Algorithm 2) or, with ``uplink_aware``
+        and a stage after it, the slot whose output can leave first: compute done and its
+        server's uplink free for the next transfer (the artifact's choice). A pool is scanned in
+        key order: slots with a usable gap first (key ``NEVER``), then the others by tail; as
+        those cannot finish before tail + compute, and a rank is never below the finish, the
+        scan stops once a tail is past the best rank, or once the best meets the stage's lower
+        bound (inputs ready, sender uplink free)."""
         self.stats.probes += 1
         earliest = self._earliest
         earliest_pair = self._earliest_pair
+        stages = pipe.stages
+        last = len(stages) - 1
+        uplink_aware = self.settings.uplink_aware
         t = now
         sender_ul = None
         path = []
-        for stage in pipe.stages:
+        for si, stage in enumerate(stages):
             li = stage.compute[bs]
             slots = stage.slots
-            best = INF
+            uls = stage.ul
+            out_ln = stages[si + 1].transfer[bs] if uplink_aware and si < last else 0.0  # 0: rank by finish
+            best = INF  # the pick's rank
+            best_end = INF  # the pick's finish
             pick = None
             if sender_ul is None:
                 lower = t + li
-                for key, i in stage.order:
-                    if best <= lower or key + li >= best:
-                        break
-                    start = earliest(slots[i], t, li)
-                    if start + li < best:
-                        best = start + li
-                        pick = (i, t, start)
+                sent = t
             else:
                 ln = stage.transfer[bs]
                 dls = stage.dl
                 uplink_free = earliest(sender_ul, t, ln)
                 lower = uplink_free + ln + li
-                for key, i in stage.order:
-                    if best <= lower or key + li >= best:
-                        break
+            for key, i in stage.order:
+                if best <= lower or key + li >= best:
+                    break
+                if sender_ul is not None:
                     sent = earliest_pair(sender_ul, dls[i], uplink_free, ln)
                     start = earliest(slots[i], sent + ln, li)
-                    if start + li < best:
-                        best = start + li
-                        pick = (i, sent, start)
+                else:
+                    start = earliest(slots[i], t, li)
+                end = start + li
+                rank = earliest(uls[i], end, out_ln) if out_ln else end
+                if rank < best:
+                    best, best_end = rank, end
+                    pick = (i, sent, start)
             path.append(pick)
-            t = best
+            t = best_end
             sender_ul = stage.ul[pick[0]]  # type: ignore[index]
         return t, path
 

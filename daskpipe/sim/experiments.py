@@ -109,27 +109,15 @@ def symphony_table2(gpus: int = 8, duration: float = 1.0, precision: float = 0.0
     return rows
 
 
-@dataclass(frozen=True)
-class Cluster:
-    gpus: Mapping[str, int]
-    bw_gbps: float
-    gpus_per_server: Mapping[str, int]
-    low_class: str
+# The names of PPipe Fig. 6's clusters (Table 1, large, simulated) and model groups; their specs
+# (GPUs, servers, bandwidth, models, workload shares) are read from plans/*.json by daskpipe.plan.specs.
+PAPER_CLUSTERS = ("HC1", "HC2", "HC3", "HC4")
+PAPER_GROUPS = ("G1", "G2", "G3", "G4")
 
 
-CLUSTERS = {  # PPipe Table 1 (large, simulated) with the artifact's effective bandwidth and servers
-    "HC1": Cluster({"L4": 25, "P4": 75}, 6.0, {"L4": 1, "P4": 1}, "P4"),
-    "HC2": Cluster({"L4": 25, "T4": 75}, 10.0, {"L4": 4, "T4": 2}, "T4"),
-    "HC3": Cluster({"V100": 25, "P4": 75}, 6.0, {"V100": 2, "P4": 1}, "P4"),
-    "HC4": Cluster({"V100": 25, "T4": 75}, 10.0, {"V100": 4, "T4": 2}, "T4"),
-}
-GROUPS = {
-    "G1": ("efficientnet-b8", "encnet", "rtmdet_x"),
-    "G2": ("colorization-v2", "googlenet-v3", "repvgg-b3"),
-    "G3": ("apcnet", "atss", "gcnet"),
-    "G4": ("fcn", "gfl_x101", "wide_resnet101_2"),
-}
-SHARES = (0.30, 0.33, 0.37)  # MAF'19 workload shares, in group order
+def low_class(gpus: Mapping[str, int]) -> str:
+    """The cluster's low-class GPU type: PPipe's clusters pair 25 high-class GPUs with 75 low-class ones."""
+    return max(gpus, key=lambda gpu: gpus[gpu])
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -139,8 +127,8 @@ def _mean(values: Sequence[float]) -> float | None:
 def ppipe_experiment(
     profiles_dir: str | Path,
     *,
-    clusters: Sequence[str] = tuple(CLUSTERS),
-    groups: Sequence[str] = tuple(GROUPS),
+    clusters: Sequence[str] = PAPER_CLUSTERS,
+    groups: Sequence[str] = PAPER_GROUPS,
     arrivals: Sequence[str] = ("poisson", "bursty"),
     strategies: Sequence[str] = ("ppipe", "np"),
     ablation_cluster: str | None = "HC2",
@@ -155,22 +143,26 @@ def ppipe_experiment(
     utilisation at each model's max load. Returns raw runs and the paper's summary figures."""
     from daskpipe.plan.milp import make_plan
     from daskpipe.plan.schema import PlanError
+    from daskpipe.plan.specs import clusters as cluster_specs
+    from daskpipe.plan.specs import groups as group_specs
     from daskpipe.profiles.loader import load_profiles
     from daskpipe.sim.simulate import find_max_load
 
-    unknown = [c for c in clusters if c not in CLUSTERS] + [g for g in groups if g not in GROUPS]
+    known_clusters, known_groups = cluster_specs(), group_specs()
+    unknown = [c for c in clusters if c not in known_clusters] + [g for g in groups if g not in known_groups]
     if unknown:
-        raise ValueError(f"unknown cluster/group name(s) {unknown}; known: {sorted(CLUSTERS)}, {sorted(GROUPS)}")
+        raise ValueError(f"unknown cluster/group name(s) {unknown}; known: {sorted(known_clusters)}, {sorted(known_groups)}")
     if "ppipe" not in strategies:
         raise ValueError("strategies must include 'ppipe': load factors are relative to PPipe's plan")
     note = progress or (lambda _msg: None)
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
     for cluster_name in clusters:
-        cluster = CLUSTERS[cluster_name]
+        cluster = known_clusters[cluster_name]
         for group_name in groups:
-            profiles = load_profiles(profiles_dir, list(GROUPS[group_name]))
-            weights = dict(zip(profiles, SHARES))
+            group = known_groups[group_name]
+            profiles = load_profiles(profiles_dir, list(group.models))
+            weights = dict(zip(profiles, group.weights))
             plans = {}
             for strategy in strategies:
                 try:
@@ -195,7 +187,7 @@ def ppipe_experiment(
                     "cluster": cluster_name, "group": group_name, "strategy": strategy, "dataplane": dataplane, "arrivals": kind,
                     "max_load_factor": result.max_load_factor,
                     "attainment": {m: r.attainment for m, r in result.models.items()},
-                    "low_class_utilization": result.utilization.get(cluster.low_class, 0.0),
+                    "low_class_utilization": result.utilization.get(low_class(cluster.gpus), 0.0),
                     "utilization": result.utilization,
                     "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
                 })
@@ -237,8 +229,8 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 @click.command("experiments")
 @click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True, file_okay=False), help="The PPipe profile folder (../shared/ppipe).")
-@click.option("--clusters", default=",".join(CLUSTERS), show_default=True, help="Comma-separated cluster names.")
-@click.option("--groups", default=",".join(GROUPS), show_default=True, help="Comma-separated model groups.")
+@click.option("--clusters", default=",".join(PAPER_CLUSTERS), show_default=True, help="Comma-separated cluster names (plans/clusters.json).")
+@click.option("--groups", default=",".join(PAPER_GROUPS), show_default=True, help="Comma-separated model groups (plans/groups.json).")
 @click.option("--arrivals", default="poisson,bursty", show_default=True, help="Comma-separated workloads.")
 @click.option("--strategies", default="ppipe,np", show_default=True, help="Planning strategies (ppipe, np, dart-r).")
 @click.option("--ablation-cluster", default="HC2", show_default=True, help="Where to run the reactive data plane ('' for nowhere).")

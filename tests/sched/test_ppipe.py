@@ -94,6 +94,25 @@ def test_probe_waits_for_a_busy_receiver_downlink():
     assert offer.wait == pytest.approx(0.030)
 
 
+@pytest.mark.parametrize("mode", ["gaps", "append"])
+@pytest.mark.parametrize("uplink_aware", [False, True])
+def test_uplink_aware_probe_avoids_a_sender_whose_uplink_is_booked(mode, uplink_aware):
+    """Pool 1 = {node1, node4}, pool 2 = {node2}: node1 finishes first but its uplink is booked
+    until 40 ms. Algorithm 2 takes node1 and the transfer waits; the artifact's choice takes node4."""
+    slots = {f"node{i}": Slot(f"node{i}", "B" if i == 2 else "A", 1, f"node{i}") for i in (1, 2, 4)}
+    placement = Placement("m", {(0, 0): ("node1", "node4"), (0, 1): ("node2",)}, slots)
+    d = dispatcher(model(split((2, 1))), placement, timeline=mode, uplink_aware=uplink_aware)
+    d.timeline.reserve("node4", 0.0, 1 * MS)
+    d.timeline.reserve("node1/ul", 0.0, 40 * MS)
+    offer = d.probe(0, 2, now=0.0)
+    if uplink_aware:
+        assert offer.path == ("node4", "node2")
+        assert offer.finish == pytest.approx((1 + 15 + 2 + 30) * MS)
+    else:
+        assert offer.path == ("node1", "node2")
+        assert offer.finish == pytest.approx((40 + 2 + 30) * MS)
+
+
 def test_probe_rejects_bad_arguments():
     plan, placement = fig5()
     d = dispatcher(plan, placement)
@@ -279,7 +298,7 @@ def _check_run(d: PPipeDispatcher, requests: list[Request], **kwargs) -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(timeline="gaps"), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)],
+    [dict(timeline="gaps"), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True)],
     ids=["paper", "append", "artifact"],
 )
 @pytest.mark.parametrize("load", [0.7, 1.5])
