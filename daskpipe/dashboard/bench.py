@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import shutil
 import statistics
 import time
@@ -51,6 +52,47 @@ class Pages:
     def close(self) -> None:
         while self.tabs:
             self.tabs.pop().close()
+
+
+def _follow_pages(base_url: str, ready) -> None:
+    """In a child process: open every page as a Bokeh client session and receive its updates."""
+    from bokeh.client import pull_session
+
+    sessions = [pull_session(url=f"{base_url}/{url}") for url, _ in PAGES]
+    ready.set()
+    sessions[0].loop_until_closed()  # the sessions share this process's loop
+
+
+class BokehClientPages:
+    """The pages followed by Bokeh's Python client in another process: the scheduler runs the same
+    updates and pushes the same patches as for a browser, but nothing is rendered, so the cost
+    measured is the scheduler's alone (on a small machine a browser competes for the same cores)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url, self.process = base_url, None
+
+    def open(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        ready = context.Event()
+        self.process = context.Process(target=_follow_pages, args=(self.base_url, ready), daemon=True)
+        self.process.start()
+        if not ready.wait(60):
+            raise RuntimeError("the Bokeh client could not open the pages")
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.join()
+            self.process = None
+
+
+@contextmanager
+def bokeh_client_pages(base_url: str) -> Iterator[BokehClientPages]:
+    pages = BokehClientPages(base_url)
+    try:
+        yield pages
+    finally:
+        pages.close()
 
 
 @contextmanager
@@ -94,14 +136,14 @@ def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
     return {"requests_per_second": requests / elapsed, "python_cpu_us_per_request": cpu / requests * 1e6, "chromium_cpu_s": browser}
 
 
-def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, chromium: str | None = None) -> dict:
+def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None) -> dict:
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
 
     chromium = chromium or shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        raise click.UsageError("needs a Chromium binary (apt-get install chromium), or --chromium PATH")
+    if viewer == "chromium" and chromium is None:
+        raise click.UsageError("needs a Chromium binary (apt-get install chromium), or --chromium PATH, or --viewer bokeh-client")
     requests = -(-requests // BATCH) * BATCH
     sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
@@ -110,7 +152,7 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, chromium: str 
         try:
             wait(svc.map(MODEL, [torch.zeros(1, 16)] * 2 * BATCH))  # warm the path
             base_url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
-            with chromium_pages(base_url, chromium) as pages:
+            with chromium_pages(base_url, chromium) if viewer == "chromium" else bokeh_client_pages(base_url) as pages:
                 for round_index in range(rounds):
                     for side in ("closed", "open") if round_index % 2 == 0 else ("open", "closed"):  # ABBA: no side always goes first
                         pages.open() if side == "open" else pages.close()
@@ -121,7 +163,8 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, chromium: str 
             svc.close()
     medians = {side: {key: statistics.median(r[key] for r in results) for key in results[0]} for side, results in sides.items()}
     return {
-        "cluster": f"LocalCluster, 2 CPU workers, in-process (threads), protocol tcp, dashboard on; {psutil.cpu_count()} CPUs, Chromium on the same machine",
+        "cluster": f"LocalCluster, 2 CPU workers, in-process (threads), protocol tcp, dashboard on; {psutil.cpu_count()} CPUs",
+        "viewer": viewer,
         "requests_per_round": requests,
         "rounds_per_side": rounds,
         "pages_closed": medians["closed"],
@@ -135,13 +178,14 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, chromium: str 
 @click.command("dashboard")
 @click.option("--requests", default=10000, show_default=True, help="Requests per round.")
 @click.option("--rounds", default=4, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
+@click.option("--viewer", type=click.Choice(["chromium", "bokeh-client"]), default="chromium", show_default=True, help="Who opens the pages: headless Chromium on this machine, or Bokeh's Python client (no rendering: the scheduler's cost alone).")
 @click.option("--chromium", type=click.Path(exists=True, dir_okay=False), help="The Chromium binary (default: chromium on PATH).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_dashboard(requests: int, rounds: int, chromium: str | None, json_path: str | None) -> None:
-    """Runtime throughput with the daskpipe pages closed, then open in headless Chromium."""
+def bench_dashboard(requests: int, rounds: int, viewer: str, chromium: str | None, json_path: str | None) -> None:
+    """Runtime throughput with the daskpipe pages closed and open."""
     if requests < 1 or rounds < 1:
         raise click.BadParameter("--requests and --rounds must be >= 1")
-    figures = run(requests, rounds, chromium=chromium)
+    figures = run(requests, rounds, viewer=viewer, chromium=chromium)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

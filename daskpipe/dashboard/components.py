@@ -15,7 +15,7 @@ from itertools import cycle
 import numpy as np
 from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, DataTable, FactorRange, HoverTool, LayoutDOM, TableColumn
+from bokeh.models import ColumnDataSource, DataTable, FactorRange, HoverTool, LayoutDOM, NumberFormatter, TableColumn
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from distributed.dashboard.components import DashboardComponent
@@ -107,7 +107,8 @@ class PlanView(DashboardComponent):
         self.figure.add_tools(HoverTool(tooltips=[("pool", "@gpu 1/@slices x @vgpus slices"), ("blocks", "@blocks"), ("batch", "@batch"), ("planned req/s", "@throughput{0.0}")]))
         self.figure.xaxis.ticker = list(range(8))
         columns = [("model", "model"), ("pipeline", "pipeline"), ("partition", "partition"), ("gpu", "GPU"), ("slices", "slices/GPU"), ("vgpus", "slices in pool"), ("blocks", "blocks"), ("batch", "batch"), ("throughput", "planned req/s")]
-        self.table = DataTable(source=self.source, columns=[TableColumn(field=f, title=t) for f, t in columns], height=240, sizing_mode="stretch_width", index_position=None)
+        formats = {"throughput": NumberFormatter(format="0.0")}
+        self.table = DataTable(source=self.source, columns=[TableColumn(field=f, title=t, **({"formatter": formats[f]} if f in formats else {})) for f, t in columns], height=240, sizing_mode="stretch_width", index_position=None)
         self.root = column(self.figure, self.table, sizing_mode="stretch_width")
 
     @without_property_validation
@@ -228,7 +229,7 @@ class GPUView(DashboardComponent):
         planned = 0
         for model in (metrics.models.values() if metrics else ()):
             for _, dispatch in reversed(model.dispatches):
-                if dispatch.hops[0].compute.start < start - TIMELINE_S or planned >= TIMELINE_BARS:  # older ones cannot reach the window
+                if dispatch.hops[0].compute.start < start - TIMELINE_S or planned >= TIMELINE_BARS:  # older ones cannot reach the window, or enough bars
                     break
                 for hop in dispatch.hops:
                     if hop.compute.end > start and hop.compute.start < now:
@@ -302,11 +303,11 @@ VIEWS: dict[str, tuple[str, type[DashboardComponent]]] = {
 """Page slug -> (title, view): the one table both the live pages and the report are made from."""
 
 
-def build_roots(read: Reader) -> list[tuple[str, DashboardComponent, LayoutDOM]]:
-    """Every view, updated once: (title, view, root layout)."""
-    out = []
+def build_roots(read: Reader) -> list[tuple[str, LayoutDOM]]:
+    """Every view, updated once: (title, root layout)."""
+    roots = []
     for title, view_class in VIEWS.values():
         view = view_class(read)
         view.update()
-        out.append((title, view, view.root))
-    return out
+        roots.append((title, view.root))
+    return roots

@@ -79,8 +79,7 @@ def save_report(run: ServiceMetrics | Any, path: str | Path, *, title: str = "da
     if not isinstance(metrics, ServiceMetrics):
         raise TypeError(f"save_report needs a ServiceMetrics or a result with a .metrics one, got {type(run).__name__}")
     end = metrics.last_time
-    views = build_roots(lambda: (metrics, end))
-    tabs = Tabs(tabs=[TabPanel(child=root, title=page_title) for page_title, _, root in views], sizing_mode="stretch_width")
+    tabs = Tabs(tabs=[TabPanel(child=root, title=page_title) for page_title, root in build_roots(lambda: (metrics, end))], sizing_mode="stretch_width")
     path = Path(path)
     save(tabs, filename=path, resources=INLINE, title=title)
     return path
