@@ -23,3 +23,13 @@ def ppipe_dir() -> Path:
     if base is None or not (base / "ppipe" / "block-timing").is_dir():
         pytest.skip("../shared/ppipe is not present")
     return base / "ppipe"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skipped heavy check (browser, UCX) is a failure: CI is the proof that they work."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("heavy") and os.environ.get("DASKPIPE_REQUIRE_HEAVY") == "1":
+        report.outcome = "failed"
+        report.longrepr = f"heavy check skipped but DASKPIPE_REQUIRE_HEAVY=1: {report.longrepr}"

@@ -102,6 +102,7 @@ def test_metrics_routes_expose_daskpipe_histograms_and_gauges(serving):
             assert name in text, (path, name)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_pages_in_headless_chromium_show_the_service(serving, tmp_path_factory):
     playwright = pytest.importorskip("playwright.sync_api")

@@ -72,6 +72,7 @@ def test_ucx_falls_back_to_tcp_with_a_message(monkeypatch):
             assert cluster.scheduler_address.startswith("tcp://")
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not ucx_available(), reason="distributed-ucxx is not installed (pip install 'daskpipe[ucx]')")
 def test_ucx_cluster_moves_data_worker_to_worker():
     import numpy as np

@@ -146,8 +146,8 @@ def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0) -> lis
     return futures
 
 
-def serve_at_load_factor(protocol: str) -> None:
-    """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity, k = 20.
+def serve_at_load_factor(protocol: str, k: float) -> None:
+    """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity.
 
     A few requests warm the path first (the first batches through fresh worker processes meet
     one-time costs of Dask and torch); attainment counts the Poisson run that follows.
@@ -155,7 +155,6 @@ def serve_at_load_factor(protocol: str) -> None:
     from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
 
-    k = 20.0
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
         with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
@@ -175,9 +174,11 @@ def serve_at_load_factor(protocol: str) -> None:
 
 
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
-    serve_at_load_factor("tcp")
+    serve_at_load_factor("tcp", k=20.0)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(importlib.util.find_spec("distributed_ucxx") is None, reason="distributed-ucxx is not installed")
 def test_processes_cluster_over_ucx():
-    serve_at_load_factor("ucx")
+    # UCX's progress threads poll: on a 2-core machine they take CPU from the stages, so time is dilated more.
+    serve_at_load_factor("ucx", k=40.0)
