@@ -12,7 +12,8 @@ wake, feedback that changed a table) it repeats Algorithm 1 while requests are q
    last moment not come -> wait; else reserve the path and dispatch the head's batch.
 
 ``probe`` (Algorithm 2) walks the partitions, picking in each pool the slot that finishes the
-stage first; for every stage after the first it reserves the sender's uplink and the receiver's
+stage first (with ``uplink_aware``, the artifact's choice: whose output can leave first); for
+every stage after the first it reserves the sender's uplink and the receiver's
 downlink together, then the receiver's slot. It reads the tables and changes nothing.
 
 Complexity. A pool keeps its slots in a list sorted (by bisect) on the time their last
@@ -479,7 +480,7 @@ class PPipeDispatcher(Dispatcher):
                     pick = (i, sent, start)
             path.append(pick)
             t = best_end
-            sender_ul = stage.ul[pick[0]]  # type: ignore[index]
+            sender_ul = uls[pick[0]]  # type: ignore[index]
         return t, path
 
     def _hops(self, pipe: _Pipe, bs: int, path: list[tuple[int, Time, Time]]) -> tuple[Hop, ...]:
