@@ -45,7 +45,7 @@ def resolve_protocol(protocol: str) -> str:
     if scheme == "ucx" and not ucx_available():
         message = (
             "protocol='ucx' needs the distributed-ucxx package, which is not installed or does not load; "
-            "falling back to tcp. Install it with `pip install 'daskpipe[ucx]'` (distributed-ucxx-cu12)."
+            "falling back to tcp. Install it with `pip install 'daskpipe[ucx]'` (or 'daskpipe[ucx-cu12]' for a CUDA 12 torch build)."
         )
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         logger.warning(message)
