@@ -55,7 +55,8 @@ INF = float("inf")
 class PPipeSettings:
     """The choices where PPipe's paper and its published simulator (the artifact) differ.
 
-    Defaults follow the paper; :meth:`artifact` gives the simulator's choices.
+    Defaults follow the paper, except ``uplink_aware`` (the artifact's choice, never worse on the
+    shared profiles; docs/dataplane.md); :meth:`artifact` gives the simulator's choices.
 
     timeline
         ``"gaps"`` (paper, Algorithm 2's earliestSlot): interval tables, later requests may fill
@@ -77,10 +78,10 @@ class PPipeSettings:
         its last moment only queues. ``True`` (artifact): every arrival re-runs Algorithm 1,
         so the pipeline choice follows the clock between dispatches (costs a few probes each).
     uplink_aware
-        ``False`` (paper, Algorithm 2): each stage takes the slot of its pool that finishes
-        first. ``True`` (artifact): a stage followed by another takes the slot whose output can
-        leave first (compute done and its server's uplink free for the next transfer), so a
-        batch does not finish early on a server whose uplink is booked.
+        ``True`` (artifact, the default): a stage followed by another takes the slot whose
+        output can leave first (compute done and its server's uplink free for the next
+        transfer), so a batch does not finish early on a server whose uplink is booked.
+        ``False`` (paper, Algorithm 2): each stage takes the slot that finishes first.
     feedback_horizon_s
         A dispatch's reservations are remembered for feedback until its last compute feedback
         arrives, or this long after its planned finish (memory stays bounded if feedback never
@@ -92,7 +93,7 @@ class PPipeSettings:
     bs1_penalty: bool = False
     max_queued: int | None = None
     reevaluate_on_arrival: bool = False
-    uplink_aware: bool = False
+    uplink_aware: bool = True
     feedback_horizon_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -298,7 +298,7 @@ def _check_run(d: PPipeDispatcher, requests: list[Request], **kwargs) -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(timeline="gaps"), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True)],
+    [dict(timeline="gaps", uplink_aware=False), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)],
     ids=["paper", "append", "artifact"],
 )
 @pytest.mark.parametrize("load", [0.7, 1.5])
