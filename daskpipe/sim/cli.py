@@ -42,6 +42,18 @@ def summary(result: SimResult) -> dict[str, Any]:
     }
 
 
+def write_report(plan: Any, result: SimResult, path: str) -> None:
+    """The live dashboard's pages, filled from the simulated run of each model."""
+    from daskpipe.dashboard.metrics import ServiceMetrics
+    from daskpipe.dashboard.report import record_trace, save_report
+
+    metrics = ServiceMetrics()
+    for model_plan in plan.models:
+        placement, trace = result.runs[model_plan.name]
+        record_trace(metrics, model_plan, placement, trace)
+    save_report(metrics, path, title=f"daskpipe simulate: {result.dataplane}, {result.arrivals}")
+
+
 @click.command("simulate")
 @click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Plan JSON (daskpipe plan).")
 @click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True), help="Profiles: a PPipe-layout folder, a folder of JSON profiles or one file.")
@@ -58,7 +70,9 @@ def summary(result: SimResult) -> dict[str, Any]:
 @click.option("--timeout-ms", type=float, default=2.0, show_default=True, help="timeout data plane: a batch goes when its oldest request has waited this long.")
 @click.option("--max-batch", type=int, default=None, help="timeout/eager/deferred: largest batch (default: the profiles' largest).")
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True), help="Where to write the figures.")
-def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path) -> None:
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the dashboard's pages for the reported run (at the max load with --find-max-load) as one HTML file.")
+def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path, report_path) -> None:
     """Simulate PLAN under a workload and write per-model SLO attainment, drops, latency and
     batch size, and utilisation per GPU type, to --json."""
     from daskpipe.plan.schema import Plan, PlanError
@@ -89,6 +103,8 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
         raise click.ClickException(str(exc)) from None
     out = summary(result)
     Path(json_path).write_text(json.dumps(out, indent=1))
+    if report_path:
+        write_report(plan, result, report_path)
     for name, entry in out["models"].items():
         extra = f"  max LF {entry['max_load_factor']:.2f}" if "max_load_factor" in entry else ""
         click.echo(f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}")

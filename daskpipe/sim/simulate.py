@@ -103,6 +103,7 @@ class SimResult:
     utilization: dict[str, float]  # GPU type -> busy fraction over the cluster's GPUs of that type
     utilization_placed: dict[str, float]  # ... over the GPUs the plan places
     max_load_factor: dict[str, float] = field(default_factory=dict)  # with find_max_load
+    runs: dict[str, tuple[Placement, Trace]] = field(default_factory=dict, repr=False)  # the reported run of each model
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -310,14 +311,15 @@ def simulate(
     setup = _prepare(plan, profiles, dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
                      bw_gbps=bw_gbps, gpus_per_server=gpus_per_server, base_rates=base_rates, placements=placements,
                      timeout_s=timeout_s, max_batch=max_batch, settings=settings)
-    results, busy, slots = {}, {}, {}
+    results, busy, slots, runs = {}, {}, {}, {}
     for index, model_plan in enumerate(plan.models):
         result, trace, placement = _run_model(setup, index, model_plan, load_factor)
         results[model_plan.name] = result
+        runs[model_plan.name] = (placement, trace)
         busy.update(trace.slot_busy)
         slots.update(placement.slots)
     cluster, used = _utilization(plan, busy, slots, setup.duration)
-    return SimResult(dataplane, _arrivals_name(setup.arrivals), setup.duration, seed, results, cluster, used)
+    return SimResult(dataplane, _arrivals_name(setup.arrivals), setup.duration, seed, results, cluster, used, runs=runs)
 
 
 def _arrivals_name(arrivals: str | ArrivalTrace) -> str:
@@ -353,7 +355,7 @@ def find_max_load(
         raise ValueError(f"target attainment must be in (0, 1], got {target!r}")
     grid = load_grid(step, max_load)
     setup = _prepare(plan, profiles, **kwargs)
-    results, best, busy, slots = {}, {}, {}, {}
+    results, best, busy, slots, reported = {}, {}, {}, {}, {}
     for index, model_plan in enumerate(plan.models):
         runs: dict[int, tuple[ModelResult, Trace, Placement]] = {}
 
@@ -378,7 +380,8 @@ def find_max_load(
         best[model_plan.name] = grid[good] if good >= 0 else 0.0
         result, trace, placement = runs[max(good, 0)]
         results[model_plan.name] = result
+        reported[model_plan.name] = (placement, trace)
         busy.update(trace.slot_busy)
         slots.update(placement.slots)
     cluster, used = _utilization(plan, busy, slots, setup.duration)
-    return SimResult(setup.dataplane, _arrivals_name(setup.arrivals), setup.duration, setup.seed, results, cluster, used, best)
+    return SimResult(setup.dataplane, _arrivals_name(setup.arrivals), setup.duration, setup.seed, results, cluster, used, best, reported)

@@ -66,9 +66,12 @@ def test_cli_writes_the_contract(tmp_path, toy):
     data = json.loads(out.read_text())
     assert {"attainment", "dropped", "late", "p99_ms", "mean_batch_size"} <= set(data["models"]["toy"]) and set(data["utilization"]) == {"A", "B"}
     assert data["models"]["toy"]["mean_batch_size"] <= 2
-    result = CliRunner().invoke(simulate_cli, args[:-2] + ["--find-max-load", "--max-load", "0.2", "--json", str(out)])
+    report = tmp_path / "report.html"
+    result = CliRunner().invoke(simulate_cli, args[:-2] + ["--find-max-load", "--max-load", "0.2", "--json", str(out), "--report", str(report)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["models"]["toy"]["max_load_factor"] == pytest.approx(0.2)
+    html = report.read_text()
+    assert all(page in html for page in ("Plan", "SLOs", "GPUs", "Batches and queues")) and '"toy"' in html
     bad = CliRunner().invoke(simulate_cli, ["--plan", str(tmp_path / "profiles" / "toy.json"), "--profiles", str(tmp_path), "--json", str(out)])
     assert bad.exit_code != 0 and "expected 'daskpipe-plan/1'" in bad.output
 
