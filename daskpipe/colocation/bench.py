@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 from pathlib import Path
 
 import click
@@ -52,7 +53,8 @@ def calibration_figures() -> dict:
     return {"anchors": len(errors), "mean_error_pct": round(float(sum(errors)) / len(errors), 2), "max_error_pct": round(float(max(errors)), 2)}
 
 
-def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[str], models: list[str], inss_options: dict) -> dict:
+def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[str], models: list[str], inss_options: dict,
+        advance: Callable[..., None] = lambda *a, **k: None) -> dict:
     from daskpipe.colocation.defaults import INSS_RATES, INSS_SLO_MS, inss_gpus, inss_testbed
     from daskpipe.colocation.evaluate import load_sweep, sustainable
     from daskpipe.colocation.policy import Gpu, Strategy, Workload, make_policy
@@ -63,6 +65,7 @@ def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[s
     policies: dict[str, dict] = {}
     for name in strategies:
         options = inss_options if name == Strategy.INSS.value else {}
+        advance(0, note=name)
         started = time.perf_counter()
         points = load_sweep(make_policy(name, model, **options), workloads, gpus, model, scales, duration_s=duration_s, seed=seed)
         peak = sustainable(points, 1.0)
@@ -81,6 +84,7 @@ def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[s
             "sweep": [{"scale": p.scale, "offered": round(p.offered, 1), **{k: v for k, v in p.result.to_dict().items() if k != "per_model"}} for p in points],
             "seconds": round(time.perf_counter() - started, 2),
         }
+        advance(1)
     gains = {}
     if "inss" in policies:
         for base, paper in PAPER_GAIN_PCT.items():
@@ -134,7 +138,11 @@ def bench_colocation(
     model_list = [m.strip() for m in models.split(",") if m.strip()]
     if not model_list or set(model_list) - set(INSS_MODELS):
         raise click.BadParameter(f"--models must name some of {list(INSS_MODELS)}, got {models!r}")
-    figures = run(duration_s=duration_s, seed=seed, scales=scale_list, strategies=chosen, models=model_list, inss_options={"trainer": trainer, "sac_steps": sac_steps, "seed": seed})
+    from daskpipe.progress import progress_bar
+
+    with progress_bar("placing and simulating policies", total=len(chosen)) as advance:
+        figures = run(duration_s=duration_s, seed=seed, scales=scale_list, strategies=chosen, models=model_list,
+                      inss_options={"trainer": trainer, "sac_steps": sac_steps, "seed": seed}, advance=advance)
     figures["latency_model"] = {"fit_on_own_data": fit_figures(seed, fit_noise), "calibration_to_paper": calibration_figures()}
     click.echo(f"{'policy':10s} {'throughput':>11s} {'viol@1x':>8s} {'viol@peak':>10s} {'thr<=1%':>9s} {'thr<=5%':>9s}")
     for name, p in figures["policies"].items():

@@ -11,7 +11,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from daskpipe.plan.milp import make_plan
 from daskpipe.plan.specs import clusters, groups
@@ -27,7 +27,9 @@ def run_bench(
     group_names: Sequence[str] = ("G1", "G2", "G3", "G4"),
     solver: str = "auto",
     time_limit: float = 60,
+    advance: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
+    """``advance(note=...)`` is called after each solve (3 strategies per case)."""
     all_clusters, all_groups = clusters(), groups()
     cases = []
     for cname in cluster_names:
@@ -48,6 +50,8 @@ def run_bench(
                 case["objective"][strategy] = plan.objective
                 case.setdefault("solver", plan.solver["name"])
                 case.setdefault("status", {})[strategy] = plan.solver["status"]
+                if advance is not None:
+                    advance(note=f"{gname} on {cname}, {strategy}")
             case["ratio"] = {f"ppipe/{s}": _ratio(case["objective"]["ppipe"], case["objective"][s]) for s in ("np", "dart-r")}
             cases.append(case)
     per_cluster = {}

@@ -100,6 +100,7 @@ _profiles_option = click.option(
 def plan(profiles_dir, models, weights, gpus, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, out) -> None:
     """Solve a serving plan and write it as JSON."""
     from daskpipe.plan.milp import make_plan
+    from daskpipe.progress import progress_bar
     from daskpipe.plan.schema import PlanError
     from daskpipe.profiles.loader import load_profiles
     from daskpipe.profiles.model import ProfileError
@@ -110,11 +111,12 @@ def plan(profiles_dir, models, weights, gpus, gpus_per_server, bw_gbps, slo_us, 
         profiles = load_profiles(_profiles_dir(profiles_dir), models)
         names = list(profiles)  # full names, in --models order
         slo = {_full_name(k, names, "--slo-us"): v for k, v in (slo_us or {}).items()}
-        result = make_plan(
-            profiles, gpus, weights=dict(zip(names, weights)) if weights else None, gpus_per_server=gpus_per_server,
-            bw_gbps=bw_gbps, slo_us=slo, margin=margin, max_parts=max_parts, strategy=strategy,
-            time_limit=time_limit, solver=solver, allow_missing_gpus=allow_missing_gpus,
-        )
+        with progress_bar(f"planning {len(names)} model(s) with {strategy}", total=None):
+            result = make_plan(
+                profiles, gpus, weights=dict(zip(names, weights)) if weights else None, gpus_per_server=gpus_per_server,
+                bw_gbps=bw_gbps, slo_us=slo, margin=margin, max_parts=max_parts, strategy=strategy,
+                time_limit=time_limit, solver=solver, allow_missing_gpus=allow_missing_gpus,
+            )
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None
     result.save(out)
@@ -159,8 +161,12 @@ def bench_plan(profiles_dir, solver, time_limit, json_out) -> None:
     from daskpipe.plan.schema import PlanError
     from daskpipe.profiles.model import ProfileError
 
+    from daskpipe.plan.bench import STRATEGIES
+    from daskpipe.progress import progress_bar
+
     try:
-        figures = run_bench(_profiles_dir(profiles_dir), solver=solver, time_limit=time_limit)
+        with progress_bar("planning G1-G4 on HC1-HC4", total=16 * len(STRATEGIES)) as advance:
+            figures = run_bench(_profiles_dir(profiles_dir), solver=solver, time_limit=time_limit, advance=advance)
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None
     text = json.dumps(figures, indent=1)

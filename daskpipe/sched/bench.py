@@ -207,8 +207,11 @@ def heap_pair_us(size: int, pairs: int = 200_000, seed: int = 0) -> float:
     return (time.perf_counter() - start) / pairs * 1e6
 
 
-def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | None = None, seed: int = 0) -> dict:
-    """Push ``requests`` through a PPipe dispatcher on the synthetic 100-GPU plan; return the figures."""
+def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | None = None, seed: int = 0,
+              advance: Callable[..., None] | None = None) -> dict:
+    """Push ``requests`` through a PPipe dispatcher on the synthetic 100-GPU plan; return the figures.
+
+    ``advance(steps)`` hears of each twentieth of the requests, outside the timed sections."""
     if requests < 1:
         raise ValueError(f"requests must be >= 1, got {requests}")
     if not load > 0:
@@ -221,12 +224,16 @@ def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | Non
     rate = model.throughput * load
     pairs: list[float] = []
 
+    every = max(requests // 20, 1)
+
     def sample() -> None:  # the reference cost, under the same load as the run around it
         pairs.append(heap_pair_us(_REFERENCE_HEAP, pairs=20_000, seed=len(pairs)))
+        if advance is not None and len(pairs) > 1:
+            advance(every)
 
     wall = time.perf_counter()
     sample()
-    outcome = drive(dispatcher, poisson_arrivals(model.name, rate, model.slo_us * 1e-6, requests, seed), every=max(requests // 20, 1), tick=sample)
+    outcome = drive(dispatcher, poisson_arrivals(model.name, rate, model.slo_us * 1e-6, requests, seed), every=every, tick=sample)
     sample()
     wall = time.perf_counter() - wall
     pair = sum(pairs) / len(pairs)
@@ -269,7 +276,10 @@ def bench_scheduler(requests: int, load: float, timeline: str, artifact: bool, s
     if profile_top:
         profiler = cProfile.Profile()
         profiler.enable()
-    figures = run_bench(requests, load=load, settings=settings, seed=seed)
+    from daskpipe.progress import progress_bar
+
+    with progress_bar("requests through the dispatcher", total=requests) as advance:
+        figures = run_bench(requests, load=load, settings=settings, seed=seed, advance=advance)
     if profile_top:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(profile_top)

@@ -90,13 +90,11 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
                   bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3, max_batch=max_batch)
     try:
         if search_max_load:
-            from rich.console import Console
-            from rich.progress import Progress
+            from daskpipe.progress import progress_bar
 
             grid = load_grid(0.05, max_load)
-            with Progress(transient=True, console=Console(stderr=True)) as progress:
-                task = progress.add_task("finding max load", total=len(plan.models) * max(1, len(grid).bit_length()))
-                result = find_max_load(plan, profiles, max_load=max_load, progress=lambda model, lf: progress.update(task, advance=1, description=f"{model[:24]} LF {lf:.2f}"), **kwargs)
+            with progress_bar("finding max load", total=len(plan.models) * max(1, len(grid).bit_length())) as advance:
+                result = find_max_load(plan, profiles, max_load=max_load, progress=lambda model, lf: advance(note=f"{model[:24]} LF {lf:.2f}"), **kwargs)
         else:
             result = run_simulation(plan, profiles, load_factor=load_factor, **kwargs)
     except ValueError as exc:

@@ -244,10 +244,13 @@ def experiments(profiles_dir, clusters, groups, arrivals, strategies, ablation_c
     def split(text: str) -> list[str]:
         return [x.strip() for x in text.split(",") if x.strip()]
 
+    from daskpipe.progress import progress_bar
+
     try:
-        out = ppipe_experiment(profiles_dir, clusters=split(clusters), groups=split(groups), arrivals=split(arrivals), strategies=split(strategies),
-                               ablation_cluster=ablation_cluster or None, duration=duration, seed=seed, time_limit=time_limit,
-                               progress=lambda msg: click.echo(msg, err=True))
+        with progress_bar("simulating", total=None) as advance:
+            out = ppipe_experiment(profiles_dir, clusters=split(clusters), groups=split(groups), arrivals=split(arrivals), strategies=split(strategies),
+                                   ablation_cluster=ablation_cluster or None, duration=duration, seed=seed, time_limit=time_limit,
+                                   progress=lambda msg: advance(note=msg))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if table2:
