@@ -94,7 +94,8 @@ class LoopLag:
             self.lags_s.append(loop.time() - asked)
 
 
-def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = False, latency_samples: int = 200, rounds: int = 2) -> dict:
+def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = False, latency_samples: int = 200, rounds: int = 2,
+              advance: Callable[..., None] = lambda *a, **k: None) -> dict:
     """The figures of ``daskpipe bench runtime``, all on one cluster.
 
     Throughput rounds alternate plain Dask and daskpipe so that drift (warm-up, other load on the
@@ -133,11 +134,13 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             for _ in range(rounds):
                 _settle(cluster.scheduler)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
+                advance(note="plain Dask round")
                 _settle(cluster.scheduler)
                 cluster.sync(lag.start)
                 rate, round_failed = _throughput(lambda: svc.map("trivial-b32", [x] * requests), requests)
                 lags.extend(cluster.sync(lag.stop))
                 daskpipe_rates.append(rate)
+                advance(note="daskpipe round")
                 failed += round_failed
             status = svc.status()
         finally:
@@ -210,7 +213,10 @@ def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, js
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     if rounds < 1:
         raise click.BadParameter("must be >= 1", param_hint="--rounds")
-    figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds)
+    from daskpipe.progress import progress_bar
+
+    with progress_bar("throughput rounds", total=2 * rounds) as advance:
+        figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds, advance=advance)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:
