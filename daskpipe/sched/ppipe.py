@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import count
+from typing import Iterator
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.profiles.model import Profile
@@ -366,14 +367,10 @@ class PPipeDispatcher(Dispatcher):
         return self._after_capacity_change(now, "no-capacity")
 
     def _release(self, dispatch_id: int, hops: tuple[Hop, ...]) -> None:
-        timeline = self.timeline
-        for hop in hops:
-            token = (dispatch_id, hop.partition)
-            if hop.transfer_in is not None:
-                for resv in hop.transfer_in:
-                    timeline.release(resv.resource, resv.start, resv.end, token)
-            timeline.release(hop.slot, hop.compute.start, hop.compute.end, token)
-            if hop.slot in self._slot_entries:
+        release = self.timeline.release
+        for hop, resource, start, end, token in _reservations(hops, dispatch_id):
+            release(resource, start, end, token)
+            if resource == hop.slot and hop.slot in self._slot_entries:
                 self._retail(hop.slot)
         del self._live[dispatch_id]
 
@@ -421,14 +418,11 @@ class PPipeDispatcher(Dispatcher):
         self._reserve_hops(offer.hops, dispatch_id)
 
     def _reserve_hops(self, hops: tuple[Hop, ...], dispatch_id: int) -> None:
-        timeline = self.timeline
-        for hop in hops:
-            token = (dispatch_id, hop.partition)
-            if hop.transfer_in is not None:
-                for resv in hop.transfer_in:
-                    timeline.reserve(resv.resource, resv.start, resv.end, token)
-            timeline.reserve(hop.slot, hop.compute.start, hop.compute.end, token)
-            self._retail(hop.slot)
+        reserve = self.timeline.reserve
+        for hop, resource, start, end, token in _reservations(hops, dispatch_id):
+            reserve(resource, start, end, token)
+            if resource == hop.slot:
+                self._retail(hop.slot)
         self._epoch += 1
 
     def _probe(self, pipe: _Pipe, bs: int, now: Time) -> tuple[Time, list[tuple[int, Time, Time]]]:
@@ -703,3 +697,14 @@ def counted_drop(stats: Stats, request: Request, reason: DropReason, detail: str
     """A ``Drop``, counted in ``stats`` under its reason."""
     stats.dropped[reason] = stats.dropped.get(reason, 0) + 1
     return Drop(request, reason, detail)
+
+
+def _reservations(hops: tuple[Hop, ...], dispatch_id: int) -> Iterator[tuple[Hop, str, Time, Time, tuple[int, int]]]:
+    """Every (hop, resource, start, end, token) a dispatch holds: each hop's transfer (uplink and
+    downlink together), then its compute; the token is what feedback refers to."""
+    for hop in hops:
+        token = (dispatch_id, hop.partition)
+        if hop.transfer_in is not None:
+            for resv in hop.transfer_in:
+                yield hop, resv.resource, resv.start, resv.end, token
+        yield hop, hop.slot, hop.compute.start, hop.compute.end, token
