@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from daskpipe.plan.milp import make_plan
-from daskpipe.plan.specs import clusters, groups
-from daskpipe.profiles.loader import load_profiles
+from daskpipe.plan.specs import group_cases
 
 STRATEGIES = ("ppipe", "np", "dart-r")
 
@@ -30,35 +29,30 @@ def run_bench(
     advance: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
     """``advance(note=...)`` is called after each solve (3 strategies per case)."""
-    all_clusters, all_groups = clusters(), groups()
-    cases = []
-    for cname in cluster_names:
-        cluster = all_clusters[cname]
-        for gname in group_names:
-            group = all_groups[gname]
-            profiles = load_profiles(profiles_dir, list(group.models))
-            weights = dict(zip(profiles, group.weights))
-            case: dict[str, Any] = {"cluster": cname, "group": gname, "objective": {}, "seconds": {}, "cpu_seconds": {}}
-            for strategy in STRATEGIES:
-                started, cpu_started = time.perf_counter(), _cpu_seconds()
-                plan = make_plan(
-                    profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server,
-                    bw_gbps=cluster.bw_gbps, strategy=strategy, solver=solver, time_limit=time_limit,
-                )
-                case["seconds"][strategy] = time.perf_counter() - started
-                case["cpu_seconds"][strategy] = _cpu_seconds() - cpu_started
-                case["objective"][strategy] = plan.objective
-                case.setdefault("solver", plan.solver["name"])
-                case.setdefault("status", {})[strategy] = plan.solver["status"]
-                if advance is not None:
-                    advance(note=f"{gname} on {cname}, {strategy}")
-            case["ratio"] = {f"ppipe/{s}": _ratio(case["objective"]["ppipe"], case["objective"][s]) for s in ("np", "dart-r")}
-            cases.append(case)
+    cases, paper_ratio = [], {}
+    for cluster, group, profiles, weights in group_cases(cluster_names, group_names, profiles_dir):
+        paper_ratio[cluster.name] = cluster.paper_ratio
+        case: dict[str, Any] = {"cluster": cluster.name, "group": group.name, "objective": {}, "seconds": {}, "cpu_seconds": {}}
+        for strategy in STRATEGIES:
+            started, cpu_started = time.perf_counter(), _cpu_seconds()
+            plan = make_plan(
+                profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server,
+                bw_gbps=cluster.bw_gbps, strategy=strategy, solver=solver, time_limit=time_limit,
+            )
+            case["seconds"][strategy] = time.perf_counter() - started
+            case["cpu_seconds"][strategy] = _cpu_seconds() - cpu_started
+            case["objective"][strategy] = plan.objective
+            case.setdefault("solver", plan.solver["name"])
+            case.setdefault("status", {})[strategy] = plan.solver["status"]
+            if advance is not None:
+                advance(note=f"{group.name} on {cluster.name}, {strategy}")
+        case["ratio"] = {f"ppipe/{s}": _ratio(case["objective"]["ppipe"], case["objective"][s]) for s in ("np", "dart-r")}
+        cases.append(case)
     per_cluster = {}
     for cname in cluster_names:
         mine = [c for c in cases if c["cluster"] == cname]
         per_cluster[cname] = {
-            key: {"mean": _mean([c["ratio"][key] for c in mine]), "paper": all_clusters[cname].paper_ratio.get(key)}
+            key: {"mean": _mean([c["ratio"][key] for c in mine]), "paper": paper_ratio[cname].get(key)}
             for key in ("ppipe/np", "ppipe/dart-r")
         }
     wall = [c["seconds"]["ppipe"] for c in cases]

@@ -6,12 +6,15 @@ package so that an installed daskpipe can read them too (a test keeps the two id
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+from daskpipe.jsonfile import read_json_object
 from daskpipe.plan.schema import PlanError
+
+if TYPE_CHECKING:
+    from daskpipe.profiles.model import Profile
 
 REPO_PLANS = Path(__file__).resolve().parents[2] / "plans"
 PACKAGE_DATA = Path(__file__).resolve().parents[1] / "data"
@@ -42,14 +45,7 @@ def spec_file(name: str) -> Path:
 
 
 def _read(name: str) -> Mapping[str, Any]:
-    path = spec_file(name)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, Mapping):
-        raise PlanError(f"{path}: top level must map names to specs")
-    return data
+    return read_json_object(spec_file(name), PlanError)
 
 
 def clusters() -> dict[str, Cluster]:
@@ -73,3 +69,18 @@ def groups() -> dict[str, Group]:
             raise PlanError(f"{spec_file('groups.json')}: group {name!r} has {len(models)} models but {len(weights)} weights")
         out[name] = Group(name, models, weights)
     return out
+
+
+def group_cases(cluster_names: Sequence[str], group_names: Sequence[str], profiles_dir: str | Path) -> Iterator[tuple[Cluster, Group, dict[str, Profile], dict[str, float]]]:
+    """Each (cluster, group) of the grid, with the group's profiles and workload weights by full model name."""
+    from daskpipe.profiles.loader import load_profiles
+
+    known_clusters, known_groups = clusters(), groups()
+    unknown = [c for c in cluster_names if c not in known_clusters] + [g for g in group_names if g not in known_groups]
+    if unknown:
+        raise PlanError(f"unknown cluster/group name(s) {unknown}; known: {sorted(known_clusters)}, {sorted(known_groups)}")
+    for cluster_name in cluster_names:
+        for group_name in group_names:
+            group = known_groups[group_name]
+            profiles = load_profiles(profiles_dir, list(group.models))
+            yield known_clusters[cluster_name], group, profiles, dict(zip(profiles, group.weights))

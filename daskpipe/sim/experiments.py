@@ -143,54 +143,40 @@ def ppipe_experiment(
     utilisation at each model's max load. Returns raw runs and the paper's summary figures."""
     from daskpipe.plan.milp import make_plan
     from daskpipe.plan.schema import PlanError
-    from daskpipe.plan.specs import clusters as cluster_specs
-    from daskpipe.plan.specs import groups as group_specs
-    from daskpipe.profiles.loader import load_profiles
+    from daskpipe.plan.specs import group_cases
     from daskpipe.sim.simulate import find_max_load
 
-    known_clusters, known_groups = cluster_specs(), group_specs()
-    unknown = [c for c in clusters if c not in known_clusters] + [g for g in groups if g not in known_groups]
-    if unknown:
-        raise ValueError(f"unknown cluster/group name(s) {unknown}; known: {sorted(known_clusters)}, {sorted(known_groups)}")
     if "ppipe" not in strategies:
         raise ValueError("strategies must include 'ppipe': load factors are relative to PPipe's plan")
     note = progress or (lambda _msg: None)
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for cluster_name in clusters:
-        cluster = known_clusters[cluster_name]
-        for group_name in groups:
-            group = known_groups[group_name]
-            profiles = load_profiles(profiles_dir, list(group.models))
-            weights = dict(zip(profiles, group.weights))
-            plans = {}
-            for strategy in strategies:
-                try:
-                    plans[strategy] = make_plan(profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server, bw_gbps=cluster.bw_gbps,
-                                                margin=0.4, max_parts=2, strategy=strategy, time_limit=time_limit)
-                except PlanError as exc:
-                    runs.append({"cluster": cluster_name, "group": group_name, "strategy": strategy, "error": str(exc)})
-            if "ppipe" not in plans:
-                continue
-            base_rates = {m.name: m.throughput for m in plans["ppipe"].models}
-            cases = [(s, "ppipe", kind) for s in plans for kind in arrivals]
-            if cluster_name == ablation_cluster:
-                cases.append(("ppipe", "reactive", "poisson"))
-            for strategy, dataplane, kind in cases:
-                note(f"{cluster_name} {group_name} {strategy} plan, {dataplane} data plane, {kind}")
-                try:
-                    result = find_max_load(plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates)
-                except ImportError as exc:  # a data plane not written yet
-                    runs.append({"cluster": cluster_name, "group": group_name, "strategy": strategy, "dataplane": dataplane, "arrivals": kind, "error": str(exc)})
-                    continue
-                runs.append({
-                    "cluster": cluster_name, "group": group_name, "strategy": strategy, "dataplane": dataplane, "arrivals": kind,
-                    "max_load_factor": result.max_load_factor,
-                    "attainment": {m: r.attainment for m, r in result.models.items()},
-                    "low_class_utilization": result.utilization.get(low_class(cluster.gpus), 0.0),
-                    "utilization": result.utilization,
-                    "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
-                })
+    for cluster, group, profiles, weights in group_cases(clusters, groups, profiles_dir):
+        where = {"cluster": cluster.name, "group": group.name}
+        plans = {}
+        for strategy in strategies:
+            try:
+                plans[strategy] = make_plan(profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server, bw_gbps=cluster.bw_gbps,
+                                            margin=0.4, max_parts=2, strategy=strategy, time_limit=time_limit)
+            except PlanError as exc:
+                runs.append({**where, "strategy": strategy, "error": str(exc)})
+        if "ppipe" not in plans:
+            continue
+        base_rates = {m.name: m.throughput for m in plans["ppipe"].models}
+        cases = [(s, "ppipe", kind) for s in plans for kind in arrivals]
+        if cluster.name == ablation_cluster:
+            cases.append(("ppipe", "reactive", "poisson"))
+        for strategy, dataplane, kind in cases:
+            note(f"{cluster.name} {group.name} {strategy} plan, {dataplane} data plane, {kind}")
+            result = find_max_load(plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates)
+            runs.append({
+                **where, "strategy": strategy, "dataplane": dataplane, "arrivals": kind,
+                "max_load_factor": result.max_load_factor,
+                "attainment": {m: r.attainment for m, r in result.models.items()},
+                "low_class_utilization": result.utilization.get(low_class(cluster.gpus), 0.0),
+                "utilization": result.utilization,
+                "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
+            })
     return {"settings": {"clusters": list(clusters), "groups": list(groups), "arrivals": list(arrivals), "strategies": list(strategies),
                          "ablation_cluster": ablation_cluster, "duration": duration, "seed": seed, "seconds": round(time.perf_counter() - started, 1)},
             "summary": summarize(runs), "runs": runs}
