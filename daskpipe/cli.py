@@ -48,7 +48,10 @@ def main() -> None:
         "scheduler": "daskpipe.sched.bench:bench_scheduler",
         "runtime": "daskpipe.runtime.bench:bench_runtime",
         "colocation": "daskpipe.colocation.bench:bench_colocation",
+        "colocation-plan": "daskpipe.colocation.compare:bench_colocation_plan",
         "graft": "daskpipe.graft.bench:bench_graft",
+        "overload": "daskpipe.runtime.overload:bench_overload",
+        "chaos": "daskpipe.runtime.chaos:bench_chaos",
     },
 )
 def bench() -> None:

@@ -14,6 +14,8 @@ def read_json_object(path: str | Path, error: type[Exception]) -> Mapping[str, A
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not JSON text (not UTF-8; a binary or corrupt file?)") from None
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
     if not isinstance(data, Mapping):

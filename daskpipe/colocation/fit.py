@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -236,6 +236,79 @@ PAPER_SHARES = (0.24, 0.42, 0.60, 1.0)  # InSS Table 3 shares (plus the whole GP
 PAPER_BATCHES = (1, 4, 8, 16)  # InSS Table 2 batch sizes
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """What one profiling run measures of the probed process (see ``SoloSample``); ``l2_util`` and
+    ``memory_mb`` are only used from solo runs."""
+
+    running_ms: float
+    sched_ms: float
+    total_ms: float
+    l2_util: float = 0.0
+    memory_mb: float = 0.0
+
+
+Measure = Callable[[str, Colocated, Sequence[Colocated]], Measurement]
+"""``measure(gpu, probe, others)``: run ``probe`` on ``gpu`` while ``others`` run beside it."""
+
+
+def collect_samples(
+    measure: Measure,
+    gpu: str,
+    models: Sequence[str],
+    *,
+    shares: Sequence[float] = PAPER_SHARES,
+    batches: Sequence[int] = PAPER_BATCHES,
+    co_sets: int = 5,
+    rng: np.random.Generator,
+) -> tuple[list[SoloSample], list[CoSample]]:
+    """InSS's profiling campaign on ``gpu``, whatever runs it (a GPU under MPS, or emulation).
+
+    Solo: the ``shares`` × ``batches`` grid per model. Co-located: ``co_sets`` runs per model with
+    1..3 random co-runners (batch 4, as InSS's co-runners) at random shares summing to 1, none
+    below the smallest profiled share.
+    """
+    solo = []
+    for m in models:
+        for share in shares:
+            for b in batches:
+                r = measure(gpu, Colocated(m, share, b), ())
+                solo.append(SoloSample(model=m, gpu=gpu, batch=b, share=share, running_ms=r.running_ms, sched_ms=r.sched_ms,
+                                       l2_util=r.l2_util, memory_mb=r.memory_mb, total_ms=r.total_ms))
+    co = []
+    for m in models:
+        candidates = [o for o in models if o != m] or [m]
+        for k in range(co_sets):
+            count = 1 + k % min(3, len(candidates))
+            names = rng.choice(candidates, size=count, replace=len(candidates) < count)
+            floor = min(min(shares), 1.0 / (count + 1))  # stay inside the profiled share range
+            drawn = floor + rng.dirichlet(np.ones(count + 1)) * (1.0 - floor * (count + 1))
+            me = Colocated(m, float(drawn[0]), int(rng.choice(batches)))
+            others = tuple(Colocated(str(o), float(sh), 4) for o, sh in zip(names, drawn[1:]))
+            r = measure(gpu, me, others)
+            co.append(CoSample(gpu=gpu, me=me, others=others, running_ms=r.running_ms, sched_ms=r.sched_ms, total_ms=r.total_ms))
+    return solo, co
+
+
+def emulated_measure(truth: InterferenceModel, *, noise: float, rng: np.random.Generator) -> Measure:
+    """What a GPU would measure if ``truth`` were the GPU, with multiplicative Gaussian noise of
+    relative size ``noise`` on every measured quantity."""
+
+    def jitter(x: float) -> float:
+        return float(x * max(0.5, 1.0 + noise * rng.standard_normal()))
+
+    def measure(gpu: str, probe: Colocated, others: Sequence[Colocated]) -> Measurement:
+        parts = truth.breakdown(gpu, probe, others)
+        if others:
+            return Measurement(running_ms=jitter(parts.running_ms), sched_ms=jitter(parts.sched_ms), total_ms=jitter(parts.total_ms))
+        c = truth.coeff(probe.model, gpu)
+        running, sched = jitter(parts.running_ms), jitter(parts.sched_ms)
+        l2, memory = jitter(c.l2_utilisation(probe.share)), jitter(c.memory_mb(probe.batch))
+        return Measurement(running_ms=running, sched_ms=sched, total_ms=jitter(parts.total_ms), l2_util=l2, memory_mb=memory)
+
+    return measure
+
+
 def emulate_profiling(
     truth: InterferenceModel,
     gpu: str,
@@ -247,46 +320,10 @@ def emulate_profiling(
     noise: float = 0.02,
     seed: int = 0,
 ) -> tuple[list[SoloSample], list[CoSample]]:
-    """The samples a profiling run on ``gpu`` would give if ``truth`` were the GPU, with
-    multiplicative Gaussian noise of relative size ``noise`` on every measured quantity.
-
-    Solo: the ``shares`` × ``batches`` grid per model. Co-located: ``co_sets`` runs per model with
-    1..3 random co-runners (batch 4, as InSS's co-runners) at random shares summing to 1, none
-    below the smallest profiled share.
-    """
+    """``collect_samples`` on the emulated GPU ``truth``: the seam that stands in for a GPU, and
+    test data with known parameters."""
     rng = np.random.default_rng(seed)
-
-    def jitter(x: float) -> float:
-        return float(x * max(0.5, 1.0 + noise * rng.standard_normal()))
-
-    solo: list[SoloSample] = []
-    for m in models:
-        c = truth.coeff(m, gpu)
-        for share in shares:
-            for b in batches:
-                parts = truth.breakdown(gpu, Colocated(m, share, b))
-                solo.append(
-                    SoloSample(
-                        model=m, gpu=gpu, batch=b, share=share,
-                        running_ms=jitter(parts.running_ms), sched_ms=jitter(parts.sched_ms),
-                        l2_util=jitter(c.l2_utilisation(share)), memory_mb=jitter(c.memory_mb(b)),
-                        total_ms=jitter(parts.total_ms),
-                    )
-                )
-    co: list[CoSample] = []
-    others_pool = list(models)
-    for m in models:
-        candidates = [o for o in others_pool if o != m] or [m]
-        for k in range(co_sets):
-            count = 1 + k % min(3, len(candidates))
-            names = rng.choice(candidates, size=count, replace=len(candidates) < count)
-            floor = min(min(shares), 1.0 / (count + 1))  # stay inside the profiled share range
-            shares_drawn = floor + rng.dirichlet(np.ones(count + 1)) * (1.0 - floor * (count + 1))
-            me = Colocated(m, float(shares_drawn[0]), int(rng.choice(batches)))
-            others = tuple(Colocated(str(o), float(sh), 4) for o, sh in zip(names, shares_drawn[1:]))
-            parts = truth.breakdown(gpu, me, others)
-            co.append(CoSample(gpu=gpu, me=me, others=others, running_ms=jitter(parts.running_ms), sched_ms=jitter(parts.sched_ms), total_ms=jitter(parts.total_ms)))
-    return solo, co
+    return collect_samples(emulated_measure(truth, noise=noise, rng=rng), gpu, models, shares=shares, batches=batches, co_sets=co_sets, rng=rng)
 
 
 def model_info(model: InterferenceModel) -> dict[tuple[str, str], ModelInfo]:

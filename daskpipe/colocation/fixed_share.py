@@ -15,13 +15,12 @@ from typing import Sequence
 from daskpipe.colocation.latency import Colocated, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Replica, Strategy, Workload
 
-MAX_BATCH = 32
 
 
-def half_slo_batch(exec_ms, slo_ms: float) -> tuple[int, float]:
-    """Largest batch in 1..32 whose execution fits in SLO/2, and its throughput (req/s); (1, 0) if none."""
+def half_slo_batch(exec_ms, slo_ms: float, max_batch: int) -> tuple[int, float]:
+    """Largest batch in 1..max_batch whose execution fits in SLO/2, and its throughput (req/s); (1, 0) if none."""
     best = (1, 0.0)
-    for b in range(1, MAX_BATCH + 1):
+    for b in range(1, max_batch + 1):
         t = exec_ms(b)
         if t > slo_ms / 2:
             break
@@ -48,7 +47,7 @@ class GslicePolicy(PlacementPolicy):
             steps = int(round(1 / self.share_step))
             for n in range(1, steps + 1):
                 share = min(1.0, n * self.share_step)
-                batch, thr = half_slo_batch(lambda b: self.solo_exec_ms(w.name, gpu_type, share, b), w.slo_ms)
+                batch, thr = half_slo_batch(lambda b: self.solo_exec_ms(w.name, gpu_type, share, b), w.slo_ms, self.model.max_batch)
                 if thr >= w.rate:
                     break
             sized.append((w, share, batch))
@@ -96,7 +95,7 @@ class GpuletPolicy(PlacementPolicy):
             free = 1.0 - sum(r.share for r in residents)
             neighbours = [r.process() for r in residents]
             for share in (s for s in self.SIZES if s <= free + 1e-9):
-                batch, thr = half_slo_batch(lambda b: self.model.exec_ms(types[uid], Colocated(w.name, share, b), neighbours), w.slo_ms)
+                batch, thr = half_slo_batch(lambda b: self.model.exec_ms(types[uid], Colocated(w.name, share, b), neighbours), w.slo_ms, self.model.max_batch)
                 if thr > 0:
                     options.append((uid, share, batch, thr))
         if not options:

@@ -19,7 +19,6 @@ from daskpipe.colocation.latency import Colocated, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Replica, Strategy, Workload
 
 SHARE_STEP = 0.025
-MAX_BATCH = 32
 
 
 class IgniterPolicy(PlacementPolicy):
@@ -56,7 +55,7 @@ class IgniterPolicy(PlacementPolicy):
         c = self.model.coeff(w.name, gpu_type)
         bytes_per_ms = self.model.gpu(gpu_type).pcie_gb_per_s * 1e6
         per_ms = rate / 1000.0
-        return max(1, min(MAX_BATCH, math.ceil(w.slo_ms / 2 * per_ms * bytes_per_ms / (bytes_per_ms + c.input_bytes * per_ms))))
+        return max(1, min(self.model.max_batch, math.ceil(w.slo_ms / 2 * per_ms * bytes_per_ms / (bytes_per_ms + c.input_bytes * per_ms))))
 
     def _split(self, w: Workload, gpu_type: str) -> list[tuple[Workload, int, float]]:
         """Replicas (workload at its per-replica rate, batch, r_lower): as few as make r_lower <= 100%."""

@@ -18,7 +18,6 @@ from typing import Sequence
 from daskpipe.colocation.latency import Colocated, InterferenceModel, worst_task_latency_ms
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Replica, Strategy, Workload
 
-MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ def decide_batch(
     def exec_ms(b: int) -> float:
         return model.exec_ms(gpu_type, Colocated(me, share, b), others)
 
-    lo, hi, found = 1, MAX_BATCH, None
+    lo, hi, found = 1, model.max_batch, None
     best_capacity = 0.0
     while lo <= hi:
         mid = (lo + hi) // 2

@@ -16,8 +16,8 @@ The task latency adds the wait for the batch to fill (§4.2). Everything is in m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Mapping, Sequence
 
 
 class ColocationError(ValueError):
@@ -72,7 +72,11 @@ class ModelCoefficients:
                 raise ColocationError(f"{self.model}@{self.gpu}: {name} must be >= 0, got {getattr(self, name)}")
 
     def solo_running_ms(self, batch: int, sms: float) -> float:
+        """Infinite where ``sms + k4 <= 0``: a fit with ``k4 < 0`` says so few SMs cannot run it
+        (extrapolating the curve there would give negative times)."""
         k1, k2, k3, k4, k5 = self.running
+        if sms + k4 <= 0:
+            return math.inf
         return (k1 * batch * batch + k2 * batch + k3) / (sms + k4) + k5
 
     def l2_utilisation(self, share: float) -> float:
@@ -117,6 +121,7 @@ class InterferenceModel:
     coefficients: Mapping[tuple[str, str], ModelCoefficients]
     name: str = "custom"
     notes: Mapping[str, str] = field(default_factory=dict)
+    max_batch: int = 32  # the largest batch the coefficients hold for: policies never plan beyond it
 
     def coeff(self, model: str, gpu: str) -> ModelCoefficients:
         try:
@@ -165,6 +170,50 @@ class InterferenceModel:
 
     def memory_mb(self, model: str, gpu: str, batch: int) -> float:
         return self.coeff(model, gpu).memory_mb(batch)
+
+    # -- (de)serialisation: a plan carries the model its co-located stages are executed with ----
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "gpus": [asdict(g) for g in self.gpus.values()],
+            "coefficients": [{**asdict(c), "running": list(c.running)} for c in self.coefficients.values()],
+            "notes": dict(self.notes),
+            "max_batch": self.max_batch,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<memory>") -> InterferenceModel:
+        """The inverse of ``to_dict``; a missing or malformed field is named in the error."""
+
+        def build(kind: type, raw: Any, where: str) -> Any:
+            if not isinstance(raw, Mapping):
+                raise ColocationError(f"{source}: {where} must be an object, got {raw!r:.60}")
+            names = [f.name for f in fields(kind)]
+            required = [f.name for f in fields(kind) if f.default is MISSING]
+            absent = [n for n in required if n not in raw]
+            if absent:
+                raise ColocationError(f"{source}: {where} lacks field(s) {absent}")
+            try:
+                values = {n: raw[n] for n in names if n in raw}
+                if "running" in values:
+                    values["running"] = tuple(float(k) for k in values["running"])
+                return kind(**values)
+            except (TypeError, ValueError) as exc:
+                raise ColocationError(f"{source}: {where} is malformed: {exc}") from None
+
+        if not isinstance(data, Mapping):
+            raise ColocationError(f"{source}: an interference model must be an object, got {type(data).__name__}")
+        gpus = [build(GpuSpec, g, f"gpus[{i}]") for i, g in enumerate(data.get("gpus", []))]
+        coefficients = [build(ModelCoefficients, c, f"coefficients[{i}]") for i, c in enumerate(data.get("coefficients", []))]
+        if not gpus or not coefficients:
+            raise ColocationError(f"{source}: an interference model needs non-empty 'gpus' and 'coefficients'")
+        return cls(
+            gpus={g.name: g for g in gpus},
+            coefficients={(c.model, c.gpu): c for c in coefficients},
+            name=str(data.get("name", "custom")),
+            notes={str(k): str(v) for k, v in dict(data.get("notes", {})).items()},
+            max_batch=int(data.get("max_batch", 32)),
+        )
 
 
 def worst_task_latency_ms(exec_ms: float, batch: int, rate_per_s: float, queued: int = 0) -> float:

@@ -93,7 +93,7 @@ class _UsherBase(PlacementPolicy):
     def options(self, w: Workload, gpu_type: str) -> list[Option]:
         """Batches whose isolated latency meets the SLO."""
         out = []
-        for b in BATCHES:
+        for b in (b for b in BATCHES if b <= self.model.max_batch):
             latency = self.model.exec_ms(gpu_type, Colocated(w.name, 1.0, b))
             if latency <= w.slo_ms:
                 mem = 100.0 * self.model.memory_mb(w.name, gpu_type, b) / self.model.gpu(gpu_type).memory_mb

@@ -1,40 +1,53 @@
 """The dashboard's views, one class per page, each reading a :class:`ServiceMetrics`.
 
 Every view builds its ``ColumnDataSource``\\ s and figures once and refreshes them in ``update()``,
-which reads the recorder into columns and pushes them with distributed's ``update`` (it skips
-pushes that change nothing). A view gets its data from a ``Reader``: a function returning the
-recorder and the ``now`` to draw against, so the same view draws the live service (the scheduler
-plugin's recorder and the monotonic clock) or a finished simulated run (its recorder and end time).
+which sends the browser as little as possible: time series grow by ``stream`` (with rollover) one
+row per completed second, the GPU timeline streams only the bars recorded since the last update,
+and the small sources (bars, tables) are replaced only when their data changed. A view gets its
+data from a ``Reader``: a function returning the recorder and the ``now`` to draw against, so the
+same view draws the live service (the scheduler plugin's recorder and the monotonic clock) or a
+finished simulated run (its recorder and end time).
+
+Times are drawn as the recorder's clock plus its ``unix_offset`` on datetime axes: UTC wall-clock
+times for the live service, time since the start for a simulated run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import cycle
+from datetime import datetime, timezone
+from itertools import cycle, islice
 
 import numpy as np
 from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, DataTable, FactorRange, HoverTool, LayoutDOM, NumberFormatter, TableColumn
+from bokeh.models import ColumnDataSource, DataTable, DatetimeTickFormatter, FactorRange, HoverTool, LayoutDOM, NumberFormatter, Range1d, TableColumn
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from distributed.dashboard.components import DashboardComponent
-from distributed.dashboard.utils import update
 from distributed.utils import log_errors
 
-from daskpipe.dashboard.metrics import BUCKET_S, ModelMetrics, ServiceMetrics
+from daskpipe.dashboard.metrics import BUCKET_S, PHASES, DropEvent, ServiceMetrics
 
 Reader = Callable[[], tuple["ServiceMetrics | None", float]]
 """Returns the recorder to draw (``None`` while there is none) and the time to draw up to."""
+Columns = Callable[[ServiceMetrics, int, int], dict[str, list[float]]]
+"""Given the recorder and buckets ``first`` to ``last``, one list of values per line label (labels
+only ever added, in a stable order: models and drop reasons are never forgotten)."""
 
 SERIES_BUCKETS = 120
-"""Buckets the time series show: the last two minutes."""
+"""Completed buckets the time series show: the last two minutes."""
 TIMELINE_S = 5.0
 """Seconds of reservations and busy intervals the GPU timeline shows."""
 TIMELINE_BARS = 400
-"""At most this many planned and this many busy bars, the newest: under heavy load the timeline
-shows less than :data:`TIMELINE_S` rather than thousands of bars per refresh."""
+"""At most this many planned and this many busy bars are sent per update, and twice as many kept:
+under heavy load the timeline shows less than :data:`TIMELINE_S` rather than thousands of bars."""
 PERCENTILES = (50, 99)
+BREAKDOWN_BUCKETS = 10
+"""The latency breakdown averages the requests completed in this many last seconds."""
+SLO_SUFFIX = " SLO"
+"""Label suffix of the (dashed) SLO lines in the latency chart."""
+PHASE_COLORS = ("#fdae6b", "#3182bd", "#756bb1", "#bdbdbd")
 
 
 def _colors(labels: list[str]) -> list[str]:
@@ -47,46 +60,117 @@ def _colors(labels: list[str]) -> list[str]:
     return [assigned[label] for label in labels]
 
 
-class LineSet:
-    """Several labelled lines in one figure, held in one ``multi_line`` source, with a marker on
-    each point (so a series with a single point, or with gaps, still shows)."""
-
-    def __init__(self, fig: figure, dashed: bool = False, markers: bool = True) -> None:
-        self.label = "reference" if dashed else "label"  # Bokeh groups legend items by field name
-        self.source = ColumnDataSource({"xs": [], "ys": [], self.label: [], "color": []})
-        self.points = ColumnDataSource({"x": [], "y": [], "color": []}) if markers else None
-        fig.multi_line("xs", "ys", color="color", legend_field=self.label, line_width=2, line_dash="dashed" if dashed else "solid", source=self.source)
-        if self.points is not None:
-            fig.scatter("x", "y", color="color", size=4, source=self.points)
-        fig.legend.location = "top_left"
-
-    def push(self, lines: list[tuple[str, list[float], list[float]]]) -> None:
-        labels = [label for label, _, _ in lines]
-        colors = _colors(labels)
-        update(self.source, {"xs": [xs for _, xs, _ in lines], "ys": [ys for _, _, ys in lines], self.label: labels, "color": colors})
-        if self.points is not None:
-            points: dict[str, list] = {"x": [], "y": [], "color": []}
-            for (_, xs, ys), color in zip(lines, colors):
-                for x, y in zip(xs, ys):
-                    if y == y:  # not NaN: a bucket with data
-                        points["x"].append(x)
-                        points["y"].append(y)
-                        points["color"].append(color)
-            update(self.points, points)
+def last_completed(now: float) -> int:
+    """The newest bucket that has ended by ``now``: what the charts show last."""
+    return int(now // BUCKET_S) - 1
 
 
-def _time_figure(title: str, y_label: str, **kwargs) -> figure:
-    fig = figure(title=title, height=230, sizing_mode="stretch_width", tools="pan,wheel_zoom,box_zoom,reset", x_range=(-SERIES_BUCKETS * BUCKET_S, 0), **kwargs)
-    fig.xaxis.axis_label = "seconds before now"
-    fig.yaxis.axis_label = y_label
-    return fig
+def push(source: ColumnDataSource, data: dict[str, list]) -> None:
+    """Replace ``source``'s data unless it holds ``data`` already: an unchanged source sends the
+    browser nothing and redraws nothing (sources pushed here hold plain lists, no NaN)."""
+    if source.data != data:
+        source.data = data
 
 
-def _buckets(now: float) -> tuple[int, int, list[float]]:
-    """The bucket range the series show and each bucket's end, in seconds relative to ``now``."""
-    last = int(now // BUCKET_S)
-    first = last - SERIES_BUCKETS + 1
-    return first, last, [(index + 1) * BUCKET_S - now for index in range(first, last + 1)]
+def clock_ms(metrics: ServiceMetrics, t: float) -> float:
+    """A recorder time as a datetime axis value (milliseconds since the Unix epoch)."""
+    return (t + metrics.unix_offset) * 1e3
+
+
+def clock_text(metrics: ServiceMetrics, t: float) -> str:
+    """A recorder time as ``HH:MM:SS.mmm`` UTC (time since the start, for a virtual clock)."""
+    return datetime.fromtimestamp(t + metrics.unix_offset, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten above ``value`` plus 5% headroom (1 at least):
+    an axis end that stays put while the data moves within it."""
+    target = max(float(value), 0.0) * 1.05
+    if not target > 0 or not np.isfinite(target):
+        return 1.0
+    power = 10.0 ** np.floor(np.log10(target))
+    return float(next(step * power for step in (1, 2, 5, 10) if step * power >= target))
+
+
+def fit_end(axis_range: Range1d, values: list[float] | np.ndarray) -> None:
+    """Set ``axis_range`` to [0, nice end] over ``values``, only when the end moves: the server sets
+    every range, so the browser never computes one and sends it back (as it does for a
+    ``DataRange1d``), and a steady chart costs no message."""
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    end = nice_ceiling(finite.max() if finite.size else 0.0)
+    if axis_range.end != end:
+        axis_range.end = end
+
+
+class Chart:
+    """One time-series figure of a :class:`TimeSeriesCharts`: its lines, one per label that its
+    ``columns`` function returns, read from the shared source's columns ``<chart>/<label>``."""
+
+    def __init__(self, charts: TimeSeriesCharts, index: int, fig: figure, columns: Columns, markers: bool, fixed_y: bool) -> None:
+        self.charts, self.prefix, self.figure, self.columns = charts, f"{index}/", fig, columns
+        self.markers = markers  # a marker per point, so a point between gaps (NaN) still shows
+        self.fixed_y = fixed_y
+        self.labels: list[str] = []
+        self.palette = cycle(Category10_10)
+
+    def column(self, label: str) -> list[float]:
+        """The values the line ``label`` shows, oldest first."""
+        return list(self.charts.source.data[self.prefix + label])
+
+    def add_line(self, label: str) -> None:
+        color = next(self.palette)
+        dash = "dashed" if label.endswith(SLO_SUFFIX) else "solid"
+        field = self.prefix + label
+        self.figure.line("x", field, source=self.charts.source, color=color, line_width=2, line_dash=dash, legend_label=label)
+        if self.markers and dash == "solid":
+            self.figure.scatter("x", field, source=self.charts.source, color=color, size=4, legend_label=label)
+        self.figure.legend.location = "top_left"
+
+
+class TimeSeriesCharts:
+    """The time-series figures of one page: one point per completed :data:`BUCKET_S` bucket over
+    the last :data:`SERIES_BUCKETS`, at x = seconds before the end of the last completed one.
+    Every line of every figure is a column of one source, replaced (as binary arrays) once per
+    completed bucket: one message per second for all the figures of a page, and each figure
+    redrawn once. The x range is fixed and the y ranges are set here (see :func:`fit_end`), so the
+    browser sends nothing back."""
+
+    def __init__(self) -> None:
+        self.source = ColumnDataSource({"x": []})
+        self.x_range = Range1d(-SERIES_BUCKETS * BUCKET_S, 0)
+        self.charts: list[Chart] = []
+        self.last: int | None = None  # the last bucket sent
+
+    def add(self, title: str, y_label: str, columns: Columns, *, markers: bool = False, y_end: float | None = None) -> Chart:
+        """A figure whose lines ``columns`` gives; its y axis from 0 to ``y_end``, or fitted to the lines."""
+        fig = figure(
+            title=title, height=230, sizing_mode="stretch_width", tools="pan,wheel_zoom,box_zoom,reset", x_range=self.x_range, y_range=Range1d(0, y_end or 1.0),
+        )
+        fig.xaxis.axis_label = "seconds before now"
+        fig.yaxis.axis_label = y_label
+        chart = Chart(self, len(self.charts), fig, columns, markers, fixed_y=y_end is not None)
+        self.charts.append(chart)
+        return chart
+
+    def advance(self, metrics: ServiceMetrics, now: float) -> None:
+        """Send the buckets completed by ``now``, if one completed since the last update."""
+        last = last_completed(now)
+        if last == self.last:
+            return
+        first = last - SERIES_BUCKETS + 1
+        data = {"x": (np.arange(first, last + 1) - last) * BUCKET_S}
+        for chart in self.charts:
+            lines = chart.columns(metrics, first, last)
+            for label, column in lines.items():
+                if label not in chart.labels:
+                    chart.add_line(label)
+                data[chart.prefix + label] = np.asarray(column, dtype=float)
+            chart.labels = list(lines)
+            if not chart.fixed_y:
+                fit_end(chart.figure.y_range, np.concatenate([data[chart.prefix + label] for label in lines]) if lines else [])
+        self.source.data = data
+        self.last = last
 
 
 class PlanView(DashboardComponent):
@@ -138,57 +222,115 @@ class PlanView(DashboardComponent):
         if list(self.figure.y_range.factors) != factors:
             self.figure.y_range.factors = factors
             self.figure.height = 120 + 90 * len(factors)
-        update(self.flow, flow)
-        update(self.source, rows)
+        push(self.flow, flow)
+        push(self.source, rows)
 
 
 class SLOView(DashboardComponent):
-    """Per model over time: offered rate and goodput, SLO attainment, drops by reason, latency percentiles."""
+    """Per model over time: offered rate and goodput, SLO attainment, drops by reason, latency
+    percentiles; the latency breakdown of recent requests; the recent drops."""
 
     @log_errors
     def __init__(self, read: Reader) -> None:
         self.read = read
-        self.rates_figure = _time_figure("Offered rate and goodput (on-time completions)", "requests/s")
-        self.attainment_figure = _time_figure("SLO attainment (on time / ended)", "fraction", y_range=(0, 1.05))
-        self.drops_figure = _time_figure("Drops by reason", "requests/s")
-        self.latency_figure = _time_figure("Latency percentiles against the SLO (dashed)", "ms")
-        self.rates = LineSet(self.rates_figure)
-        self.attainment = LineSet(self.attainment_figure)
-        self.drops = LineSet(self.drops_figure)
-        self.latency = LineSet(self.latency_figure)
-        self.slo = LineSet(self.latency_figure, dashed=True, markers=False)
-        self.root = column(row(self.rates_figure, self.attainment_figure, sizing_mode="stretch_width"), row(self.drops_figure, self.latency_figure, sizing_mode="stretch_width"), sizing_mode="stretch_width")
+        self.series = TimeSeriesCharts()
+        self.rates = self.series.add("Offered rate and goodput (on-time completions)", "requests/s", _rates)
+        self.attainment = self.series.add("SLO attainment (on time / ended)", "fraction", _attainment, markers=True, y_end=1.05)
+        self.drops = self.series.add("Drops by reason", "requests/s", _drop_rates)
+        self.latency = self.series.add("Latency percentiles against the SLO (dashed)", "ms", _latency_lines, markers=True)
+        self.breakdown_source = ColumnDataSource({"model": [], **{phase: [] for phase in PHASES}})
+        self.breakdown = figure(
+            title=f"Where a request's time goes: mean ms per request completed in the last {BREAKDOWN_BUCKETS * BUCKET_S:g} s",
+            height=230, sizing_mode="stretch_width", y_range=FactorRange(), x_range=Range1d(0, 1), tools="", x_axis_label="ms",
+        )
+        self.breakdown.hbar_stack(list(PHASES), y="model", height=0.6, color=list(PHASE_COLORS), source=self.breakdown_source, legend_label=list(PHASES))
+        self.breakdown.legend.location = "bottom_right"
+        self.breakdown.legend.orientation = "horizontal"
+        self.drop_source = ColumnDataSource({"time": [], "model": [], "reason": [], "requests": [], "detail": []})
+        self.drop_table = DataTable(
+            source=self.drop_source, height=230, sizing_mode="stretch_width", index_position=None,
+            columns=[TableColumn(field="time", title="time (UTC)", width=100), TableColumn(field="model", title="model", width=90), TableColumn(field="reason", title="reason", width=90),
+                     TableColumn(field="requests", title="requests", width=60), TableColumn(field="detail", title="detail", width=400)],
+        )
+        self.newest_drop: tuple[DropEvent, int] | None = None  # the newest drop event the table shows, and its count then
+        self.root = column(
+            row(self.rates.figure, self.attainment.figure, sizing_mode="stretch_width"),
+            row(self.drops.figure, self.latency.figure, sizing_mode="stretch_width"),
+            row(self.breakdown, column(self.drop_table, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+        )
 
     @without_property_validation
     @log_errors
     def update(self) -> None:
         metrics, now = self.read()
-        first, last, xs = _buckets(now)
-        rates, attainment, drops, latency, slo = [], [], [], [], []
-        for name, model in (metrics.models.items() if metrics else ()):
-            offered = model.offered.counts(first, last)
-            on_time = model.on_time.counts(first, last)
-            rates += [(f"{name} offered", xs, [c / BUCKET_S for c in offered]), (f"{name} goodput", xs, [c / BUCKET_S for c in on_time])]
-            ended = np.array(model.completed.counts(first, last)) + np.array(model.failed.counts(first, last))
-            for reason, series in model.dropped.items():
-                counts = series.counts(first, last)
-                ended += counts
-                drops.append((f"{name} {reason}", xs, [c / BUCKET_S for c in counts]))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                attainment.append((name, xs, (np.array(on_time) / ended).tolist()))
-            latency += self._percentiles(name, model, first, xs)
-            slo.append((f"{name} SLO", [xs[0], xs[-1]], [model.slo_s * 1e3] * 2))
-        self.rates.push(rates)
-        self.attainment.push(attainment)
-        self.drops.push(drops)
-        self.latency.push(latency)
-        self.slo.push(slo)
+        if metrics is None:
+            return
+        self.series.advance(metrics, now)
+        self._update_breakdown(metrics, now)
+        self._update_drops(metrics)
 
-    @staticmethod
-    def _percentiles(name: str, model: ModelMetrics, first: int, xs: list[float]) -> list[tuple[str, list[float], list[float]]]:
-        """Latency percentiles per bucket, in ms (NaN, drawn as a gap, where nothing completed)."""
-        by_q = model.latencies.percentiles(first, first + len(xs) - 1, PERCENTILES)
-        return [(f"{name} p{q}", xs, [v * 1e3 for v in values]) for q, values in by_q.items()]
+    def _update_breakdown(self, metrics: ServiceMetrics, now: float) -> None:
+        last = last_completed(now)
+        names = list(metrics.models)
+        means = [metrics.models[name].phases.means(last - BREAKDOWN_BUCKETS + 1, last) for name in names]
+        if list(self.breakdown.y_range.factors) != names:
+            self.breakdown.y_range.factors = names
+        columns = {phase: [round(m.get(phase, 0.0) * 1e3, 2) for m in means] for phase in PHASES}
+        push(self.breakdown_source, {"model": names, **columns})
+        fit_end(self.breakdown.x_range, [sum(stack) for stack in zip(*columns.values())])
+
+    def _update_drops(self, metrics: ServiceMetrics) -> None:
+        """Newest first; replaced only when a drop happened since the last update."""
+        newest = (metrics.drops[-1], metrics.drops[-1].count) if metrics.drops else None
+        if newest == self.newest_drop:  # the same event with the same count (events compare by identity)
+            return
+        self.newest_drop = newest
+        events = list(reversed(metrics.drops))
+        push(self.drop_source, {
+            "time": [clock_text(metrics, e.time) for e in events], "model": [e.model for e in events], "reason": [e.reason for e in events],
+            "requests": [e.count for e in events], "detail": [e.detail for e in events],
+        })
+
+
+def _rates(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
+    """Offered requests and on-time completions per second, per model."""
+    return {
+        f"{name} {kind}": [c / BUCKET_S for c in series.counts(first, last)]
+        for name, model in metrics.models.items() for kind, series in (("offered", model.offered), ("goodput", model.on_time))
+    }
+
+
+def _attainment(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
+    """Per model, on-time completions over ended requests per bucket (NaN, a gap, where nothing ended)."""
+    lines = {}
+    for name, model in metrics.models.items():
+        ended = np.array(model.completed.counts(first, last)) + np.array(model.failed.counts(first, last))
+        for series in model.dropped.values():
+            ended += series.counts(first, last)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lines[name] = (np.array(model.on_time.counts(first, last)) / ended).tolist()
+    return lines
+
+
+def _drop_rates(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
+    """Drops per second, per model and reason."""
+    return {f"{name} {reason}": [c / BUCKET_S for c in series.counts(first, last)] for name, model in metrics.models.items() for reason, series in model.dropped.items()}
+
+
+def _latency_lines(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
+    """Per model, latency percentiles per bucket in ms (NaN, a gap, where nothing completed), and the SLO."""
+    lines = {}
+    for name, model in metrics.models.items():
+        for q, values in model.latencies.percentiles(first, last, PERCENTILES).items():
+            lines[f"{name} p{q}"] = [v * 1e3 for v in values]
+        lines[f"{name}{SLO_SUFFIX}"] = [model.slo_s * 1e3] * (last - first + 1)
+    return lines
+
+
+def _queues(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
+    """The longest queue of each second, per model."""
+    return {f"{name} (longest in each second)": model.queue.values(first, last, 0) for name, model in metrics.models.items()}
 
 
 class GPUView(DashboardComponent):
@@ -200,9 +342,13 @@ class GPUView(DashboardComponent):
         self.timeline_source = ColumnDataSource({"y": [], "left": [], "right": [], "kind": [], "color": []})
         self.timeline = figure(
             title=f"Planned reservations vs actual busy intervals (last {TIMELINE_S:g} s)", height=360, sizing_mode="stretch_width",
-            y_range=FactorRange(), tools="xpan,xwheel_zoom,reset", x_axis_label="seconds before now",
+            y_range=FactorRange(), x_range=Range1d(0, TIMELINE_S * 1e3), x_axis_type="datetime",
+            tools="xpan,xwheel_zoom,reset", x_axis_label="time (UTC)",
         )
+        self.timeline.xaxis.formatter = DatetimeTickFormatter(context=None, seconds="%H:%M:%S", milliseconds="%H:%M:%S.%3N")
         self.timeline.hbar(y="y", left="left", right="right", height=0.8, color="color", legend_field="kind", source=self.timeline_source)
+        self.dispatches_seen: dict[str, int] = {}  # model -> its dispatches already drawn
+        self.busy_seen = 0
         self.utilisation_source = ColumnDataSource({"gpu": [], "utilisation": []})
         self.utilisation = figure(title="Utilisation per GPU type (busy share of its slots)", height=260, sizing_mode="stretch_width", x_range=FactorRange(), y_range=(0, 1.05), tools="")
         self.utilisation.vbar(x="gpu", top="utilisation", width=0.7, source=self.utilisation_source, color="#31a354")
@@ -215,49 +361,58 @@ class GPUView(DashboardComponent):
     @log_errors
     def update(self) -> None:
         metrics, now = self.read()
-        start = now - TIMELINE_S
+        if metrics is None:
+            return
+        self._update_timeline(metrics, now)
+        busy_s = metrics.busy_seconds(now - TIMELINE_S, now)
+        by_gpu = metrics.utilisation_by_gpu(busy_s, TIMELINE_S)
+        gpus = list(by_gpu)
+        if list(self.utilisation.x_range.factors) != gpus:
+            self.utilisation.x_range.factors = gpus
+        push(self.utilisation_source, {"gpu": gpus, "utilisation": [round(u, 3) for u in by_gpu.values()]})
+        links = sorted(r for r in busy_s if r.endswith(("/ul", "/dl")))
+        if list(self.nic.x_range.factors) != links:
+            self.nic.x_range.factors = links
+        push(self.nic_source, {"link": links, "utilisation": [round(min(1.0, busy_s[link] / TIMELINE_S), 3) for link in links]})
+
+    def _update_timeline(self, metrics: ServiceMetrics, now: float) -> None:
+        """Stream the reservations dispatched and the intervals run since the last update (the
+        newest :data:`TIMELINE_BARS` of each) as one message, and move the x range to the last
+        :data:`TIMELINE_S` (absolute times: the bars already sent stay valid)."""
         bars: dict[str, list] = {"y": [], "left": [], "right": [], "kind": [], "color": []}
 
         def bar(resource: str, kind: str, begin: float, end: float, color: str) -> None:
             bars["y"].append((resource, kind))
-            bars["left"].append(max(begin, start) - now)
-            bars["right"].append(min(end, now) - now)
+            bars["left"].append(clock_ms(metrics, begin))
+            bars["right"].append(clock_ms(metrics, end))
             bars["kind"].append(kind)
             bars["color"].append(color)
 
-        resources: set[str] = set()
         planned = 0
-        for model in (metrics.models.values() if metrics else ()):
-            for _, dispatch in reversed(model.dispatches):
-                if dispatch.hops[0].compute.start < start - TIMELINE_S or planned >= TIMELINE_BARS:  # older ones cannot reach the window, or enough bars
+        for name, model in metrics.models.items():
+            new = min(model.dispatch_count - self.dispatches_seen.get(name, 0), len(model.dispatches))
+            self.dispatches_seen[name] = model.dispatch_count
+            for _, dispatch in islice(reversed(model.dispatches), new):
+                if planned >= TIMELINE_BARS or dispatch.hops[-1].compute.end < now - TIMELINE_S:
                     break
                 for hop in dispatch.hops:
-                    if hop.compute.end > start and hop.compute.start < now:
-                        bar(hop.slot, "planned", hop.compute.start, hop.compute.end, "#9ecae1")
-                        resources.add(hop.slot)
-                        planned += 1
+                    bar(hop.slot, "planned", hop.compute.start, hop.compute.end, "#9ecae1")
+                    planned += 1
+        new = min(metrics.busy_count - self.busy_seen, len(metrics.busy))
+        self.busy_seen = metrics.busy_count
         busy = 0
-        for resource, begin, end in (metrics.recent_busy(start) if metrics else ()):
-            if busy >= TIMELINE_BARS:
+        for resource, begin, end in islice(reversed(metrics.busy), new):
+            if busy >= TIMELINE_BARS or end < now - TIMELINE_S - 1.0:  # recorded about in the order they end
                 break
-            if end > start and begin < now and resource in metrics.gpu_of:
+            if resource in metrics.gpu_of:
                 bar(resource, "busy", begin, end, "#e6550d")
-                resources.add(resource)
                 busy += 1
-        factors = [(r, kind) for r in sorted(resources) for kind in ("planned", "busy")]
+        factors = [(slot, kind) for slot in sorted(metrics.gpu_of) for kind in ("planned", "busy")]
         if list(self.timeline.y_range.factors) != factors:
             self.timeline.y_range.factors = factors
-        update(self.timeline_source, bars)
-        busy_s = metrics.busy_seconds(start, now) if metrics else {}
-        by_gpu = metrics.utilisation_by_gpu(busy_s, TIMELINE_S) if metrics else {}
-        gpus = list(by_gpu)
-        if list(self.utilisation.x_range.factors) != gpus:
-            self.utilisation.x_range.factors = gpus
-        update(self.utilisation_source, {"gpu": gpus, "utilisation": list(by_gpu.values())})
-        links = sorted(r for r in busy_s if r.endswith(("/ul", "/dl")))
-        if list(self.nic.x_range.factors) != links:
-            self.nic.x_range.factors = links
-        update(self.nic_source, {"link": links, "utilisation": [min(1.0, busy_s[link] / TIMELINE_S) for link in links]})
+        if bars["y"]:
+            self.timeline_source.stream(bars, rollover=2 * TIMELINE_BARS)
+        self.timeline.x_range.update(start=clock_ms(metrics, now - TIMELINE_S), end=clock_ms(metrics, now))
 
 
 class BatchView(DashboardComponent):
@@ -267,31 +422,30 @@ class BatchView(DashboardComponent):
     def __init__(self, read: Reader) -> None:
         self.read = read
         self.histogram_source = ColumnDataSource({"x": [], "batches": [], "color": []})
-        self.histogram = figure(title="Batch sizes per pipeline (requests per batch)", height=300, sizing_mode="stretch_width", x_range=FactorRange(), tools="")
+        self.histogram = figure(title="Batch sizes per pipeline (requests per batch)", height=300, sizing_mode="stretch_width", x_range=FactorRange(), y_range=Range1d(0, 1), tools="")
         self.histogram.vbar(x="x", top="batches", width=0.8, color="color", source=self.histogram_source)
-        self.histogram.add_tools(HoverTool(tooltips=[("pipeline, batch", "@x"), ("batches", "@batches")]))
-        self.queue_figure = _time_figure("Queue length per model (requests waiting for a batch)", "requests")
-        self.queue = LineSet(self.queue_figure)
-        self.root = column(self.histogram, self.queue_figure, sizing_mode="stretch_width")
+        self.series = TimeSeriesCharts()
+        self.queue = self.series.add("Queue length per model (requests waiting for a batch)", "requests", _queues)
+        self.root = column(self.histogram, self.queue.figure, sizing_mode="stretch_width")
 
     @without_property_validation
     @log_errors
     def update(self) -> None:
         metrics, now = self.read()
+        if metrics is None:
+            return
         histogram: dict[str, list] = {"x": [], "batches": []}
-        queues = []
-        first, last, xs = _buckets(now)
-        for name, model in (metrics.models.items() if metrics else ()):
+        for name, model in metrics.models.items():
             for (pipeline, size), count in sorted(model.batch_sizes.items()):
                 histogram["x"].append((f"{name} p{pipeline}", str(size)))
                 histogram["batches"].append(count)
-            queues.append((f"{name} (longest in each second)", xs, model.queue.values(first, last, 0)))
         histogram["color"] = _colors([pipeline for pipeline, _ in histogram["x"]])
         factors = list(histogram["x"])
         if list(self.histogram.x_range.factors) != factors:
             self.histogram.x_range.factors = factors
-        update(self.histogram_source, histogram)
-        self.queue.push(queues)
+        push(self.histogram_source, histogram)
+        fit_end(self.histogram.y_range, histogram["batches"])
+        self.series.advance(metrics, now)
 
 
 VIEWS: dict[str, tuple[str, type[DashboardComponent]]] = {

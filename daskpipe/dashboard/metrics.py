@@ -40,6 +40,13 @@ BUSY_HISTORY = 20_000
 PENDING_LIMIT = 10_000
 """Dispatches awaiting their completion, per model; past it the oldest is forgotten (a batch whose
 worker died reports nothing)."""
+DROP_HISTORY = 100
+"""Recent drop events kept (all models together), for the table of recent drops; the drops of one
+model for one reason within one bucket are one event (a burst is one row, not a hundred)."""
+PHASES = ("queue", "compute", "transfer", "other")
+"""The parts a completed request's latency is split into: waiting for its batch to be dispatched,
+its batch computing on the stages, its batch's feature maps crossing NICs, and the rest (messages
+between scheduler and workers, waiting between stages, storing the outputs)."""
 
 
 class _Series:
@@ -60,10 +67,13 @@ class _Series:
         return buckets[-1]
 
     def values(self, first: int, last: int, missing: Any) -> list:
-        """Values of buckets ``first`` to ``last`` inclusive (``missing`` where nothing happened)."""
+        """Values of buckets ``first`` to ``last`` inclusive (``missing`` where nothing happened);
+        walks back from the newest bucket, so reading the last few costs only those."""
         out = [missing] * (last - first + 1)
-        for index, value in self.buckets:
-            if first <= index <= last:
+        for index, value in reversed(self.buckets):
+            if index < first:
+                break
+            if index <= last:
                 out[index - first] = value
         return out
 
@@ -92,7 +102,7 @@ class LatencySeries(_Series):
         """Each ``q``-th percentile (0-100) of each bucket ``first`` to ``last``, in seconds; NaN
         where nothing completed."""
         out = {q: [float("nan")] * (last - first + 1) for q in qs}
-        rows = [(index - first, counts) for index, counts in self.buckets if first <= index <= last]
+        rows = [(position, counts) for position, counts in enumerate(self.values(first, last, None)) if counts is not None]
         if rows:
             cumulative = np.cumsum([counts for _, counts in rows], axis=1)
             edges = np.append(LATENCY_BINS_S, np.inf)
@@ -102,6 +112,27 @@ class LatencySeries(_Series):
                 for (position, _), edge in zip(rows, edges[bins]):
                     out[q][position] = float(edge)
         return out
+
+
+class PhaseSeries(_Series):
+    """Per bucket, the completed requests and their summed seconds in each of :data:`PHASES`."""
+
+    __slots__ = ()
+
+    def add(self, now: float, phases: tuple[float, ...]) -> None:
+        sums = self._current(now, lambda: [0] * (len(PHASES) + 1))[1]
+        sums[0] += 1
+        for i, seconds in enumerate(phases, 1):
+            sums[i] += seconds
+
+    def means(self, first: int, last: int) -> dict[str, float]:
+        """Mean seconds per request in each phase over buckets ``first`` to ``last`` (empty when
+        nothing completed with a known breakdown)."""
+        total = [0.0] * (len(PHASES) + 1)
+        for sums in self.values(first, last, None):
+            if sums is not None:
+                total = [a + b for a, b in zip(total, sums)]
+        return {phase: seconds / total[0] for phase, seconds in zip(PHASES, total[1:])} if total[0] else {}
 
 
 class RateSeries(_Series):
@@ -121,6 +152,33 @@ class RateSeries(_Series):
         return self.values(first, last, 0)
 
 
+@dataclass(slots=True)
+class Pending:
+    """A dispatched batch until its last stage is done: when it left the queue, and the seconds its
+    reservations really took so far (from the workers' feedback)."""
+
+    dispatch: Dispatch
+    dispatched: float
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class DropEvent:
+    """Drops of ``model`` for ``reason`` from ``time`` on, within its bucket: ``count`` requests,
+    ``detail`` the last one's."""
+
+    time: float
+    model: str
+    reason: str
+    count: int
+    detail: str
+
+
+def _latency_buckets() -> list[int]:
+    return [0] * (len(LATENCY_BOUNDS_S) + 1)
+
+
 @dataclass
 class ModelMetrics:
     """Everything recorded about one model."""
@@ -133,20 +191,31 @@ class ModelMetrics:
     on_time: RateSeries = field(default_factory=RateSeries)
     failed: RateSeries = field(default_factory=RateSeries)
     dropped: dict[str, RateSeries] = field(default_factory=dict)  # reason -> series
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    latency_buckets: list[int] = field(default_factory=_latency_buckets)
     latency_sum: float = 0.0
     latencies: LatencySeries = field(default_factory=LatencySeries)
+    phases: PhaseSeries = field(default_factory=PhaseSeries)  # latency breakdown of completions, per bucket
+    phase_buckets: dict[str, list[int]] = field(default_factory=lambda: {phase: _latency_buckets() for phase in PHASES})
+    phase_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     batch_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # (pipeline, requests in batch) -> batches
     dispatches: deque[tuple[float, Dispatch]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))
-    pending: dict[int, Dispatch] = field(default_factory=dict)  # dispatch id -> dispatch, until done
+    dispatch_count: int = 0  # dispatches recorded in all, so a reader can tell the new ones in ``dispatches``
+    pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
+
 
 class ServiceMetrics:
     """The recorder: one instance per scheduler plugin (or per simulated run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unix_offset: float = 0.0) -> None:
+        """``unix_offset`` turns the caller's clock into Unix time (the live plugin passes
+        ``time.time() - time.monotonic()``); with 0, a virtual clock's times read as time since its
+        start."""
+        self.unix_offset = unix_offset
         self.models: dict[str, ModelMetrics] = {}
         self.busy: deque[tuple[str, float, float]] = deque(maxlen=BUSY_HISTORY)  # (resource, start, end)
+        self.busy_count = 0  # busy intervals recorded in all, so a reader can tell the new ones in ``busy``
+        self.drops: deque[DropEvent] = deque(maxlen=DROP_HISTORY)
         self.gpu_of: dict[str, str] = {}  # slot id -> GPU type
         self.last_time = 0.0
 
@@ -177,8 +246,9 @@ class ServiceMetrics:
         key = (dispatch.pipeline, len(dispatch.requests))
         metrics.batch_sizes[key] = metrics.batch_sizes.get(key, 0) + 1
         metrics.dispatches.append((now, dispatch))
+        metrics.dispatch_count += 1
         pending = metrics.pending
-        pending[dispatch.id] = dispatch
+        pending[dispatch.id] = Pending(dispatch, now)
         if len(pending) > PENDING_LIMIT:
             del pending[next(iter(pending))]
         metrics.queue.add(now, queued)
@@ -186,34 +256,42 @@ class ServiceMetrics:
 
     def feedback(self, model: str, fb: Feedback) -> None:
         """A reservation of a pending dispatch really ran over [fb.start, fb.end)."""
-        dispatch = self.models[model].pending.get(fb.dispatch) if model in self.models else None
-        if dispatch is None:
+        pending = self.models[model].pending.get(fb.dispatch) if model in self.models else None
+        if pending is None:
             return
-        for hop in dispatch.hops:
+        for hop in pending.dispatch.hops:
             if hop.partition != fb.partition:
                 continue
             if fb.kind == "compute":
-                self.busy.append((hop.slot, fb.start, fb.end))
-            elif hop.transfer_in is not None:
-                for reservation in hop.transfer_in:
-                    self.busy.append((reservation.resource, fb.start, fb.end))
+                pending.compute_s += fb.end - fb.start
+                self.busy_interval(hop.slot, fb.start, fb.end)
+            else:
+                pending.transfer_s += fb.end - fb.start
+                for reservation in hop.transfer_in or ():
+                    self.busy_interval(reservation.resource, fb.start, fb.end)
             return
 
     def busy_interval(self, resource: str, start: float, end: float) -> None:
         """``resource`` (a slot, or a ``<server>/ul|dl`` NIC direction) was busy over [start, end)."""
         self.busy.append((resource, start, end))
+        self.busy_count += 1
 
     def done(self, model: str, dispatch_id: int, now: float) -> None:
-        """The last stage of dispatch ``dispatch_id`` finished: its requests completed."""
+        """The last stage of dispatch ``dispatch_id`` finished: its requests completed, each with
+        its latency split into :data:`PHASES`."""
         metrics = self.models.get(model)
-        dispatch = metrics.pending.pop(dispatch_id, None) if metrics is not None else None
-        if dispatch is None:
+        pending = metrics.pending.pop(dispatch_id, None) if metrics is not None else None
+        if pending is None:
             return
-        for request in dispatch.requests:
-            self.complete(model, now - request.arrival, now)
+        for request in pending.dispatch.requests:
+            latency = now - request.arrival
+            queue = pending.dispatched - request.arrival
+            other = max(0.0, latency - queue - pending.compute_s - pending.transfer_s)
+            self.complete(model, latency, now, (queue, pending.compute_s, pending.transfer_s, other))
 
-    def complete(self, model: str, latency: float, now: float) -> None:
-        """One request completed ``latency`` seconds after it arrived."""
+    def complete(self, model: str, latency: float, now: float, phases: tuple[float, float, float, float] | None = None) -> None:
+        """One request completed ``latency`` seconds after it arrived; ``phases`` is its latency
+        split into :data:`PHASES`, where known."""
         metrics = self.model(model)
         metrics.completed.add(now)
         if latency <= metrics.slo_s:
@@ -221,15 +299,26 @@ class ServiceMetrics:
         metrics.latency_buckets[bisect_left(LATENCY_BOUNDS_S, latency)] += 1
         metrics.latency_sum += latency
         metrics.latencies.add(now, latency)
+        if phases is not None:
+            metrics.phases.add(now, phases)
+            for phase, seconds in zip(PHASES, phases):
+                metrics.phase_buckets[phase][bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+                metrics.phase_sums[phase] += seconds
         self.last_time = now
 
-    def drop(self, model: str, reason: str, count: int, now: float) -> None:
-        """``count`` requests were dropped for ``reason`` (a ``DropReason``)."""
+    def drop(self, model: str, reason: str, count: int, now: float, detail: str = "") -> None:
+        """``count`` requests were dropped for ``reason`` (a ``DropReason``; ``detail`` says more)."""
         metrics = self.model(model)
         series = metrics.dropped.get(reason)
         if series is None:
             series = metrics.dropped[reason] = RateSeries()
         series.add(now, count)
+        last = self.drops[-1] if self.drops else None
+        if last is not None and (last.model, last.reason) == (model, reason) and last.time // BUCKET_S == now // BUCKET_S:
+            last.count += count
+            last.detail = detail or last.detail
+        elif count:
+            self.drops.append(DropEvent(now, model, reason, count, detail))
         self.last_time = now
 
     def fail(self, model: str, dispatch_id: int, count: int, now: float) -> None:

@@ -17,15 +17,24 @@ from distributed.http.prometheus import PrometheusCollector
 from distributed.http.utils import RequestHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from daskpipe.dashboard.metrics import LATENCY_BOUNDS_S
+from daskpipe.dashboard.metrics import LATENCY_BOUNDS_S, PHASES
 
 UTILISATION_WINDOW_S = 10.0
 """Utilisation gauges are the busy share over this many recent seconds."""
 
 
+def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
+    """Per-bucket counts over :data:`LATENCY_BOUNDS_S` as Prometheus' cumulative ``(le, count)``."""
+    cumulative, buckets = 0, []
+    for bound, count in zip((*map(str, LATENCY_BOUNDS_S), "+Inf"), counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return buckets
+
+
 class DaskpipeCollector(PrometheusCollector):
-    """Per model: requests by outcome, drops by reason, SLO attainment, queue depth, latency and
-    batch-size histograms; per GPU type and NIC direction: recent utilisation."""
+    """Per model: requests by outcome, drops by reason, SLO attainment, queue depth, histograms of
+    latency, of its phases and of batch sizes; per GPU type and NIC direction: recent utilisation."""
 
     def __init__(self, server: Any) -> None:
         super().__init__(server)
@@ -41,6 +50,11 @@ class DaskpipeCollector(PrometheusCollector):
         dropped = CounterMetricFamily(name("requests_dropped"), "Requests dropped, by reason", labels=["model", "reason"])
         attainment = GaugeMetricFamily(name("slo_attainment"), "Share of ended requests that finished within the SLO", labels=["model"])
         latency = HistogramMetricFamily(name("request_latency_seconds"), "End-to-end latency of completed requests", labels=["model"])
+        phases = HistogramMetricFamily(
+            name("request_phase_seconds"),
+            "Completed requests' latency by phase: queue (waiting for a batch), compute, transfer (NICs), other (messages, waits between stages)",
+            labels=["model", "phase"],
+        )
         batches = CounterMetricFamily(name("batches"), "Batches dispatched, by pipeline and requests in the batch", labels=["model", "pipeline", "batch_size"])
         for model, recorded in metrics.models.items():
             totals = {"submitted": recorded.offered.total, "completed": recorded.completed.total, "on_time": recorded.on_time.total, "failed": recorded.failed.total}
@@ -52,11 +66,9 @@ class DaskpipeCollector(PrometheusCollector):
                 drops += series.total
             ended = totals["completed"] + totals["failed"] + drops
             attainment.add_metric([model], totals["on_time"] / ended if ended else 1.0)
-            cumulative, buckets = 0, []
-            for bound, count in zip((*map(str, LATENCY_BOUNDS_S), "+Inf"), recorded.latency_buckets):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            latency.add_metric([model], buckets, recorded.latency_sum)
+            latency.add_metric([model], _cumulative(recorded.latency_buckets), recorded.latency_sum)
+            for phase in PHASES:
+                phases.add_metric([model, phase], _cumulative(recorded.phase_buckets[phase]), recorded.phase_sums[phase])
             for (pipeline, size), count in sorted(recorded.batch_sizes.items()):
                 batches.add_metric([model, str(pipeline), str(size)], count)
         queue = GaugeMetricFamily(name("queue_depth"), "Requests waiting for a batch, now", labels=["model"])
@@ -77,7 +89,7 @@ class DaskpipeCollector(PrometheusCollector):
             server, _, direction = resource.rpartition("/")
             if direction in ("ul", "dl"):
                 nics.add_metric([server, direction], min(1.0, seconds / UTILISATION_WINDOW_S))
-        yield from (outcomes, dropped, attainment, latency, batches, queue, in_flight, gpus, slots, nics)
+        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, gpus, slots, nics)
 
 
 _COLLECTOR: DaskpipeCollector | None = None

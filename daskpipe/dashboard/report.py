@@ -15,7 +15,7 @@ from bokeh.models import TabPanel, Tabs
 from bokeh.resources import INLINE
 
 from daskpipe.dashboard.components import build_roots
-from daskpipe.dashboard.metrics import ServiceMetrics
+from daskpipe.dashboard.metrics import BUCKET_S, ServiceMetrics
 
 if TYPE_CHECKING:
     from daskpipe.plan.schema import ModelPlan
@@ -78,7 +78,7 @@ def save_report(run: ServiceMetrics | Any, path: str | Path, *, title: str = "da
     metrics = run if isinstance(run, ServiceMetrics) else getattr(run, "metrics", None)
     if not isinstance(metrics, ServiceMetrics):
         raise TypeError(f"save_report needs a ServiceMetrics or a result with a .metrics one, got {type(run).__name__}")
-    end = metrics.last_time
+    end = (metrics.last_time // BUCKET_S + 1) * BUCKET_S  # the end of the last event's second: its bucket is complete
     tabs = Tabs(tabs=[TabPanel(child=root, title=page_title) for page_title, root in build_roots(lambda: (metrics, end))], sizing_mode="stretch_width")
     path = Path(path)
     save(tabs, filename=path, resources=INLINE, title=title)

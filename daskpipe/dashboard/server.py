@@ -15,7 +15,9 @@ import logging
 import time
 from typing import Any
 
+import dask.config
 from bokeh.document import Document
+from dask.utils import parse_timedelta
 from distributed.dashboard.components import add_periodic_callback
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.dashboard.core import BokehApplication, DaskBokehTornado
@@ -26,8 +28,25 @@ from daskpipe.dashboard.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
-UPDATE_MS = 1000
-"""How often an open page refreshes."""
+UPDATE_CONFIG = "daskpipe.dashboard.update-interval"
+"""Dask config key of how often an open page refreshes (``DASK_DASKPIPE__DASHBOARD__UPDATE_INTERVAL``
+in the environment): a duration such as ``"1s"`` or ``"500ms"``, or seconds."""
+UPDATE_DEFAULT = "1s"
+"""The series have one point per second: refreshing faster only redraws the GPU timeline more often."""
+UPDATE_MIN_S = 0.1
+
+
+def update_interval_ms() -> int:
+    """The configured refresh period of the pages, checked."""
+    value = dask.config.get(UPDATE_CONFIG, UPDATE_DEFAULT)
+    try:
+        seconds = parse_timedelta(value, default="seconds")
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{UPDATE_CONFIG} must be a duration such as '1s' or '500ms', got {value!r}") from exc
+    if seconds is None or seconds < UPDATE_MIN_S:
+        raise ValueError(f"{UPDATE_CONFIG} must be at least {UPDATE_MIN_S:g} s, got {value!r}")
+    return round(seconds * 1000)
+
 NAV_PAGE = "daskpipe-plan"
 """The page the navigation bar's ``Daskpipe`` entry opens."""
 
@@ -56,13 +75,13 @@ def live_reader(scheduler: Any) -> Reader:
 
 
 def page_doc(slug: str):
-    """The ``*_doc`` function of page ``slug``: one view, refreshed every :data:`UPDATE_MS`."""
+    """The ``*_doc`` function of page ``slug``: one view, refreshed every :func:`update_interval_ms`."""
     title, view_class = VIEWS[slug]
 
     def doc(scheduler: Any, extra: dict, document: Document) -> None:
         view = view_class(live_reader(scheduler))
         view.update()
-        add_periodic_callback(document, view, UPDATE_MS)
+        add_periodic_callback(document, view, update_interval_ms())
         document.add_root(view.root)
         document.title = f"daskpipe: {title}"
         document.theme = BOKEH_THEME
@@ -93,6 +112,7 @@ def attach(scheduler: Any) -> None:
         register_collector(scheduler)
     if getattr(scheduler, "http_application", None) is None or getattr(scheduler, "_daskpipe_dashboard", None) is not None:
         return
+    update_interval_ms()  # a bad setting is reported now, in the scheduler's log, not when a page opens
     dask_pages = _dask_dashboard(scheduler)
     prefix = dask_pages.prefix if dask_pages is not None else ""
     if route is not None:

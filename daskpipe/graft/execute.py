@@ -24,19 +24,25 @@ class EntryError(ValueError):
     """A hybrid request does not fit the block it claims to enter at."""
 
 
-def check_entry(profile: Profile, start_block: int, feature_map: torch.Tensor) -> None:
-    """Refuse a request whose batched ``feature_map`` is not what block ``start_block`` expects.
+def entry_shape(profile: Profile, start_block: int) -> tuple[int, ...]:
+    """The per-sample shape block ``start_block`` takes: the input's, or boundary ``k``'s feature map.
 
-    The hook ``svc.submit(model, feature_map, start_block=k)`` should call before queueing.
+    The one place both the reference data plane and the runtime's client check read it from.
     """
-    if not 0 <= start_block < profile.num_blocks:
-        raise EntryError(f"{profile.model!r}: start_block must be in 0..{profile.num_blocks - 1}, got {start_block}")
+    if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < profile.num_blocks:
+        raise EntryError(f"{profile.model!r}: start_block must be in 0..{profile.num_blocks - 1}, got {start_block!r}")
     expected = profile.input_shape if start_block == 0 else (
         profile.boundary_shapes[start_block - 1] if profile.boundary_shapes is not None else None
     )
     if expected is None:
         raise EntryError(f"{profile.source}: profile of {profile.model!r} records no shapes; re-profile it to accept hybrid requests")
-    if tuple(feature_map.shape[1:]) != tuple(expected):
+    return tuple(expected)
+
+
+def check_entry(profile: Profile, start_block: int, feature_map: torch.Tensor) -> None:
+    """Refuse a request whose batched ``feature_map`` is not what block ``start_block`` expects."""
+    expected = entry_shape(profile, start_block)
+    if tuple(feature_map.shape[1:]) != expected:
         raise EntryError(
             f"{profile.model!r}: block {start_block} expects per-sample shape {tuple(expected)}, got "
             f"{tuple(feature_map.shape[1:])} (batched shape {tuple(feature_map.shape)}); "

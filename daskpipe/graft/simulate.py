@@ -1,7 +1,8 @@
 """A small discrete-event simulation of a ``ServingPlan``: does it meet the fragments' deadlines?
 
-Each device sends Poisson arrivals at its fragment's rate; a request reaches the server with
-``budget_ms`` left and follows its route (private stage, then shared stage). Every stage has one
+Each device is a Poisson :class:`~daskpipe.sim.workload.Stream` at its fragment's rate, entering
+at its start block (checked against its route); a request reaches the server with ``budget_ms``
+left and follows its route (private stage, then shared stage). Every stage has one
 FIFO queue pulled by ``instances`` identical instances: an idle instance takes up to ``batch``
 waiting requests at once, whatever private stage they came from, and holds them for the
 profile's latency at that batch size on its MPS share. As Graft's load balancer does, a request
@@ -22,6 +23,7 @@ import numpy as np
 from daskpipe.graft.costs import StageConfig, StageCosts
 from daskpipe.graft.fragments import Fragment
 from daskpipe.graft.planner import ServingPlan
+from daskpipe.sim.workload import Stream, stream_requests
 
 
 @dataclass
@@ -69,23 +71,22 @@ def simulate(plan: ServingPlan, costs: StageCosts, fragments: Sequence[Fragment]
     """Run ``fragments`` (unmerged: one per device) through ``plan`` for ``duration_s`` seconds."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
-    budgets = {member: f.budget_ms for f in fragments for member in f.members}
-    missing = sorted(set(budgets) - set(plan.routes))
+    missing = sorted({member for f in fragments for member in f.members} - set(plan.routes))
     if missing:
         raise ValueError(f"plan for {plan.model!r} has no route for device(s) {missing[:5]}")
-    rng = np.random.default_rng(seed)
+    streams = [
+        Stream(member, f.model, f.rate_rps / len(f.members), f.budget_ms / 1e3, f.start_block) for f in fragments for member in f.members
+    ]
     stages = [_Stage(config, config.instances) for config in plan.stages]
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    for fragment in fragments:
-        for member in fragment.members:
-            rate = fragment.rate_rps / len(fragment.members)
-            gaps = rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 20)
-            for t in np.cumsum(gaps):
-                if t >= duration_s:
-                    break
-                request = _Request(member, float(t), float(t) + budgets[member] / 1e3, plan.routes[member])
-                heapq.heappush(events, (float(t), next(order), "arrive", request))
+    for arrival in stream_requests(streams, duration_s, np.random.default_rng(seed)):
+        device = arrival.id[0]
+        route = plan.routes[device]
+        if plan.stages[route[0]].start != arrival.start_block:
+            raise ValueError(f"device {device!r} enters at block {arrival.start_block} but its route starts at block {plan.stages[route[0]].start}")
+        request = _Request(device, arrival.arrival, arrival.deadline, route)
+        heapq.heappush(events, (arrival.arrival, next(order), "arrive", request))
 
     arrivals = met = late = dropped = largest = mixed = 0
     latencies: list[float] = []

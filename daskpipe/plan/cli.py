@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import click
 
+from daskpipe.plan.milp import STRATEGIES
+
 DEFAULT_PROFILES = Path(__file__).resolve().parents[3] / "shared" / "ppipe"
 
 
@@ -92,7 +94,8 @@ _profiles_option = click.option(
 @click.option("--slo-us", type=_Pairs(float, "MICROSECONDS"), default=None, help="SLO per model, overriding the profiles'.")
 @click.option("--margin", type=float, default=0.4, show_default=True, help="Share of the SLO the plan keeps free.")
 @click.option("--max-parts", type=int, default=2, show_default=True, help="Most partitions per pipeline.")
-@click.option("--strategy", type=click.Choice(["ppipe", "np", "dart-r"]), default="ppipe", show_default=True)
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="ppipe", show_default=True,
+              help="ppipe, np, dart-r; or a co-location policy sharing GPUs between models (docs/colocation.md).")
 @click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit, seconds.")
 @click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True)
 @click.option("--allow-missing-gpus", is_flag=True, help="Plan a model on the GPU types it has profiles for, ignoring the others.")
@@ -140,7 +143,7 @@ def _print_plan(result) -> None:
         table.add_column(column)
     for m in result.models:
         for i, p in enumerate(m.pipelines):
-            route = " -> ".join(f"[{a},{b}) {q.gpu}{'' if q.slices == 1 else f'/{q.slices}'} x{q.vgpus}" for q in p.partitions for a, b in [q.blocks])
+            route = " -> ".join(f"[{a},{b}) {_where(q)}" for q in p.partitions for a, b in [q.blocks])
             table.add_row(m.name if i == 0 else "", f"{p.throughput:.1f}", str(p.batch_size), route, f"{p.latency_us / 1e3:.2f}")
         if not m.pipelines:
             table.add_row(m.name, "0", "-", "(no GPUs)", "-")
@@ -148,6 +151,13 @@ def _print_plan(result) -> None:
     console.print(table)
     used = ", ".join(f"{g} {n:g}/{result.cluster['gpus'][g]}" for g, n in sorted(result.gpus_used().items()))
     console.print(f"GPUs used: {used or 'none'}; solver {result.solver['name']} {result.solver['status']} in {result.solver['seconds']:.2f} s")
+
+
+def _where(part) -> str:
+    """``L4/2 x3`` for a pool, ``L4-0 share 0.35`` for a co-located partition."""
+    if part.device:
+        return f"{part.device} share {part.share:.2f}"
+    return f"{part.gpu}{'' if part.slices == 1 else f'/{part.slices}'} x{part.vgpus}"
 
 
 @click.command("plan")
@@ -169,7 +179,12 @@ def bench_plan(profiles_dir, solver, time_limit, json_out) -> None:
             figures = run_bench(_profiles_dir(profiles_dir), solver=solver, time_limit=time_limit, advance=advance)
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None
+    echo_json(figures, json_out)
+
+
+def echo_json(figures: Any, path: Path | None) -> None:
+    """Print a bench's figures as JSON, and write them to ``path`` too when given."""
     text = json.dumps(figures, indent=1)
     click.echo(text)
-    if json_out is not None:
-        json_out.write_text(text)
+    if path is not None:
+        path.write_text(text)

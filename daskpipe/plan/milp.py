@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from daskpipe.colocation.policy import Strategy as ColocationStrategy
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, resources_of
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
 from daskpipe.profiles.model import Profile
 
-STRATEGIES = ("ppipe", "np", "dart-r")
+COLOCATION_STRATEGIES = tuple(s.value for s in ColocationStrategy)  # several models on MPS shares of one GPU
+STRATEGIES = ("ppipe", "np", "dart-r", *COLOCATION_STRATEGIES)
 SOLVERS = ("auto", "cbc", "highs")
 
 
@@ -44,8 +46,11 @@ def make_plan(
     ``weights`` are the models' workload shares: the plan maximises min_m throughput_m / weight_m
     (default: equal). ``slo_us`` overrides the profiles' SLOs; pipelines must fit ``(1 - margin)``
     of it. ``strategy`` is ``ppipe`` (pooled pipelines of up to ``max_parts`` partitions on MPS
-    slices), ``np`` (whole models on whole GPUs) or ``dart-r`` (DART's two-GPU plan replicated
-    over GPU pairs). ``allow_missing_gpus`` lets a model plan on the cluster's GPU types its
+    slices), ``np`` (whole models on whole GPUs), ``dart-r`` (DART's two-GPU plan replicated
+    over GPU pairs) or a co-location policy of :data:`COLOCATION_STRATEGIES` (several models'
+    whole copies on MPS shares of one GPU, see :mod:`daskpipe.colocation.planner`; ``max_parts``,
+    ``solver`` and the batch-build estimate do not apply there). ``allow_missing_gpus`` lets a
+    model plan on the cluster's GPU types its
     profile has, instead of failing on the ones it lacks. ``one_pipeline_per_route`` keeps PPipe's
     formulation, where each sequence of GPU types (a route) carries at most one pipeline; without it
     several pipelines may share a route with different cuts, slices or batch sizes.
@@ -55,6 +60,13 @@ def make_plan(
     spec = _Spec.check(
         profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route
     )
+    if strategy in COLOCATION_STRATEGIES:
+        from daskpipe.colocation.planner import plan_colocation
+
+        return plan_colocation(
+            spec.profiles, spec.gpus, strategy=strategy, weights=spec.weights, slo_us=spec.slo_us, margin=spec.margin,
+            gpus_per_server=spec.gpus_per_server, bw_gbps=spec.bw_gbps, time_limit=spec.time_limit,
+        )
     started = time.perf_counter()
     rates = _batch_build_rates(spec) if batch_build_estimate else None
     if strategy == "np":
@@ -292,6 +304,10 @@ def _scaled(pipeline: Pipeline, times: int) -> Pipeline:
 
 # -- the pool-sizing MILP ---------------------------------------------------------------------
 
+SPARE_CAPACITY_BONUS = 1e-3
+"""Weight of the total weighted throughput beside the max-min objective: small enough never to
+trade a visible share of the minimum for it, large enough for the solver to use GPUs left over."""
+
 
 def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], start: _Solved | None = None) -> _Solved:
     """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m."""
@@ -365,7 +381,10 @@ class _PoolSizing:
             model += mip.xsum(ns) <= v * y
         for gpu, count in gpus.items():
             model += mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count
-        model.objective = mip.maximize(self.z)
+        # max-min first; a tiny bonus on total weighted throughput then gives GPUs the max-min leaves
+        # over to the models' pools, so a cluster's spare capacity becomes queueing slack, not idle
+        spare = SPARE_CAPACITY_BONUS / len(configs)
+        model.objective = mip.maximize(self.z + mip.xsum(spare / spec.weights[m] * x for m, xs in self.flows.items() for x in xs))
 
     def sizes(self, model: str) -> list[list[int]]:
         """vGPUs of every pool of every configuration of ``model``, as solved."""

@@ -31,11 +31,15 @@ class Partition:
     vgpus: int  # pool size, in slices
     latency_us: float  # one batch of the pipeline's batch size on one slice
     transfer_us: float = 0.0  # the batch's feature map leaving this partition (0 for the last)
+    # Co-location (docs/colocation.md): the one vGPU is an MPS ``share`` (fraction of SMs) of the
+    # physical GPU ``device`` (a plan-wide id), which other models' partitions may share; "" = none.
+    device: str = ""
+    share: float = 0.0
 
     @property
     def num_gpus(self) -> float:
-        """Physical GPUs the pool occupies."""
-        return self.vgpus / self.slices
+        """Physical GPUs the pool occupies (a co-located partition: its share of its device)."""
+        return self.share if self.device else self.vgpus / self.slices
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Pipeline:
     batch_size: int
     throughput: float  # req/s the plan expects of it
     partitions: tuple[Partition, ...]
+    entry_block: int = 0  # hybrid inference: requests entering at this block take it (docs/hybrid.md)
+    slo_us: float | None = None  # the latency budget of those requests; None: the model's SLO
 
     @property
     def latency_us(self) -> float:
@@ -57,6 +63,15 @@ class ModelPlan:
     throughput: float
     pipelines: tuple[Pipeline, ...]
 
+    def entry_slo_us(self) -> dict[int, float]:
+        """The latency budget per entry block: the tightest of the pipelines entering there (a
+        model without pipelines still takes whole-model requests, to drop them "no-capacity")."""
+        budgets: dict[int, float] = {}
+        for p in self.pipelines:
+            slo = self.slo_us if p.slo_us is None else p.slo_us
+            budgets[p.entry_block] = min(budgets.get(p.entry_block, slo), slo)
+        return budgets or {0: self.slo_us}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -68,6 +83,7 @@ class Plan:
     cluster: Mapping[str, Any] = field(default_factory=dict)  # gpus, gpus_per_server, bw_gbps
     solver: Mapping[str, Any] = field(default_factory=dict)  # name, status, seconds
     settings: Mapping[str, Any] = field(default_factory=dict)  # margin, max_parts, ...
+    interference: Mapping[str, Any] = field(default_factory=dict)  # co-location: InterferenceModel.to_dict()
 
     def model(self, name: str) -> ModelPlan:
         for m in self.models:
@@ -89,6 +105,8 @@ class Plan:
             d = asdict(p)
             d["blocks"] = list(p.blocks)
             d["num_gpus"] = p.num_gpus
+            if not p.device:  # plans without co-location keep their old form
+                del d["device"], d["share"]
             return d
 
         return {
@@ -107,6 +125,8 @@ class Plan:
                             "batch_size": p.batch_size,
                             "latency_us": p.latency_us,
                             "partitions": [part(x) for x in p.partitions],
+                            **({"entry_block": p.entry_block} if p.entry_block else {}),
+                            **({"slo_us": p.slo_us} if p.slo_us is not None else {}),
                         }
                         for p in m.pipelines
                     ],
@@ -116,6 +136,7 @@ class Plan:
             "cluster": dict(self.cluster),
             "solver": dict(self.solver),
             "settings": dict(self.settings),
+            **({"interference": dict(self.interference)} if self.interference else {}),
         }
 
     @classmethod
@@ -130,6 +151,16 @@ class Plan:
                 raise PlanError(f"{source}: field {where} must be a {'positive' if positive else 'non-negative'} number, got {x!r:.60}")
             return float(x)
 
+        def seq(x: Any, where: str) -> list | tuple:
+            if not isinstance(x, (list, tuple)):
+                raise PlanError(f"{source}: field {where} must be a list, got {type(x).__name__}")
+            return x
+
+        def obj(x: Any, where: str) -> dict[str, Any]:
+            if not isinstance(x, Mapping):
+                raise PlanError(f"{source}: field {where} must be an object, got {type(x).__name__}")
+            return dict(x)
+
         def integer(x: Any, where: str) -> int:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise PlanError(f"{source}: field {where} must be an integer >= 1, got {x!r:.60}")
@@ -138,21 +169,27 @@ class Plan:
         if data.get("format", FORMAT) != FORMAT:
             raise PlanError(f"{source}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
         models = []
-        for mi, m in enumerate(get(data, "models", "")):
+        for mi, m in enumerate(seq(get(data, "models", ""), "models")):
             mw = f"models[{mi}]."
             pipelines = []
-            for pi, p in enumerate(get(m, "pipelines", mw)):
+            for pi, p in enumerate(seq(get(m, "pipelines", mw), f"{mw}pipelines")):
                 pw = f"{mw}pipelines[{pi}]."
                 parts = []
-                for qi, q in enumerate(get(p, "partitions", pw)):
+                for qi, q in enumerate(seq(get(p, "partitions", pw), f"{pw}partitions")):
                     qw = f"{pw}partitions[{qi}]."
                     blocks = get(q, "blocks", qw)
                     if not (isinstance(blocks, (list, tuple)) and len(blocks) == 2 and all(isinstance(b, int) for b in blocks) and 0 <= blocks[0] < blocks[1]):
                         raise PlanError(f"{source}: field {qw}blocks must be [start, end) with 0 <= start < end, got {blocks!r}")
                     slices = integer(get(q, "slices", qw), f"{qw}slices")
+                    device = q.get("device", "")
+                    if not isinstance(device, str):
+                        raise PlanError(f"{source}: field {qw}device must be a GPU id string, got {device!r:.60}")
+                    share = num(q.get("share", 0.0), f"{qw}share")
+                    if device and not (0 < share <= 1 and q.get("vgpus", 1) == 1):
+                        raise PlanError(f"{source}: co-located partition {qw[:-1]} (device {device!r}) needs 0 < share <= 1 and vgpus 1, got share {share!r}, vgpus {q.get('vgpus')!r}")
                     vgpus = q.get("vgpus")
                     if vgpus is None:  # accept plans that only give physical GPUs
-                        vgpus = round(num(get(q, "num_gpus", qw), f"{qw}num_gpus") * slices)
+                        vgpus = 1 if device else round(num(get(q, "num_gpus", qw), f"{qw}num_gpus") * slices)
                     parts.append(
                         Partition(
                             blocks=(blocks[0], blocks[1]),
@@ -161,6 +198,8 @@ class Plan:
                             vgpus=integer(vgpus, f"{qw}vgpus"),
                             latency_us=num(get(q, "latency_us", qw), f"{qw}latency_us"),
                             transfer_us=num(q.get("transfer_us", 0.0), f"{qw}transfer_us"),
+                            device=device,
+                            share=share if device else 0.0,
                         )
                     )
                 if not parts:
@@ -168,13 +207,19 @@ class Plan:
                 for a, b in zip(parts, parts[1:]):
                     if a.blocks[1] != b.blocks[0]:
                         raise PlanError(f"{source}: {pw}partitions are not contiguous: {list(a.blocks)} then {list(b.blocks)}")
-                if parts[0].blocks[0] != 0:
-                    raise PlanError(f"{source}: {pw}partitions[0] must start at block 0, starts at {parts[0].blocks[0]}")
+                entry = p.get("entry_block", 0)
+                if isinstance(entry, bool) or not isinstance(entry, int) or entry < 0:
+                    raise PlanError(f"{source}: field {pw}entry_block must be an integer >= 0, got {entry!r:.60}")
+                if parts[0].blocks[0] != entry:
+                    raise PlanError(f"{source}: {pw}partitions[0] must start at block {entry} (its entry_block), starts at {parts[0].blocks[0]}")
+                slo = p.get("slo_us")
                 pipelines.append(
                     Pipeline(
                         batch_size=integer(get(p, "batch_size", pw), f"{pw}batch_size"),
                         throughput=num(get(p, "throughput", pw), f"{pw}throughput"),
                         partitions=tuple(parts),
+                        entry_block=entry,
+                        slo_us=None if slo is None else num(slo, f"{pw}slo_us", positive=True),
                     )
                 )
             models.append(
@@ -190,9 +235,10 @@ class Plan:
             objective=num(get(data, "objective", ""), "objective"),
             models=tuple(models),
             strategy=str(data.get("strategy", "ppipe")),
-            cluster=dict(data.get("cluster", {})),
-            solver=dict(data.get("solver", {})),
-            settings=dict(data.get("settings", {})),
+            cluster=obj(data.get("cluster", {}), "cluster"),
+            solver=obj(data.get("solver", {}), "solver"),
+            settings=obj(data.get("settings", {}), "settings"),
+            interference=dict(data.get("interference", {})),
         )
 
     def save(self, path: str | Path) -> None:

@@ -175,3 +175,39 @@ def show_command(path: Path, models: tuple[str, ...]) -> None:
             table.add_row(gpu, str(v), f"{prof.latency(gpu, v, 1) / 1000:.2f}", str(top), f"{at_top / 1000:.2f}",
                           f"{top / at_top * 1e6:.1f}" if at_top > 0 else "-")
         console.print(table)
+
+
+@profile.command("colocation")
+@click.argument("models")
+@click.option("--device", default="cuda", show_default=True, help="CUDA device whose MPS shares to profile on (the MPS daemon must run).")
+@click.option("--emulate", type=click.Choice(["inss-testbed"]), default=None, help="No GPU: run the campaign on this documented parameter set instead.")
+@click.option("--gpu", "gpu_type", default=None, help="GPU type to label (with --emulate: one of the set's GPUs) [default: the device's].")
+@click.option("--shares", default="0.24,0.42,0.6,1.0", show_default=True, help="MPS shares of the solo grid.")
+@click.option("--batch-sizes", default="1,4,8,16", show_default=True, help="Batch sizes of the solo grid.")
+@click.option("--co-sets", default=5, show_default=True, help="Co-located runs per model (1-3 random co-runners each).")
+@click.option("--repeats", default=20, show_default=True, help="Timed batches per run on a GPU.")
+@click.option("--noise", default=0.02, show_default=True, help="With --emulate: relative measurement noise.")
+@click.option("--seed", default=0, show_default=True, help="Seeds the co-runner draws (and the emulated noise).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Fitted interference model (JSON) to write.")
+def colocation_command(models: str, device: str, emulate: str | None, gpu_type: str | None, shares: str, batch_sizes: str, co_sets: int,
+                       repeats: int, noise: float, seed: int, out: Path) -> None:
+    """Profile MODELS (comma-separated) alone and side by side on MPS shares of one GPU, fit InSS's
+    interference model to the runs and write it with its fit error (docs/colocation.md)."""
+    from rich.console import Console
+
+    from daskpipe.profiles.profiler import profile_colocation
+
+    try:
+        share_list = [float(s) for s in shares.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{shares!r}: expected comma-separated fractions such as 0.25,0.5,1", param_hint="--shares") from None
+    truth = None
+    if emulate == "inss-testbed":
+        from daskpipe.colocation.defaults import inss_testbed
+
+        truth = inss_testbed()
+    with Console(stderr=True).status(f"profiling {models} {'(emulated)' if truth else f'on {device}'}"):
+        fitted, report = profile_colocation(parse_names(models) or [], device=device, emulate=truth, gpu_type=gpu_type, shares=share_list,
+                                            batches=parse_batch_sizes(batch_sizes), co_sets=co_sets, noise=noise, repeats=repeats, seed=seed)
+    out.write_text(json.dumps({"interference": fitted.to_dict(), "fit": report.to_dict()}, indent=1))
+    click.echo(f"wrote {out}: {len(fitted.coefficients)} (model, GPU) fits, error on the runs mean {report.mean_error_pct:.2f}%, max {report.max_error_pct:.2f}%")

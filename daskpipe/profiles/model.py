@@ -131,10 +131,10 @@ class Profile:
             boundary_bytes=tuple(_number(x, f"{source}: field 'boundary_bytes'") for x in _list(need("boundary_bytes"), f"{source}: field 'boundary_bytes'")),
             input_bytes=_number(data.get("input_bytes", 0.0), f"{source}: field 'input_bytes'"),
             output_bytes=_number(data.get("output_bytes", 0.0), f"{source}: field 'output_bytes'"),
-            input_shape=tuple(int(x) for x in data["input_shape"]) if data.get("input_shape") is not None else None,
-            boundary_shapes=tuple(tuple(int(x) for x in s) for s in shapes) if shapes is not None else None,
+            input_shape=_shape(data["input_shape"], f"{source}: field 'input_shape'") if data.get("input_shape") is not None else None,
+            boundary_shapes=tuple(_shape(s, f"{source}: field 'boundary_shapes[{i}]'") for i, s in enumerate(_list(shapes, f"{source}: field 'boundary_shapes'"))) if shapes is not None else None,
             source=source,
-            meta=dict(data.get("meta", {})),
+            meta=_mapping(data.get("meta", {}), f"{source}: field 'meta'"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -172,6 +172,19 @@ def _list(x: Any, where: str) -> list[Any]:
     if not isinstance(x, (list, tuple)):
         raise ProfileError(f"{where}: expected a list, got {type(x).__name__}")
     return list(x)
+
+
+def _shape(x: Any, where: str) -> tuple[int, ...]:
+    dims = _list(x, where)
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in dims):
+        raise ProfileError(f"{where}: expected a shape of positive integers, got {x!r:.60}")
+    return tuple(int(d) for d in dims)
+
+
+def _mapping(x: Any, where: str) -> dict[str, Any]:
+    if not isinstance(x, Mapping):
+        raise ProfileError(f"{where}: expected an object, got {type(x).__name__}")
+    return dict(x)
 
 
 def _table(rows: Any, where: str) -> np.ndarray:

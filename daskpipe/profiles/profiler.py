@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,10 @@ from torch import nn
 from daskpipe.plan.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
 from daskpipe.profiles.model import Profile
+
+if TYPE_CHECKING:
+    from daskpipe.colocation.fit import FitReport, Measurement, ModelInfo
+    from daskpipe.colocation.latency import Colocated, InterferenceModel
 
 SLO_FACTOR = 5.0  # PPipe: the SLO is 5x the whole model's batch-1 latency
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -171,3 +175,158 @@ def _measure(
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device) -> torch.Tensor:
     shape = blocked.input_shape if block == 0 else blocked.boundary_shapes[block - 1]
     return torch.randn((batch, *shape), device=device)
+
+
+# -- co-location mode: several models at once on MPS shares of one GPU -------------------------
+# What InSS's interference model is fitted from (daskpipe/colocation/fit.py): each model alone on
+# a grid of (share, batch), and runs next to co-runners. On a GPU every process of a run is a
+# separate OS process whose CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its share (the MPS control
+# daemon must run: ``nvidia-cuda-mps-control -d``); the co-runners loop their batches while the
+# probe is timed under torch.profiler, which splits a batch into kernel time (running), copies and
+# the gaps between (scheduling). Nsight's L2 counters are out of torch's reach: the probe's kernel
+# duty cycle times its share stands in for its L2 pressure (only its proportionality matters, the
+# cache sensitivity is fitted against the same proxy). Without a GPU, ``emulate=`` runs the same
+# campaign on an interference model (``colocation.fit.emulated_measure``).
+
+COLOCATION_INPUT_SHAPE = (3, 224, 224)
+
+
+def profile_colocation(
+    models: Sequence[str],
+    *,
+    device: str | torch.device = "cuda",
+    emulate: InterferenceModel | None = None,
+    gpu_type: str | None = None,
+    shares: Sequence[float] | None = None,
+    batches: Sequence[int] | None = None,
+    co_sets: int = 5,
+    noise: float = 0.02,
+    repeats: int = 20,
+    seed: int = 0,
+) -> tuple[InterferenceModel, FitReport]:
+    """Profile ``models`` (torchvision names, or the PPipe names of ``profiles.zoo``) alone and
+    co-located on MPS shares of one GPU, and fit the interference model to the runs.
+
+    ``emulate`` replaces the GPU by that interference model (``gpu_type`` then names one of its
+    GPUs; ``noise`` is the relative measurement noise). Raises ``ValueError`` when neither a CUDA
+    GPU nor ``emulate`` is there, or a name or grid is unusable.
+    """
+    from daskpipe.colocation.fit import PAPER_BATCHES, PAPER_SHARES, ModelInfo, collect_samples, emulated_measure, fit_model, model_info
+
+    if not models:
+        raise ValueError("co-location profiling needs at least one model")
+    shares = tuple(shares or PAPER_SHARES)
+    batches = tuple(batches or PAPER_BATCHES)
+    if not all(0 < s <= 1 for s in shares) or not all(int(b) >= 1 for b in batches) or co_sets < 0:
+        raise ValueError(f"shares must be in (0, 1], batches >= 1 and co_sets >= 0; got {shares}, {batches}, {co_sets}")
+    rng = np.random.default_rng(seed)
+    if emulate is not None:
+        gpu = gpu_type or next(iter(emulate.gpus))
+        spec = emulate.gpu(gpu)
+        for m in models:
+            emulate.coeff(m, gpu)
+        measure = emulated_measure(emulate, noise=noise, rng=rng)
+        info: dict[tuple[str, str], ModelInfo] = model_info(emulate)
+    else:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"co-location profiling runs on a CUDA GPU under MPS (device {device} is not one here); use the emulated mode without a GPU")
+        from daskpipe.colocation.profiles import gpu_specs
+
+        gpu = gpu_type or device_gpu_type(device)
+        spec = gpu_specs([gpu])[gpu]
+        runner = _MpsRunner(device, repeats)
+        measure = runner.measure
+        info = runner.info
+    solo, co = collect_samples(measure, gpu, list(models), shares=shares, batches=batches, co_sets=co_sets, rng=rng)
+    return fit_model(solo, co, [spec], info, name=f"profiled-{gpu}")
+
+
+class _MpsRunner:
+    """Runs each process of a profiling run in its own spawned OS process on ``device``."""
+
+    def __init__(self, device: torch.device, repeats: int) -> None:
+        self.device, self.repeats = device, repeats
+        self.info: dict[tuple[str, str], ModelInfo] = {}
+
+    def measure(self, gpu: str, probe: Colocated, others: Sequence[Colocated]) -> Measurement:
+        from daskpipe.colocation.fit import Measurement, ModelInfo
+
+        ctx = torch.multiprocessing.get_context("spawn")
+        ready = ctx.Barrier(len(others) + 1)
+        stop = ctx.Event()
+        results = ctx.Queue()
+        workers = [ctx.Process(target=_mps_corunner, args=(o.model, o.batch, o.share, str(self.device), ready, stop), daemon=True) for o in others]
+        for w in workers:
+            w.start()
+        prober = ctx.Process(target=_mps_probe, args=(probe.model, probe.batch, probe.share, str(self.device), self.repeats, ready, results), daemon=True)
+        prober.start()
+        try:
+            outcome = results.get(timeout=600)
+        finally:
+            stop.set()
+            for p in (prober, *workers):
+                p.join(timeout=60)
+        if isinstance(outcome, str):
+            raise RuntimeError(f"profiling {probe.model} at share {probe.share:.2f}, batch {probe.batch} failed: {outcome}")
+        self.info.setdefault((probe.model, gpu), ModelInfo(outcome["kernels"], outcome["input_bytes"], outcome["output_bytes"]))
+        return Measurement(outcome["running_ms"], outcome["sched_ms"], outcome["total_ms"], outcome["running_ms"] / outcome["total_ms"] * probe.share, outcome["memory_mb"])
+
+
+def _mps_process(name: str, batch: int, share: float, device: str) -> tuple[nn.Module, torch.Tensor]:
+    """In a fresh process: pin the MPS share before CUDA starts, build the model and an input."""
+    import os
+
+    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, min(100, round(100 * share))))
+    from daskpipe.profiles.zoo import REFERENCE_MODELS, build_reference_model
+
+    if name in REFERENCE_MODELS:
+        module, shape = build_reference_model(name)
+    else:
+        import torchvision
+
+        module, shape = torchvision.models.get_model(name, weights=None).eval(), COLOCATION_INPUT_SHAPE
+    return module.to(device), torch.randn(batch, *shape)
+
+
+def _mps_corunner(name: str, batch: int, share: float, device: str, ready, stop) -> None:
+    module, x = _mps_process(name, batch, share, device)
+    with torch.inference_mode():
+        module(x.to(device))
+        torch.cuda.synchronize()
+        ready.wait()
+        while not stop.is_set():
+            module(x.to(device))
+            torch.cuda.synchronize()
+
+
+def _mps_probe(name: str, batch: int, share: float, device: str, repeats: int, ready, results) -> None:
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        module, x = _mps_process(name, batch, share, device)
+        with torch.inference_mode():
+            for _ in range(3):
+                y = module(x.to(device))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ready.wait()
+            totals = []
+            with profile(activities=[ProfilerActivity.CUDA]) as trace:
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    y = module(x.to(device)).cpu()
+                    totals.append((time.perf_counter() - start) * 1e3)
+        events = [e for e in trace.events() if e.device_type.name == "CUDA"]
+        copies = [e for e in events if "memcpy" in e.name.lower()]
+        kernels = [e for e in events if e not in copies]
+        running = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / repeats
+        total = float(statistics.median(totals))
+        results.put({
+            "total_ms": total, "running_ms": running,
+            "sched_ms": max(0.0, total - running - sum(e.time_range.elapsed_us() for e in copies) / 1e3 / repeats),
+            "memory_mb": torch.cuda.max_memory_allocated() / 2**20, "kernels": max(1, len(kernels) // repeats),
+            "input_bytes": x[0].numel() * x.element_size(), "output_bytes": y[0].numel() * y.element_size(),
+        })
+    except Exception as exc:  # reported to the parent, which raises it with the run's parameters
+        results.put(f"{type(exc).__name__}: {exc}")

@@ -76,6 +76,9 @@ class SlicesParam(click.ParamType):
     help="Host memory per slot worker: bytes, a string like 4GB, a fraction of the machine's, or auto "
     "(an equal share of the machine's).",
 )
+@click.option("--tls-ca-file", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate(s) to trust, PEM; with --tls-cert the workers speak tls:// only.")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="The workers' certificate, PEM (may hold the key too).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="The certificate's private key, PEM, when --tls-cert does not hold it.")
 def worker(
     scheduler_address: str,
     slices: int | dict[str, int],
@@ -84,18 +87,24 @@ def worker(
     nthreads: int,
     protocol: str | None,
     memory_limit: str,
+    tls_ca_file: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
 ) -> None:
     """Start one Dask worker per GPU x MPS slice on this machine and connect them to SCHEDULER_ADDRESS.
 
     Each worker is named SERVER/TYPE-GPU/SLICE and carries the resources daskpipe.slot,
     daskpipe.gpu.TYPE and daskpipe.slices.N (and daskpipe.emulated when emulated). Runs until
-    SIGINT or SIGTERM, or until the workers stop.
+    SIGINT or SIGTERM, or until the workers stop. Without --tls-* options, TLS settings come from
+    Dask's configuration (distributed.comm.tls.*), as for ``dask worker``.
     """
     import asyncio
 
     from distributed._signals import wait_for_signals
 
     from daskpipe.runtime.worker import DaskpipeWorker, WorkerSpecError
+
+    security = worker_security(tls_ca_file, tls_cert, tls_key)
 
     async def run() -> None:
         try:
@@ -107,6 +116,7 @@ def worker(
                 nthreads=nthreads,
                 protocol=protocol,
                 memory_limit=memory_limit,
+                security=security,
             )
         except WorkerSpecError as error:
             raise click.ClickException(str(error)) from None
@@ -122,6 +132,18 @@ def worker(
         signals.cancel()
 
     asyncio.run(run())
+
+
+def worker_security(ca_file: str | None, cert: str | None, key: str | None):
+    """The workers' ``Security`` from the --tls-* options: ``None`` without them (Dask's configuration
+    applies); with them, TLS required on every comm, so no plain-TCP peer gets through."""
+    if ca_file is None and cert is None and key is None:
+        return None
+    if ca_file is None or cert is None:
+        raise click.UsageError("TLS needs both --tls-ca-file and --tls-cert (and --tls-key unless the certificate file holds the key)")
+    from distributed.security import Security
+
+    return Security(tls_ca_file=ca_file, tls_worker_cert=cert, tls_worker_key=key, require_encryption=True)
 
 
 @click.command()

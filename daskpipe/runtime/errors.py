@@ -17,6 +17,7 @@ DROP_EXPLANATIONS = {
     "no-capacity": "the plan gives the model no pipeline",
     "shutdown": "the service was closed before it ran",
     "worker-lost": "its worker died and the deadline left no time to retry",
+    "released": "its client released it (cancelled, or disconnected) before it ran",
 }
 
 
@@ -25,7 +26,8 @@ class DaskpipeError(Exception):
 
 
 class InvalidRequest(DaskpipeError, ValueError):
-    """A request the service cannot take: unknown model, non-tensor input, wrong shape or dtype."""
+    """A request the service cannot take: unknown model, non-tensor input, wrong shape or dtype,
+    NaN or Inf values (unless the service allows them), or bytes the scheduler refuses."""
 
 
 class DeployError(DaskpipeError, RuntimeError):

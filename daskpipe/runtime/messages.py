@@ -36,6 +36,9 @@ INVENTORY = "daskpipe_inventory"
 SERVE = "daskpipe_serve"
 CLOSE = "daskpipe_close"
 STATUS = "daskpipe_status"
+ELASTIC = "daskpipe_elastic"  # deploy hands over what re-planning needs (daskpipe/runtime/elastic.py)
+PLAN = "daskpipe_plan"  # the plan in force
+SCALING = "daskpipe_scaling"  # what Adaptive should add and remove (daskpipe/runtime/adaptive.py)
 
 # Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker.py)
 SLOT_RESOURCE = "daskpipe.slot"

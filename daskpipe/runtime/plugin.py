@@ -21,6 +21,7 @@ import asyncio
 import functools
 import importlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
@@ -28,12 +29,14 @@ from typing import Any, Callable, Iterable
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
+from daskpipe.colocation.execute import ColocatedLatency, colocated_latency, colocated_profile
 from daskpipe.dashboard import attach_dashboard
 from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
-from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed
+from daskpipe.runtime.elastic import Elastic
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
 
@@ -42,12 +45,16 @@ logger = logging.getLogger(__name__)
 DispatcherFactory = Callable[..., Dispatcher]
 """``factory(model_plan, placement, profile, *, bw_gbps) -> Dispatcher``."""
 
-DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher"}
+DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher", "hybrid": "daskpipe.graft.dispatch:FragmentDispatcher", "ppipe-two-pass": "daskpipe.runtime.overload:ppipe_two_pass"}
 
 RUNTIME_MARGIN_S = 0.02
 """What the runtime adds to a batch beyond its planned reservations, in real (undilated) seconds:
 the batch message to the first worker (the scheduler's 5 ms stream batching), the completion
 message back (2 ms), event-loop turns. Dispatchers plan to end this much before the deadline."""
+QUEUE_SLOS = 2.0
+"""The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
+more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
+holds (requests and their input bytes) independent of how fast clients submit."""
 TIMER_SLACK_S = RUNTIME_MARGIN_S / 2
 """A wake that fires this much late is given the time it asked for: the margin pays for it. A
 deadline-driven dispatcher that waits for a batch's last moment would otherwise find that moment
@@ -71,10 +78,11 @@ def guarded(method: Callable) -> Callable:
 
 @dataclass
 class _Flight:
-    """A dispatched batch until its last stage reports: whom to fail if a worker dies."""
+    """A dispatched batch until its last stage reports: what to re-dispatch if a worker dies."""
 
     keys: list[Any]
     addresses: frozenset[str]
+    retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
 
 
 @dataclass
@@ -89,9 +97,35 @@ class _Served:
     inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, _Flight] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "batches": 0, "overruns": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0})
     dropped: dict[str, int] = field(default_factory=dict)
     closing: bool = False
+    colocated: ColocatedLatency | None = None  # co-located stages' latencies (time-dilated); None: none
+    max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
+    sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
+    budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
+
+    def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
+        """Why a submitted input cannot be served, or ``None``. The client checks every input, but
+        the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""
+        most = max(p.batch_size for p in self.model.pipelines)
+        if type(size) is not int or not 1 <= size <= most:
+            return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
+        if not isinstance(payload, bytes):
+            return f"the input must arrive as raw bytes, got {type(payload).__name__}"
+        if self.sample_nbytes and start_block == 0 and len(payload) != size * self.sample_nbytes:
+            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {len(payload)}"
+        return None
+
+
+def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
+    """``max_queued`` checked, or the default: ``QUEUE_SLOS`` SLOs of requests at the plan's capacity."""
+    if max_queued is None:
+        most = max((p.batch_size for p in model.pipelines), default=1)
+        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * most)
+    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+        raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
+    return max_queued
 
 
 def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
@@ -99,7 +133,7 @@ def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, P
     if k == 1.0:
         return model, profile
     pipelines = tuple(
-        replace(p, throughput=p.throughput / k, partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions))
+        replace(p, throughput=p.throughput / k, slo_us=None if p.slo_us is None else p.slo_us * k, partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions))
         for p in model.pipelines
     )
     tables = {key: table * k for key, table in profile.latency_us.items()}
@@ -127,7 +161,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self.metrics = ServiceMetrics()  # what the dashboard and /metrics show
+        self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
+        self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
 
     # -- SchedulerPlugin hooks -----------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -139,6 +174,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.SERVE: self.serve,
                     messages.CLOSE: self.close_models,
                     messages.STATUS: self.status,
+                    **self.elastic.handlers(),
                 }
             )
             scheduler.stream_handlers.update(
@@ -163,21 +199,60 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             logger.warning("daskpipe: worker %s (%s) has incomplete daskpipe resources %s; not used as a slot", worker, ws.name, dict(ws.resources))
             return
         self.slots[worker] = slot
+        self.elastic.worker_joined(worker)
 
     @guarded
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        self.slots.pop(worker, None)
-        for model, served in self.served.items():
-            lost = [d for d, flight in served.flights.items() if worker in flight.addresses]
-            for d in lost:
-                flight = served.flights.pop(d)
-                self._err(served, model, flight.keys, lambda key: RequestDropped("worker-lost", f"worker {worker} left while the batch ran", model, key))
+        """A worker left or died: free its slot at once, retry its batches, then re-plan (elastic)."""
+        if self.slots.pop(worker, None) is None:
+            return
+        now = time.monotonic()
+        for model, served in list(self.served.items()):
+            self._lose_worker(served, model, worker, now)
+        self._arm()
+        self.elastic.worker_left(worker)
+
+    def _lose_worker(self, served: _Served, model: str, worker: str, now: float) -> None:
+        """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
+        re-dispatch the requests of the batches that ran through it while their deadlines allow;
+        a request the retry cannot serve is dropped as "worker-lost", saying why."""
+        lost = [served.flights.pop(d) for d in [d for d, flight in served.flights.items() if worker in flight.addresses]]
+        remove_slot = getattr(served.dispatcher, "remove_slot", None)
+        if remove_slot is not None and any(address == worker for _, _, address in served.stages):
+            self._act(served, model, self._step(served, model, lambda: remove_slot(worker, now, "worker-lost")))
+        for flight in lost:
+            for request, payload, size in flight.retries:
+                key = request.id
+                if key not in served.deadlines or key in served.inputs:  # ended meanwhile, or already queued again
+                    continue
+                served.inputs[key] = (payload, size)
+                served.counts["retried"] = served.counts.get("retried", 0) + 1
+                retry = replace(request)  # its original deadline
+                actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
+                for action in actions:
+                    if isinstance(action, Drop) and action.request.id == key:
+                        action.reason, action.detail = "worker-lost", f"worker {worker} died while its batch ran; the retry: {action.detail}"
+                self._act(served, model, actions)
+
+    @guarded
+    def remove_client(self, scheduler: Any, client: str) -> None:
+        """A client left (closed, or vanished mid-stream), and Dask released its keys: its queued
+        requests are dropped here ("released") rather than computed for nobody or kept, and a
+        model whose stage actors it held (their keys are gone with it) is closed."""
+        tasks = scheduler.tasks
+        for model, served in list(self.served.items()):
+            for key in [k for k in served.inputs if k not in tasks]:
+                self._drop(served, model, key, "released", f"client {client} left")
+            if not served.closing and any(key not in tasks for key in served.stages.values()):
+                logger.warning("daskpipe: the stage actors of %s were released (client %s left); closing it", model, client)
+                self.close_models([model], reason="shutdown")
 
     async def close(self) -> None:
         try:
             self.close_models(reason="shutdown")
             if self._timer is not None:
                 self._timer.cancel()
+            await self.elastic.close()
         except Exception:
             logger.exception("daskpipe: closing the scheduler plugin failed")
 
@@ -197,9 +272,17 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         time_dilation: float = 1.0,
         bw_gbps: float = 10.0,
         dispatcher: str = "ppipe",
+        max_queued: int | None = None,
+        sample_nbytes: int = 0,
     ) -> str:
-        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key]."""
-        if model in self.served:
+        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
+
+        ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
+        ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
+        A model closed earlier whose batches have all ended (its owner vanished) is replaced.
+        """
+        old = self.served.get(model)
+        if old is not None and not (old.closing and not old.flights):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
         if not time_dilation > 0:
             raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
@@ -208,7 +291,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             raise DeployError(f"unknown dispatcher {dispatcher!r}; known: {sorted(self.dispatchers)}")
         if isinstance(factory, str):
             factory = _load_factory(factory)
-        model_plan, model_profile = _dilated(Plan.from_dict(plan).model(model), Profile.from_dict(profile), float(time_dilation))
+        whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
+        model_plan, model_profile = _dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), float(time_dilation))
         stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
         pools: dict[tuple[int, int], list[str]] = {}
         for p, q, address in stage_keys:
@@ -227,6 +311,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             dispatcher=factory(model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / float(time_dilation)),
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
+            colocated=colocated_latency(whole_plan, model, scale=float(time_dilation)),
+            max_queued=queue_bound(model_plan, max_queued),
+            sample_nbytes=int(sample_nbytes),
+            budgets={block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()},
         )
         self.metrics.serve(model, model_plan, placement)
         logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g", model, len(stage_keys), len(model_plan.pipelines), time_dilation)
@@ -247,9 +335,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             actions = self._step(served, model, lambda: served.dispatcher.drain(now, reason))
             self._act(served, model, actions)
             leftover = list(served.inputs)  # anything the dispatcher did not hand back
-            self._err(served, model, leftover, lambda key: RequestDropped(reason, "", model, key))
-            served.dropped[reason] = served.dropped.get(reason, 0) + len(leftover)
-            self.metrics.drop(model, reason, len(leftover), now)
+            for key in leftover:
+                self._drop(served, model, key, reason, "")
             drained[model] = len(actions) + len(leftover)
         return drained
 
@@ -264,6 +351,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 **served.counts,
                 "dropped": dict(served.dropped),
                 "queued": len(served.inputs),
+                "max_queued": served.max_queued,
                 "in_flight": sum(len(f.keys) for f in served.flights.values()),
                 "closing": served.closing,
             }
@@ -273,8 +361,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     # -- stream handlers -----------------------------------------------------------------------
     @guarded
-    def on_submit(self, client: str, model: str, keys: list, inputs: list, sizes: list) -> None:
-        """New requests from ``client``: make their keys, queue them, step the dispatcher."""
+    def on_submit(self, client: str, model: str, keys: list, inputs: list, sizes: list, start_block: int = 0) -> None:
+        """New requests from ``client``: make their keys, queue them, step the dispatcher.
+
+        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget."""
         scheduler = self.scheduler
         fresh = {k: None for k in keys if k not in scheduler.tasks}  # ordered, O(1) membership
         for key in fresh:
@@ -285,16 +375,32 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             for key in fresh:
                 self._err_key(key, RequestDropped("shutdown", "" if served else "no service serves this model", model, key))
             return
+        if not len(keys) == len(inputs) == len(sizes):  # not from a daskpipe Service: refuse it whole
+            for key in fresh:
+                self._err_key(key, InvalidRequest(f"malformed submission to model {model!r}: {len(keys)} keys, {len(inputs)} inputs, {len(sizes)} sizes"))
+            return
         now = time.monotonic()
-        slo = served.model.slo_us * 1e-6
+        slo = served.budgets.get(start_block)
+        if slo is None:  # the client checks entries; refuse a stray one whole
+            for key in fresh:
+                self._err_key(key, InvalidRequest(f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"))
+            return
         for key, payload, size in zip(keys, inputs, sizes):
             if key not in fresh:
                 logger.warning("daskpipe: request key %r of %s is already in use; ignored", key, model)
                 continue
             served.counts["submitted"] += 1
-            served.inputs[key] = (payload, int(size))
+            refusal = served.refusal(payload, size, start_block)
+            if refusal is not None:
+                served.counts["invalid"] += 1
+                self._err_key(key, InvalidRequest(f"request {key!r} of model {model!r} refused by the scheduler: {refusal}"))
+                continue
+            if len(served.inputs) >= served.max_queued:
+                self._drop(served, model, key, "overload", f"{len(served.inputs)} requests queued (max_queued)")
+                continue
+            served.inputs[key] = (payload, size)
             served.deadlines[key] = now + slo
-            request = Request(id=key, model=model, arrival=now, deadline=now + slo - RUNTIME_MARGIN_S, size=int(size))
+            request = Request(id=key, model=model, arrival=now, deadline=now + slo - RUNTIME_MARGIN_S, size=int(size), start_block=start_block)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         self.metrics.submit(model, len(fresh), now, len(served.inputs))
         self._arm()
@@ -314,14 +420,21 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
         if pending:
             self.scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
+        orphans = [k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))]
+        if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
+            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": orphans, "stimulus_id": f"daskpipe-released-{time.time()}"})
         if served is None:
             return
         served.flights.pop(dispatch, None)
         done = time.monotonic()
         counts = served.counts
         for key in keys:
+            deadline = served.deadlines.pop(key, None)
+            if deadline is None:  # ended already: both a batch and its retry after a worker loss ran
+                continue
+            served.inputs.pop(key, None)  # a retry still queued has nothing left to do
             counts["completed"] += 1
-            counts["on_time"] += done <= served.deadlines.pop(key, -1.0)
+            counts["on_time"] += done <= deadline
         self._feedback(served, model, dispatch, timings, overrun)
         self.metrics.done(model, dispatch, done)
         self._arm()
@@ -332,10 +445,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         served = self.served.get(model)
         if served is not None:
             served.flights.pop(dispatch, None)
-            served.counts["failed"] += len(keys)
-            self.metrics.fail(model, dispatch, len(keys), time.monotonic())
-            for key in keys:
-                served.deadlines.pop(key, None)
+            ended = [key for key in keys if served.deadlines.pop(key, None) is not None]
+            served.counts["failed"] += len(ended)
+            self.metrics.fail(model, dispatch, len(ended), time.monotonic())
+            for key in ended:
+                served.inputs.pop(key, None)
         self._err_keys(keys, exception)
 
     # -- stepping the dispatcher ---------------------------------------------------------------
@@ -363,17 +477,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for action in actions:
             if isinstance(action, Dispatch):
                 self._dispatch(served, model, action)
-            elif isinstance(action, Drop):
-                key = action.request.id
-                served.dropped[action.reason] = served.dropped.get(action.reason, 0) + 1
-                self.metrics.drop(model, action.reason, 1, time.monotonic())
-                self._err(served, model, [key], lambda key: RequestDropped(action.reason, action.detail, model, key))
+            elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
+                self._drop(served, model, action.request.id, action.reason, action.detail)
+
+    def _drop(self, served: _Served, model: str, key: Any, reason: str, detail: str) -> None:
+        served.dropped[reason] = served.dropped.get(reason, 0) + 1
+        self.metrics.drop(model, reason, 1, time.monotonic(), detail)
+        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
     def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
         keys, payloads, sizes = [], [], []
+        tasks = self.scheduler.tasks
         for request in action.requests:
             queued = served.inputs.pop(request.id, None)
-            if queued is not None:  # else it already ended (a dispatcher failure failed it)
+            if queued is None:  # it already ended (a dispatcher failure failed it)
+                continue
+            if request.id not in tasks:  # its client released it (cancelled, or left): compute nothing for nobody
+                self._drop(served, model, request.id, "released", "")
+            else:
                 keys.append(request.id)
                 payloads.append(queued[0])
                 sizes.append(queued[1])
@@ -387,14 +508,17 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             hold = 0.0
             if hop.slot in served.emulated:
                 batch = min(samples, served.profile.max_batch(part.gpu, part.slices))
-                hold = served.profile.latency(part.gpu, part.slices, batch, *part.blocks) * 1e-6
+                colocated_us = served.colocated.latency_us(action.pipeline, hop.partition, batch) if served.colocated else None
+                hold = (colocated_us if colocated_us is not None else served.profile.latency(part.gpu, part.slices, batch, *part.blocks)) * 1e-6
             route.append({"address": hop.slot, "stage": served.stages[(action.pipeline, hop.partition, hop.slot)], "partition": hop.partition, "hold_s": hold})
         addresses = frozenset(r["address"] for r in route)
         missing = [a for a in addresses if a not in self.scheduler.workers]
         if missing:
-            self._err(served, model, keys, lambda key: RequestDropped("worker-lost", f"worker {missing[0]} of its pipeline is gone", model, key))
+            for key in keys:
+                self._drop(served, model, key, "worker-lost", f"worker {missing[0]} of its pipeline is gone")
             return
-        served.flights[action.id] = _Flight(keys, addresses)
+        requests = {request.id: request for request in action.requests}
+        served.flights[action.id] = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)])
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
         self.scheduler.worker_send(

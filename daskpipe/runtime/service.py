@@ -33,7 +33,8 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
 from daskpipe.runtime.stage import Stage
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -46,11 +47,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _InputSpec:
-    """What a request of one model must look like: ``(n, *shape)`` of ``dtype``, 1 <= n <= max_samples."""
+    """What a request of one model must look like: ``(n, *shape)`` of ``dtype``, 1 <= n <= max_samples,
+    finite unless ``allow_nonfinite`` (a NaN would only come back as a NaN output, or fail its batch)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     max_samples: int
+    allow_nonfinite: bool = False
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Raw bytes of one sample, as ``encode_input`` sends it."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def check(self, model: str, x: Any) -> int:
         if not isinstance(x, torch.Tensor):
@@ -61,6 +69,8 @@ class _InputSpec:
             raise InvalidRequest(f"input of model {model!r} must be {self.dtype}, got {x.dtype}")
         if x.shape[0] > self.max_samples:
             raise InvalidRequest(f"a request of model {model!r} may hold at most {self.max_samples} samples (the largest planned batch), got {x.shape[0]}")
+        if not self.allow_nonfinite and (x.is_floating_point() or x.is_complex()) and not bool(torch.isfinite(x).all()):
+            raise InvalidRequest(f"input of model {model!r} holds NaN or Inf values; deploy with allow_nonfinite=True to serve such inputs")
         return int(x.shape[0])
 
 
@@ -80,12 +90,16 @@ class Service:
     :class:`~daskpipe.runtime.errors.RequestFailed` (with the cause).
     """
 
-    def __init__(self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, _InputSpec], stages: Sequence[Future], time_dilation: float):
+    def __init__(
+        self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, _InputSpec], stages: Sequence[Future], time_dilation: float,
+        entries: Mapping[tuple[str, int], _InputSpec] | None = None,
+    ):
         self.client = client
-        self.plan = plan
+        self._plan = plan
         self.profiles = dict(profiles)
         self.time_dilation = time_dilation
         self._specs = dict(specs)
+        self._entries = dict(entries or {})  # (model, start block > 0) -> what a mid-model request must look like
         self._stages = list(stages)
         self._token = uuid.uuid4().hex[:12]
         self._counter = itertools.count()
@@ -93,13 +107,27 @@ class Service:
 
     @property
     def models(self) -> list[str]:
-        return list(self._specs)
+        return list(dict.fromkeys([*self._specs, *(model for model, _ in self._entries)]))
 
-    def submit(self, model: str, x: torch.Tensor) -> Future:
-        """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``)."""
-        return self.map(model, [x])[0]
+    @property
+    def plan(self) -> Plan:
+        """The plan in force: the scheduler re-plans as workers join and leave (docs/operations.md)."""
+        if not self.closed:
+            current = self.client.sync(self.client.scheduler.daskpipe_plan, models=self.models)
+            if current is not None:
+                self._plan = Plan.from_dict(current)
+        return self._plan
 
-    def map(self, model: str, xs: Iterable[torch.Tensor]) -> list[Future]:
+    def submit(self, model: str, x: torch.Tensor, start_block: int = 0) -> Future:
+        """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``).
+
+        ``start_block=k > 0`` (hybrid inference, docs/hybrid.md): ``x`` is the float16 feature map a
+        device computed with blocks ``[0, k)``, and the server runs the rest within the budget the
+        plan gives that entry.
+        """
+        return self.map(model, [x], start_block=start_block)[0]
+
+    def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[Future]:
         """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order."""
         futures, keys, inputs, sizes = [], [], [], []
         for x in xs:
@@ -107,7 +135,7 @@ class Service:
             future = Future(key, self.client)
             futures.append(future)
             try:
-                size = self._check(model, x)
+                size = self._check(model, x, start_block)
             except InvalidRequest as exc:
                 self.client.futures[key].set_error(exc, None)
                 continue
@@ -115,21 +143,27 @@ class Service:
             inputs.append(encode_input(x))
             sizes.append(size)
             if len(keys) == SUBMIT_CHUNK:  # sent now: the scheduler starts on them while the rest are made
-                self._send(model, keys, inputs, sizes)
+                self._send(model, keys, inputs, sizes, start_block)
                 keys, inputs, sizes = [], [], []
         if keys:
-            self._send(model, keys, inputs, sizes)
+            self._send(model, keys, inputs, sizes, start_block)
         return futures
 
-    def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int]) -> None:
-        self.client._send_to_scheduler({"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes})
+    def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0) -> None:
+        message = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
+        if start_block:
+            message["start_block"] = start_block
+        self.client._send_to_scheduler(message)
 
-    def _check(self, model: str, x: Any) -> int:
+    def _check(self, model: str, x: Any, start_block: int = 0) -> int:
         if self.closed:
             raise InvalidRequest(f"the service is closed; model {model!r} takes no more requests")
-        spec = self._specs.get(model)
+        spec = self._specs.get(model) if start_block == 0 else self._entries.get((model, start_block))
         if spec is None:
-            raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
+            if model not in self.models:
+                raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
+            entries = [0] * (model in self._specs) + sorted(k for m, k in self._entries if m == model)
+            raise InvalidRequest(f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at blocks {entries}")
         return spec.check(model, x)
 
     def status(self) -> dict[str, dict]:
@@ -178,6 +212,9 @@ def deploy(
     max_parts: int = 2,
     strategy: str = "ppipe",
     dispatcher: str = "ppipe",
+    max_queued: int | None = None,
+    allow_nonfinite: bool = False,
+    elastic: ElasticSettings | None = ElasticSettings(),
 ) -> Service:
     """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
 
@@ -193,6 +230,14 @@ def deploy(
         profiling and planning here. ``profiles`` alone skips profiling only.
     time_dilation
         k: every latency and SLO is scaled by k, so emulated GPUs on a slow machine keep up.
+    max_queued
+        Most requests a model queues on the scheduler; one more is dropped with reason
+        "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).
+    allow_nonfinite
+        Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
+    elastic
+        How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
+        ``Adaptive`` (:class:`~daskpipe.runtime.elastic.ElasticSettings`); ``None``: the plan stays.
 
     Raises :class:`DeployError` when the cluster cannot serve the models as asked.
     """
@@ -207,7 +252,9 @@ def deploy(
     slots = _inventory(client)
     if not slots:
         raise DeployError("the cluster has no workers to serve on")
+    plan_source = "the plan"  # for errors: a plan file is named
     if isinstance(plan, (str, os.PathLike)):
+        plan_source = f"plan {plan}"
         plan = Plan.load(Path(plan))
     profiles = dict(profiles or {})
     if plan is not None and set(names) - set(profiles):
@@ -233,13 +280,20 @@ def deploy(
             max_parts=max_parts,
             strategy=strategy,
         )
+    unplanned = sorted(set(names) - {m.name for m in plan.models})
+    if unplanned:
+        raise DeployError(f"{plan_source} has no model {unplanned}; it plans {[m.name for m in plan.models]}")
     specs = {}
     for name in names:
         model_plan = plan.model(name)
         if not model_plan.pipelines:
             raise DeployError(f"the plan gives model {name!r} no pipeline on this cluster")
+        deepest = max(part.blocks[1] for pipeline in model_plan.pipelines for part in pipeline.partitions)
+        if deepest > profiles[name].num_blocks:
+            raise DeployError(f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from")
         shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
-        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, max(p.batch_size for p in model_plan.pipelines))
+        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, max(p.batch_size for p in model_plan.pipelines), allow_nonfinite)
+        queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
     placed = _place(plan, names, slots)
     stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, specs)
     for name in names:
@@ -252,6 +306,30 @@ def deploy(
             time_dilation=float(time_dilation),
             bw_gbps=float(plan.cluster.get("bw_gbps", bw_gbps)),
             dispatcher=dispatcher,
+            max_queued=max_queued,
+            sample_nbytes=specs[name].sample_nbytes,
+        )
+    if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
+        client.sync(
+            client.scheduler.daskpipe_elastic,
+            group=uuid.uuid4().hex,
+            models={
+                name: {
+                    "blocks": [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))],
+                    "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
+                    "output_shape": list(blocked[name].output_shape),
+                    "input_dtype": str(specs[name].dtype).removeprefix("torch."),
+                    "profile": profiles[name].to_dict(),
+                }
+                for name in names
+            },
+            plan=plan.to_dict(),
+            stages=stage_rows,
+            options={"bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)), "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()}, "margin": margin, "max_parts": max_parts, "strategy": strategy},
+            weights=dict(weights) if weights else None,
+            time_dilation=float(time_dilation),
+            dispatcher=dispatcher,
+            settings=elastic.to_dict(),
         )
     return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
 
@@ -355,13 +433,8 @@ def _start_stages(client: Client, placed, plan: Plan, blocked, specs: Mapping[st
         for p, q, slot in placements:
             start, end = model_plan.pipelines[p].partitions[q].blocks
             input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
-            device = "cpu" if slot.gpu == messages.CPU or slot.emulated else "cuda"
-            future = client.submit(
-                Stage, name, q, pickle.dumps(blocked[name].blocks[start:end]), input_shape=input_shape,
-                input_dtype=str(specs[name].dtype).removeprefix("torch."), device=device, emulated=slot.emulated,
-                actor=True, workers=[slot.address], allow_other_workers=False, pure=False,
-                key=f"daskpipe-stage-{name}-{p}-{q}-{uuid.uuid4().hex[:8]}",
-            )
+            kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
+            future = client.submit(Stage, name, q, pickle.dumps(blocked[name].blocks[start:end]), **kwargs)
             started.append((name, p, q, slot.address, future))
     futures = [row[-1] for row in started]
     wait(futures)
@@ -369,10 +442,10 @@ def _start_stages(client: Client, placed, plan: Plan, blocked, specs: Mapping[st
         if future.status != "finished":
             raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
     connecting = []
+    peers = next_pool_peers(started)
     for name, p, q, _, future in started:
-        peers = [address for m, pp, qq, address, _ in started if (m, pp, qq) == (name, p, q + 1)]
-        if peers:
-            connecting.append(future.result().connect(peers))
+        if peers[(name, p, q)]:
+            connecting.append(future.result().connect(peers[(name, p, q)]))
     for call in connecting:
         call.result()
     rows: dict[str, list[list]] = defaultdict(list)

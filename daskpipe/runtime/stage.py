@@ -51,14 +51,16 @@ class _SlotRuntime:
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
 _LOADING = threading.Lock()
 """Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
-the whole process: workers that share a process (``processes=False``) load one stage at a time."""
+the whole process: workers that share a process (``processes=False``) unpickle one stage at a
+time, and no batch computes while one does (a re-plan preloads stages next to serving ones). Only
+the unpickling holds it, so a preload pauses a serving stage for no more than its tracing."""
 
 
 class Stage:
     """Partition ``partition`` of ``model`` on this worker's device.
 
-    ``modules`` is the pickled list of the partition's torch.fx blocks, loaded on the worker when
-    the actor is created: a partition that does not fit fails the deploy with the cause, not the
+    ``modules`` is the pickled list of the partition's torch.fx blocks (or a sequence of such
+    pickles, concatenated: a re-plan's cut), loaded on the worker when the actor is created: a partition that does not fit fails the deploy with the cause, not the
     first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
     (a torch dtype name) is the requests' dtype, with which the first partition rebuilds a batch
     from the requests' raw bytes (``service.encode_input``).
@@ -68,7 +70,7 @@ class Stage:
         self,
         model: str,
         partition: int,
-        modules: bytes,
+        modules: bytes | Sequence[bytes],
         *,
         input_shape: Sequence[int],
         input_dtype: str = "float32",
@@ -86,12 +88,14 @@ class Stage:
         # on the worker, in the thread that creates the actor: load the partition on the device and
         # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
         # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
+        chunks = [modules] if isinstance(modules, bytes) else modules  # a re-plan sends its blocks pickled one by one
         with _LOADING:
-            self._module = nn.Sequential(*pickle.loads(modules)).to(self.device).eval()
-            self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
-            self._input_shape = tuple(input_shape)
-            self._input_dtype = getattr(torch, input_dtype)
-            sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
+            blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
+        self._module = nn.Sequential(*blocks).to(self.device).eval()
+        self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
+        self._input_shape = tuple(input_shape)
+        self._input_dtype = getattr(torch, input_dtype)
+        sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.
@@ -116,30 +120,40 @@ class Stage:
     # -- the batch path (worker event loop) ----------------------------------------------------
     async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         """Run one batch: compute, then forward the feature map or store the outputs."""
-        worker = self.worker
-        slot = _SLOTS[worker]
         hop, rest = batch["route"][0], batch["route"][1:]
-        timings: list[list[Any]] = []
-        if received_at is not None:  # the feature map's trip from the previous stage
-            timings.append([self.partition, "transfer", batch["sent_at"], received_at])
         try:
-            async with slot.busy:
-                start = time.time()
-                output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, bool(rest))
-                computed = time.time()
-                hold = float(hop.get("hold_s") or 0.0)
-                overrun = self.emulated and computed - start > hold
-                if self.emulated:
-                    if overrun:
-                        self.overruns += 1
-                        logger.warning("emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms", self.model, self.partition, (computed - start) * 1e3, hold * 1e3)
-                    await asyncio.sleep(max(0.0, start + hold - time.time()))
-                end = time.time()
+            output, start, end, overrun = await self._compute_held(data, bool(rest), float(hop.get("hold_s") or 0.0))
         except Exception as exc:  # a stage error fails this batch only, with its cause
             self._fail(batch, exc)
             return
         self.batches += 1
-        timings.append([self.partition, "compute", start, end])
+        self._deliver(batch, output, self.partition, (start, end), received_at, overrun)
+
+    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], cast_fp16: bool, hold: float) -> tuple[torch.Tensor, float, float, bool]:
+        """(output, start, end, overrun): compute on the slot's thread, one batch at a time on the
+        slot; an emulated stage then holds the slot until ``hold`` seconds from the start."""
+        slot = _SLOTS[self.worker]
+        async with slot.busy:
+            start = time.time()
+            output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, cast_fp16)
+            computed = time.time()
+            overrun = self.emulated and computed - start > hold
+            if self.emulated:
+                if overrun:
+                    self.overruns += 1
+                    logger.warning("emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms", self.model, self.partition, (computed - start) * 1e3, hold * 1e3)
+                await asyncio.sleep(max(0.0, start + hold - time.time()))
+            return output, start, time.time(), overrun
+
+    def _deliver(self, batch: dict[str, Any], output: torch.Tensor, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool) -> None:
+        """Forward ``output`` to the batch's next stage, or store it under its keys (last stage),
+        reporting the timings of hop ``partition`` (its input's transfer, its compute over ``ran``)."""
+        worker = self.worker
+        rest = batch["route"][1:]
+        timings: list[list[Any]] = []
+        if received_at is not None:  # the feature map's trip from the previous stage
+            timings.append([partition, "transfer", batch["sent_at"], received_at])
+        timings.append([partition, "compute", *ran])
         if rest:
             nxt = rest[0]
             forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes")}
@@ -170,7 +184,8 @@ class Stage:
         """
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
-            y = self._module(x.to(self.device, self._dtype))
+            with _LOADING:
+                y = self._module(x.to(self.device, self._dtype))
             if cast_fp16:
                 y = y.to(torch.float16)
             return y.cpu()

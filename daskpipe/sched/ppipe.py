@@ -325,6 +325,11 @@ class PPipeDispatcher(Dispatcher):
         return len(self._queue)
 
     # -- elasticity ------------------------------------------------------------------------------
+    def continue_ids(self, first: int) -> None:
+        """Number the next batches from ``first`` on: a dispatcher that takes over from another (a
+        re-plan) must not reuse the ids of batches the old one still has reporting."""
+        self._dispatch_ids = count(first)
+
     def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
         """``slot_id`` is gone (worker lost, or taken away): plan nothing more on it.
 

@@ -3,8 +3,11 @@
 Each model of the plan runs in its own engine on its own placed slots, fed at ``load_factor`` times
 its reference rate (the plan's throughput for it, PPipe's definition of load factor; pass
 ``base_rates`` to feed another plan at the same absolute rates, as the paper does for baselines).
-Models are independent there, as in the paper's simulator: a plan never shares a GPU between
-models, and per-model runs leave out NIC sharing between models placed on one server.
+Models are independent there, as in the paper's simulator: a pooled plan never shares a GPU
+between models, and per-model runs leave out NIC sharing between models placed on one server.
+A co-located plan (``Partition.device``, docs/colocation.md) does share GPUs between models; its
+stages take the plan's interference-model latency next to every co-runner on their GPU (static
+interference, as InSS's model assumes), so the models stay independent runs there too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from daskpipe.colocation.execute import colocated_latency, colocated_placements, colocated_profile, is_colocated
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Dispatch, Dispatcher, Placement, Request, Slot
@@ -27,7 +31,8 @@ DATAPLANES = ("ppipe", "reactive", "deferred", "eager", "timeout")
 
 class ProfileDurations:
     """Ground truth from the profiles: a partition's blocks on the slot's (GPU, v) at the batch
-    size, and ``batch * boundary bytes * 8 / bw`` for a feature map crossing a link."""
+    size, and ``batch * boundary bytes * 8 / bw`` for a feature map crossing a link. A co-located
+    partition takes what the plan's interference model says next to its co-runners."""
 
     def __init__(self, plan: Plan, profiles: Mapping[str, Profile], bw_gbps: float) -> None:
         if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
@@ -39,6 +44,7 @@ class ProfileDurations:
         self.profiles = profiles
         self.bw_gbps = bw_gbps
         self._cache: dict[tuple, float] = {}
+        self._colocated = {m: latency for m in self.plans if (latency := colocated_latency(plan, m)) is not None} if is_colocated(plan) else {}
 
     def _partition(self, model: str, pipeline: int, partition: int):
         return self.plans[model].pipelines[pipeline].partitions[partition]
@@ -52,7 +58,10 @@ class ProfileDurations:
             limit = profile.max_batch(slot.gpu, slot.slices)
             if dispatch.batch_size > limit:
                 raise ValueError(f"dispatch {dispatch.id} of {dispatch.model!r} has batch {dispatch.batch_size}; {slot.gpu}/v{slot.slices} is profiled up to {limit}")
-            value = self._cache[key] = profile.latency(slot.gpu, slot.slices, dispatch.batch_size, *part.blocks) / 1e6
+            latency_us = self._colocated[dispatch.model].latency_us(dispatch.pipeline, partition, dispatch.batch_size) if dispatch.model in self._colocated else None
+            if latency_us is None:
+                latency_us = profile.latency(slot.gpu, slot.slices, dispatch.batch_size, *part.blocks)
+            value = self._cache[key] = latency_us / 1e6
         return value
 
     def transfer(self, dispatch: Dispatch, partition: int) -> float:
@@ -224,6 +233,9 @@ def _prepare(
     bw = bw_gbps if bw_gbps is not None else plan.cluster.get("bw_gbps")
     if bw is None:
         raise ValueError("the plan records no cluster bandwidth; pass bw_gbps")
+    if is_colocated(plan):  # dispatchers plan with the co-located latencies; one slot per share
+        profiles = {name: colocated_profile(profile, plan) for name, profile in profiles.items()}
+        placements = placements if placements is not None else colocated_placements(plan)
     if placements is None:
         from daskpipe.sched.placement import place
 

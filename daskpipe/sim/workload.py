@@ -16,6 +16,11 @@ Trace files (``load_trace``) come in two formats, told apart by their first line
 ``trace_arrivals`` rescales a trace to ``rate`` by compressing or stretching its time axis (burst
 shapes are kept, only their time scale changes) and tiles it when it is shorter than ``duration``.
 Per-minute counts become a piecewise-constant Poisson process over ``bin_s``-long bins.
+
+A :class:`Stream` is one source of requests with its own model, rate, latency budget and entry
+block (hybrid inference: a device that runs blocks ``[0, k)`` itself sends requests entering at
+``k``); ``stream_requests`` merges the arrivals of many streams into the scheduler's ``Request``
+objects, carrying ``start_block``.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
+
+from daskpipe.sched.api import Request
 
 PER_MINUTE_HEADER = "per-minute"
 
@@ -138,3 +146,33 @@ def arrivals(kind: str | Trace, rate: float, duration: float, rng: np.random.Gen
     if kind == "bursty":
         return gamma_arrivals(rate, duration, rng, cv=cv)
     raise ValueError(f"arrivals must be 'poisson', 'bursty' or a trace file, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """``rate`` req/s of ``model`` from ``source``, entering at ``start_block`` with ``budget_s`` each."""
+
+    source: str
+    model: str
+    rate: float
+    budget_s: float
+    start_block: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"stream {self.source!r}: rate must be a positive number of requests/s, got {self.rate!r}")
+        if not (self.budget_s > 0 and math.isfinite(self.budget_s)):
+            raise ValueError(f"stream {self.source!r}: budget_s must be a positive number of seconds, got {self.budget_s!r}")
+        if isinstance(self.start_block, bool) or not isinstance(self.start_block, int) or self.start_block < 0:
+            raise ValueError(f"stream {self.source!r}: start_block must be an integer >= 0, got {self.start_block!r}")
+
+
+def stream_requests(streams: Sequence[Stream], duration: float, rng: np.random.Generator, *, kind: str | Trace = "poisson", cv: float = 2.0) -> list[Request]:
+    """The arrivals of every stream (``arrivals(kind, ...)`` each, drawn in order) as ``Request``s
+    in time order: id ``(source, i)``, deadline = arrival + the stream's budget, its ``start_block``."""
+    requests = []
+    for stream in streams:
+        for i, t in enumerate(arrivals(kind, stream.rate, duration, rng, cv=cv)):
+            requests.append(Request(id=(stream.source, i), model=stream.model, arrival=float(t), deadline=float(t) + stream.budget_s, start_block=stream.start_block))
+    requests.sort(key=lambda r: r.arrival)
+    return requests

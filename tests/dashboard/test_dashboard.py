@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster, wait
 
 import daskpipe
 from daskpipe.dashboard.components import VIEWS, BatchView, GPUView, PlanView, SLOView
+from daskpipe.dashboard.metrics import BUCKET_S
 from daskpipe.dashboard.report import save_report
 from daskpipe.dashboard.server import PAGES, live_reader
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
@@ -63,18 +64,23 @@ def base_url(cluster) -> str:
 
 def test_each_view_holds_data_from_the_service(serving):
     cluster, _, _ = serving
-    read = live_reader(cluster.scheduler)
+    live = live_reader(cluster.scheduler)
+
+    def read():  # a second ahead: the series show completed seconds, the 48 requests may be in this one
+        metrics, now = live()
+        return metrics, now + BUCKET_S
+
     plan = PlanView(read)
     plan.update()
     assert plan.source.data["gpu"] == ["L4", "T4"]
     assert list(plan.figure.y_range.factors) and plan.flow.data["x1"] == [1]
     slos = SLOView(read)
     slos.update()
-    offered = dict(zip(slos.rates.source.data["label"], slos.rates.source.data["ys"]))
-    assert sum(offered["tiny offered"]) == 48
-    assert sum(offered["tiny goodput"]) == 48
-    assert slos.slo.source.data["ys"] == [[500.0, 500.0]]
-    assert any(y == y for y in slos.latency.source.data["ys"][0])  # some bucket has a p50 (not NaN)
+    assert sum(slos.rates.column("tiny offered")) == 48 and sum(slos.rates.column("tiny goodput")) == 48
+    assert set(slos.latency.column("tiny SLO")) == {500.0}
+    assert any(y == y for y in slos.latency.column("tiny p50"))  # some second has a p50 (not NaN)
+    breakdown = slos.breakdown_source.data
+    assert breakdown["model"] == ["tiny"] and breakdown["compute"][0] > 0 and breakdown["queue"][0] >= 0
     gpus = GPUView(read)
     gpus.update()
     kinds = set(gpus.timeline_source.data["kind"])
@@ -84,7 +90,7 @@ def test_each_view_holds_data_from_the_service(serving):
     batches = BatchView(read)
     batches.update()
     assert sum(batches.histogram_source.data["batches"]) == plugin_of(cluster.scheduler).status()["tiny"]["batches"]
-    assert len(batches.queue.source.data["xs"]) == 1 and len(batches.queue.source.data["xs"][0]) > 0
+    assert batches.queue.labels == ["tiny (longest in each second)"] and len(batches.queue.column("tiny (longest in each second)")) > 0
 
 
 def test_metrics_routes_expose_daskpipe_histograms_and_gauges(serving):
@@ -96,6 +102,7 @@ def test_metrics_routes_expose_daskpipe_histograms_and_gauges(serving):
             'dask_daskpipe_requests_total{model="tiny",outcome="on_time"} 48.0',
             'dask_daskpipe_queue_depth{model="tiny"} 0.0',
             'dask_daskpipe_slo_attainment{model="tiny"} 1.0',
+            'dask_daskpipe_request_phase_seconds_count{model="tiny",phase="compute"} 48.0',
             "dask_daskpipe_gpu_utilization{gpu=",
             "dask_daskpipe_batches_total{",
         ):
@@ -115,6 +122,14 @@ def test_pages_in_headless_chromium_show_the_service(serving, tmp_path_factory):
         if (!doc) return null;
         return [...doc.all_models].filter(m => typeof m.get_length === "function").map(m => m.get_length() || 0);
     }"""
+    column_js = """(name) => {  // the values of every column called name (or <chart>/name), in the page's sources
+        const doc = Bokeh.documents[0];
+        return [...doc.all_models].filter(m => typeof m.get_column === "function" && typeof m.columns === "function").flatMap(m =>
+            m.columns().filter(key => key === name || key.endsWith("/" + name)).flatMap(key => [...m.get_column(key)]));
+    }"""
+    burst = svc.map("tiny", [example() for _ in range(1500)])  # far more than the SLO allows: drops for the table
+    wait(burst, timeout=30)
+    assert any(f.status == "error" for f in burst)
     stop = threading.Event()
     feeder = threading.Thread(target=feed, args=(svc, stop), daemon=True)
     feeder.start()
@@ -130,6 +145,10 @@ def test_pages_in_headless_chromium_show_the_service(serving, tmp_path_factory):
                 page.wait_for_timeout(1200)  # one periodic update, so the page shows the pushed data
                 sizes = page.evaluate(sizes_js)
                 assert sizes and max(sizes) > 0, (url, sizes)
+                if url == "daskpipe-slos":
+                    assert {"deadline", "overload"} & set(page.evaluate(column_js, "reason"))  # the recent drops table
+                    assert max(page.evaluate(column_js, "compute")) > 0  # the latency breakdown
+                    assert sum(page.evaluate(column_js, "tiny offered")) > 0  # the offered-rate series
                 page.screenshot(path=str(shots / f"{url}.png"), full_page=True)
         finally:
             browser.close()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
-from daskpipe.dashboard.components import GPUView, SLOView
-from daskpipe.dashboard.metrics import LATENCY_BOUNDS_S, LatencySeries, RateSeries, ServiceMetrics
+import dask.config
+import pytest
+
+from daskpipe.dashboard.components import SERIES_BUCKETS, GPUView, SLOView
+from daskpipe.dashboard.metrics import BUCKET_S, LATENCY_BOUNDS_S, LatencySeries, RateSeries, ServiceMetrics
 from daskpipe.dashboard.report import record_trace, save_report
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.sched.api import Dispatch, Feedback, Hop, Placement, Request, Reservation, Slot
@@ -61,6 +64,9 @@ def test_dispatch_feedback_and_done_give_busy_intervals_batches_and_latencies():
     metrics.drop("m", "deadline", 1, 1.3)
     model = metrics.models["m"]
     assert model.batch_sizes == {(0, 2): 1} and not model.pending
+    means = model.phases.means(1, 1)  # each request: 20 ms queued, 170 ms computing, 10 ms crossing NICs
+    assert {phase: round(seconds, 6) for phase, seconds in means.items()} == {"queue": 0.02, "compute": 0.17, "transfer": 0.01, "other": 0.0}
+    assert math.isclose(model.phase_sums["compute"], 0.34) and sum(model.phase_buckets["queue"]) == 2
     assert (model.completed.total, model.on_time.total, model.dropped["deadline"].total) == (2, 0, 1)
     assert model.latency_buckets[LATENCY_BOUNDS_S.index(0.2)] == 2  # both in (0.1, 0.2]
     busy = metrics.busy_seconds(1.0, 2.0)
@@ -68,8 +74,55 @@ def test_dispatch_feedback_and_done_give_busy_intervals_batches_and_latencies():
     assert metrics.utilisation_by_gpu(busy, 1.0) == {"L4": busy["a"], "T4": busy["b"]}
     view = GPUView(lambda: (metrics, 2.0))
     view.update()
-    assert sorted(set(view.timeline_source.data["kind"])) == ["busy", "planned"]
+    assert sorted(view.timeline_source.data["kind"]) == ["busy", "busy", "planned", "planned"]
     assert view.nic_source.data["link"] == ["s0/ul", "s1/dl"]
+    view.update()  # nothing new: nothing streamed twice
+    assert len(view.timeline_source.data["kind"]) == 4
+    metrics.feedback("m", Feedback(7, 0, "compute", 1.9, 1.95))  # ignored: dispatch 7 is done
+    metrics.busy_interval("a", 1.9, 1.95)
+    view.update()
+    assert view.timeline_source.data["kind"][-1] == "busy" and len(view.timeline_source.data["kind"]) == 5
+
+
+def test_time_series_stream_only_the_completed_seconds_and_the_drops_table_shows_the_newest_first():
+    metrics = ServiceMetrics(unix_offset=3600.0)
+    metrics.serve("m", PLAN, PLACEMENT)
+    now = [100.5]
+    view = SLOView(lambda: (metrics, now[0]))
+    metrics.submit("m", 3, 100.2, queued=3)
+    view.update()
+    x = list(view.series.source.data["x"])
+    assert len(x) == SERIES_BUCKETS and (x[0], x[-1]) == (-(SERIES_BUCKETS - 1) * BUCKET_S, 0)
+    assert sum(view.rates.column("m offered")) == 0  # the second in progress (100) is not shown yet
+    sent = view.series.source.data
+    now[0] = 100.9
+    view.update()
+    assert view.series.source.data is sent  # no second completed: nothing sent
+    now[0] = 101.2
+    view.update()
+    assert len(view.series.source.data["x"]) == SERIES_BUCKETS and view.rates.column("m offered")[-1] == 3 / BUCKET_S
+    assert view.rates.figure.y_range.end == 5  # 3 req/s plus headroom, rounded up to 1, 2 or 5 times a power of ten
+    metrics.drop("m", "overload", 2, 101.25, "3 requests queued")
+    metrics.drop("m", "overload", 1, 101.3, "4 requests queued")  # the same second and reason: the same row
+    metrics.drop("m", "deadline", 1, 101.5)
+    now[0] = 102.0
+    view.update()
+    assert view.drops.labels == ["m overload", "m deadline"] and view.drops.column("m overload")[-1] == 3 / BUCKET_S
+    assert view.drop_source.data == {"time": ["01:01:41.500", "01:01:41.250"], "model": ["m", "m"], "reason": ["deadline", "overload"], "requests": [1, 3], "detail": ["", "4 requests queued"]}
+    metrics.drop("m", "deadline", 2, 101.9)
+    view.update()
+    assert view.drop_source.data["requests"] == [3, 3]
+
+
+def test_the_update_interval_is_configurable_and_checked():
+    from daskpipe.dashboard.server import UPDATE_CONFIG, update_interval_ms
+
+    assert update_interval_ms() == 1000
+    with dask.config.set({UPDATE_CONFIG: "250ms"}):
+        assert update_interval_ms() == 250
+    for bad in ("soon", "10ms"):
+        with dask.config.set({UPDATE_CONFIG: bad}), pytest.raises(ValueError, match="update-interval"):
+            update_interval_ms()
 
 
 def test_a_replayed_simulator_trace_makes_a_report(tmp_path):
@@ -84,8 +137,8 @@ def test_a_replayed_simulator_trace_makes_a_report(tmp_path):
     model = metrics.models["m"]
     assert (model.offered.total, model.on_time.total, model.dropped["deadline"].total) == (3, 2, 1)
     assert model.queue.values(1, 2, 0) == [2, 1]  # two waited before the batch; one until its drop
-    slos = SLOView(lambda: (metrics, metrics.last_time))
+    slos = SLOView(lambda: (metrics, metrics.last_time + BUCKET_S))
     slos.update()
-    assert dict(zip(slos.rates.source.data["label"], map(sum, slos.rates.source.data["ys"]))) == {"m offered": 3, "m goodput": 2}
+    assert {label: sum(slos.rates.column(label)) for label in slos.rates.labels} == {"m offered": 3, "m goodput": 2}
     path = save_report(metrics, tmp_path / "sim.html")
     assert "Batches and queues" in path.read_text()

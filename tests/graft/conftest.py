@@ -1,12 +1,16 @@
-"""A toy four-block profile whose latencies are affine in the MPS slice count, as the estimator's."""
+"""A toy four-block profile whose latencies are affine in the MPS slice count, as the estimator's;
+and a tiny real CNN with a hand-made Graft plan whose fragments enter at blocks 0, 1 and 2."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
-from daskpipe.graft import StageCosts
+from daskpipe.graft import Fragment, GraftPlan, GroupPlan, Level, ServingPlan, StageConfig, StageCosts
 from daskpipe.graft.costs import poisson_quantile
+from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile
 
 FIXED_US = np.array([900.0, 600.0, 600.0, 300.0])  # per block, per batch
@@ -38,3 +42,42 @@ def instances_needed(costs: StageCosts, rate_rps: float, latency_ms: float, batc
     """Instances for the 99th-percentile burst of one batch time, computed independently of the grid."""
     burst = float(poisson_quantile(np.array(rate_rps * latency_ms / 1e3), 1 - costs.burst_risk))
     return max(1, int(np.ceil(burst / batch - 1e-9)))
+
+
+BLOCK_MS = (4.0, 4.0, 150.0, 150.0)  # at batch 1 on a 1/2 V100; the shared blocks hold the slot long
+MAX_BATCH = 8
+BUDGET_MS = 4000.0
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def model_and_profile() -> tuple[nn.Module, BlockedModel, Profile]:
+    """The tiny CNN, its four blocks, and a profile whose latencies (``BLOCK_MS``) it is emulated at."""
+    module = tiny_model()
+    segmented = segment_model(module, torch.zeros(1, 3, 16, 16))
+    bounds = [0, 1, 2, 3, segmented.num_segments]
+    blocked = segmented.cut(bounds)
+    per_block = np.array([[ms * 1e3 * (1 + (b - 1) / 4) for b in range(1, MAX_BATCH + 1)] for ms in BLOCK_MS])
+    profile = Profile(
+        model="tiny", slo_us=BUDGET_MS * 1e3, num_blocks=4,
+        latency_us={("V100", 1): per_block / 2, ("V100", 2): per_block},
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_shape=blocked.input_shape, boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={"segment_boundaries": bounds},
+    )
+    return module, blocked, profile
+
+
+def serving_plan() -> tuple[ServingPlan, tuple[Fragment, ...]]:
+    """Devices enter at blocks 0, 1 and 2; all are re-aligned at block 2 and share [2, 4) at batch 8."""
+    fragments = tuple(Fragment("tiny", k, BUDGET_MS, 10.0, (f"dev{k}",)) for k in (0, 1, 2))
+    private = tuple(StageConfig(k, 2, 2, 40, 1, 10.0, 10.0) for k in (0, 1)) + (None,)
+    level = Level(2, fragments, private, StageConfig(2, 4, MAX_BATCH, 50, 1, 300.0, 30.0))
+    return GraftPlan("tiny", "V100", (GroupPlan((level,)),)).serving(), fragments

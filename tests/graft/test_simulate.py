@@ -30,3 +30,9 @@ def test_simulate_rejects_unplanned_devices(costs: StageCosts) -> None:
         simulate(plan, costs, planned + [Fragment("toy", 1, 80.0, 30.0, ("b",))])
     with pytest.raises(ValueError, match="duration_s"):
         simulate(plan, costs, planned, duration_s=0)
+
+
+def test_simulate_checks_each_device_enters_where_its_route_starts(costs: StageCosts) -> None:
+    plan = per_fragment(costs, [Fragment("toy", 0, 80.0, 30.0, ("a",))]).serving()
+    with pytest.raises(ValueError, match="device 'a' enters at block 1 but its route starts at block 0"):
+        simulate(plan, costs, [Fragment("toy", 1, 80.0, 30.0, ("a",))], duration_s=1.0)

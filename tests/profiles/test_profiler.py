@@ -62,3 +62,46 @@ def test_bad_arguments():
         normalise_batch_sizes([0, 2])
     assert normalise_batch_sizes(3) == [1, 2, 3]
     assert normalise_batch_sizes([8, 2, 2]) == [2, 8]
+
+
+# -- co-location mode ---------------------------------------------------------------------------
+def test_colocation_mode_recovers_a_known_gpu_through_the_emulated_path():
+    from daskpipe.colocation.defaults import inss_testbed
+    from daskpipe.colocation.latency import Colocated
+    from daskpipe.profiles.profiler import profile_colocation
+
+    truth = inss_testbed()
+    fitted, report = profile_colocation(["alexnet", "resnet50", "vgg16"], emulate=truth, gpu_type="RTX2060", noise=0.0, co_sets=4)
+    assert report.max_error_pct < 3.0 and len(report.co_errors_pct) == 12
+    for name in ("alexnet", "vgg16"):
+        assert fitted.coeff(name, "RTX2060").cache_sensitivity == pytest.approx(truth.coeff(name, "RTX2060").cache_sensitivity, rel=0.05)
+    me, others = Colocated("vgg16", 0.5, 8), [Colocated("alexnet", 0.3, 4), Colocated("resnet50", 0.2, 4)]
+    assert fitted.exec_ms("RTX2060", me, others) == pytest.approx(truth.exec_ms("RTX2060", me, others), rel=0.03)
+
+
+def test_colocation_mode_needs_a_cuda_gpu_or_emulation_and_a_sane_grid():
+    from daskpipe.colocation.defaults import inss_testbed
+    from daskpipe.profiles.profiler import profile_colocation
+
+    with pytest.raises(ValueError, match="runs on a CUDA GPU under MPS"):
+        profile_colocation(["resnet18"], device="cpu")
+    with pytest.raises(ValueError, match=r"shares must be in \(0, 1\]"):
+        profile_colocation(["alexnet"], emulate=inss_testbed(), shares=[0.0, 0.5])
+    with pytest.raises(ValueError, match="at least one model"):
+        profile_colocation([], emulate=inss_testbed())
+
+
+def test_profile_colocation_cli_writes_a_loadable_model(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from daskpipe.cli import main
+    from daskpipe.colocation.latency import InterferenceModel
+
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(main, ["profile", "colocation", "alexnet,mnasnet", "--emulate", "inss-testbed", "--gpu", "RTX2060S", "--co-sets", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert sorted(InterferenceModel.from_dict(data["interference"]).models) == ["alexnet", "mnasnet"]
+    assert data["fit"]["samples"] == 2 * 16 + 2 * 2 and "mean" in result.output

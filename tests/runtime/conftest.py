@@ -6,6 +6,8 @@ batch 4) and its capacity exactly; one test goes through the real profiler and p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -86,11 +88,27 @@ def cpu_cluster():
         yield cluster, client
 
 
-@pytest.fixture(scope="module")
-def emulated_inproc():
-    """One emulated L4 and one emulated T4 slot in this process, with the FIFO test dispatcher."""
+def tls_security(directory: Path):
+    """A throwaway CA and one certificate (with its key) for every party, written to ``directory``:
+    the ``Security`` that makes scheduler, workers and clients speak ``tls://`` and refuse plain TCP."""
+    import trustme
+    from distributed.security import Security
+
+    ca = trustme.CA()
+    ca_file, cert_file = directory / "ca.pem", directory / "node.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(str(cert_file))
+    cert = str(cert_file)
+    return Security(tls_ca_file=str(ca_file), tls_scheduler_cert=cert, tls_worker_cert=cert, tls_client_cert=cert, require_encryption=True)
+
+
+@pytest.fixture(scope="module", params=["tcp", "tls"])
+def emulated_inproc(request, tmp_path_factory):
+    """One emulated L4 and one emulated T4 slot in this process, with the FIFO test dispatcher;
+    once over TCP and once over TLS with certificates (every comm: client, scheduler, worker to worker)."""
     from daskpipe.runtime.cluster import EmulatedCluster
 
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+    security = tls_security(tmp_path_factory.mktemp("tls")) if request.param == "tls" else None
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None, protocol=request.param, security=security) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
         yield cluster, client

@@ -135,27 +135,29 @@ def test_drops_err_with_the_reason(emulated_inproc):
         svc.submit("tiny", frames(1)[0]).result()
 
 
-def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0) -> list:
-    """Submit ``xs`` one by one at Poisson arrivals of ``rate`` per second."""
+def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0, after_each=lambda: None) -> list:
+    """Submit ``xs`` one by one at Poisson arrivals of ``rate`` per second; ``after_each()`` runs after each."""
     gaps = np.random.default_rng(seed).exponential(1 / rate, size=len(xs))
     futures, due = [], time.monotonic()
     for x, gap in zip(xs, gaps):
         due += gap
         time.sleep(max(0.0, due - time.monotonic()))
         futures.append(svc.submit("tiny", x))
+        after_each()
     return futures
 
 
-def serve_at_load_factor(protocol: str, k: float) -> None:
+def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
     """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity.
 
     A few requests warm the path first (the first batches through fresh worker processes meet
-    one-time costs of Dask and torch); attainment counts the Poisson run that follows.
+    one-time costs of Dask and torch); attainment counts the Poisson run that follows. The
+    feature maps must have travelled between the workers over the cluster's protocol.
     """
     from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
 
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
         with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
             wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
@@ -171,6 +173,9 @@ def serve_at_load_factor(protocol: str, k: float) -> None:
             assert submitted == completed == len(xs)
             assert on_time / submitted >= 0.99, after
             assert after["batches"] - before["batches"] < len(xs)  # it batched
+            scheme = cluster.scheduler_address.split("://")[0]
+            peers = client.run(lambda dask_worker: [bc.comm.peer_address for bc in dask_worker.stream_comms.values() if bc.comm is not None])
+            assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
 
 
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daskpipe.sim.workload import arrivals, gamma_arrivals, load_trace, poisson_arrivals, trace_arrivals
+from daskpipe.sim.workload import Stream, arrivals, gamma_arrivals, load_trace, poisson_arrivals, stream_requests, trace_arrivals
 
 
 def cv(times):
@@ -59,3 +59,20 @@ def test_bad_traces(tmp_path, text, message):
 def test_bad_parameters(call):
     with pytest.raises(ValueError):
         call(np.random.default_rng(1))
+
+
+def test_streams_carry_their_entry_block_and_budget():
+    streams = [Stream("phone", "m", 200.0, 0.05, start_block=3), Stream("server", "m", 100.0, 0.2)]
+    requests = stream_requests(streams, 2.0, np.random.default_rng(3))
+    arrivals_at = [r.arrival for r in requests]
+    assert arrivals_at == sorted(arrivals_at)
+    by_source = {s.source: [r for r in requests if r.id[0] == s.source] for s in streams}
+    assert len(by_source["phone"]) == pytest.approx(400, rel=0.2) and len(by_source["server"]) == pytest.approx(200, rel=0.25)
+    assert all(r.start_block == 3 and r.deadline == pytest.approx(r.arrival + 0.05) for r in by_source["phone"])
+    assert all(r.start_block == 0 and r.deadline == pytest.approx(r.arrival + 0.2) for r in by_source["server"])
+
+
+@pytest.mark.parametrize("kwargs, message", [({"rate": 0.0}, "rate"), ({"budget_s": 0.0}, "budget_s"), ({"start_block": -1}, "start_block"), ({"start_block": 1.5}, "start_block")])
+def test_bad_streams(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Stream("s", "m", **{"rate": 1.0, "budget_s": 0.1, **kwargs})

@@ -1,0 +1,264 @@
+"""Hostile input: malformed and non-finite requests, inputs that bypass the client's checks,
+clients that release or abandon their requests, corrupt plan and profile files.
+
+Every request must end as a result, a RequestDropped with its reason, or an error naming the
+problem, and none may hurt the requests served beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, Future, LocalCluster, wait
+
+import daskpipe
+from daskpipe.plan.schema import PlanError
+from daskpipe.profiles.loader import load_profiles
+from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestFailed
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.runtime.service import encode_input
+from tests.runtime.conftest import INPUT, example, tiny_model, two_stage
+from tests.runtime.test_service import deploy_two_stage, frames, poisson_load, reference
+
+pytestmark = pytest.mark.timeout(180)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def send_raw(svc, model: str, inputs: list, sizes: list) -> list[Future]:
+    """A client that skips the Service's checks: a key and future per size, and a SUBMIT message as it likes."""
+    keys = [f"hostile-{uuid.uuid4().hex}" for _ in sizes]
+    futures = [Future(key, svc.client) for key in keys]
+    svc._send(model, keys, inputs, sizes)
+    return futures
+
+
+def until(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_nan_and_inf_inputs_err_at_once_unless_the_service_allows_them(emulated_inproc):
+    cluster, client = emulated_inproc
+    nan, inf = frames(2)
+    nan[0, 0, 0, 0], inf[0, 1, 2, 3] = float("nan"), float("-inf")
+    with deploy_two_stage(client) as svc:
+        for x in (nan, inf):
+            future = svc.submit("tiny", x)
+            assert future.done()
+            with pytest.raises(InvalidRequest, match="NaN or Inf.*allow_nonfinite=True"):
+                future.result()
+        xs = frames(4, seed=3)  # a full batch: it runs at once
+        for out, ref in zip(client.gather(svc.map("tiny", xs)), reference(xs)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    profile, plan = two_stage()
+    with daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, allow_nonfinite=True) as svc:
+        batch = svc.map("tiny", [nan, *frames(3, seed=3)])  # served as asked: it reaches the model, which
+        for future in batch:  # asserts on it, and the whole batch it joined fails
+            with pytest.raises(RequestFailed, match="poisoned input"):
+                future.result(timeout=30)
+
+
+def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest(emulated_inproc):
+    cluster, client = emulated_inproc
+    good = frames(4)
+    raw = encode_input(good[0])
+    with deploy_two_stage(client) as svc:
+        cases = {
+            "samples take": (raw[:-4], 1),  # truncated: would fail the whole batch it joined
+            "1 to 4 samples": (raw * 5, 5),  # more than the largest planned batch
+            "got 0": (b"", 0),
+            "got '1'": (raw, "1"),
+            "raw bytes": ("not bytes", 1),
+        }
+        valid = [encode_input(x) for x in good]  # a full batch beside the bad ones: it runs at once
+        futures = send_raw(svc, "tiny", [c[0] for c in cases.values()] + valid, [c[1] for c in cases.values()] + [1] * len(valid))
+        for (expected, _), future in zip(cases.items(), futures):
+            with pytest.raises(InvalidRequest, match=f"refused by the scheduler.*{expected}"):
+                future.result(timeout=30)
+        for out, ref in zip(client.gather(futures[len(cases):]), reference(good)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        (ragged,) = send_raw(svc, "tiny", [raw, raw], [1])
+        with pytest.raises(InvalidRequest, match="2 inputs, 1 sizes"):
+            ragged.result(timeout=30)
+        assert svc.status()["tiny"]["invalid"] == len(cases)
+
+
+def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_meet_the_slo(emulated_inproc):
+    cluster, client = emulated_inproc
+    k = 10.0
+    raw = encode_input(frames(1)[0])
+    client_side = [
+        ("unknown model 'nope'", lambda: ("nope", frames(1)[0])),
+        ("must be a torch.Tensor", lambda: ("tiny", np.zeros((1, *INPUT), dtype=np.float32))),
+        ("must have shape", lambda: ("tiny", torch.randn(1, 3, 8, 8))),
+        ("must have shape", lambda: ("tiny", torch.randn(0, *INPUT))),
+        ("must be torch.float32", lambda: ("tiny", torch.randn(1, *INPUT, dtype=torch.float64))),
+        ("at most 4 samples", lambda: ("tiny", torch.randn(5, *INPUT))),
+        ("NaN or Inf", lambda: ("tiny", torch.full((1, *INPUT), float("inf")))),
+    ]
+    with deploy_two_stage(client, k=k) as svc:
+        wait(svc.map("tiny", frames(8, seed=2)), timeout=60)
+        before = svc.status()["tiny"]
+        malformed: list[tuple[str, Future]] = []
+
+        def mixed_in() -> None:  # 7 malformed requests after each valid one (1000 in all), every kind in turn
+            for _ in range(7 if len(malformed) < 1000 - 7 else 1000 - len(malformed)):
+                i = len(malformed)
+                if i % 8 == 7:  # one in eight bypasses the client's checks
+                    malformed.append(("samples take", send_raw(svc, "tiny", [raw[: -(i % 5 + 1)]], [1])[0]))
+                else:
+                    expected, make = client_side[i % len(client_side)]
+                    malformed.append((expected, svc.submit(*make())))
+
+        xs = frames(143)
+        capacity = svc.plan.model("tiny").throughput / k
+        valid = poisson_load(svc, xs, 0.5 * capacity, after_each=mixed_in)
+        wait(valid + [f for _, f in malformed], timeout=60)
+        assert len(malformed) == 1000
+        for expected, future in malformed:
+            assert future.status == "error", future
+            assert isinstance(future.exception(), InvalidRequest) and expected in str(future.exception()), (expected, future.exception())
+        for out, ref in zip(client.gather(valid), reference(xs)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        after = svc.status()["tiny"]
+        on_time, completed = (after[c] - before[c] for c in ("on_time", "completed"))
+        assert completed == len(xs) and on_time / len(xs) >= 0.99, after
+        assert after["invalid"] - before["invalid"] == sum(e == "samples take" for e, _ in malformed)
+
+
+def test_requests_released_while_queued_are_dropped_not_computed(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client, slo_ms=20_000.0) as svc:  # a partial batch waits for its last moment
+        abandoned = svc.map("tiny", frames(3))
+        until(lambda: svc.status()["tiny"]["queued"] == 3, what="3 queued")
+        client.cancel(abandoned)
+        kept = svc.submit("tiny", frames(1)[0])  # fills the batch of 4: it runs now, alone
+        torch.testing.assert_close(kept.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
+        status = svc.status()["tiny"]
+        assert status["dropped"] == {"released": 3} and status["completed"] == 1 and status["queued"] == 0
+
+
+def test_outputs_of_requests_released_mid_batch_are_freed_on_the_worker(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client, stage_ms=(300.0, 300.0), slo_ms=5_000.0) as svc:
+        futures = svc.map("tiny", frames(4))  # one full batch, held 0.5 s per stage
+        until(lambda: svc.status()["tiny"]["in_flight"] == 4, what="the batch in flight")
+        keys = [f.key for f in futures]
+        client.cancel(futures)
+        until(lambda: svc.status()["tiny"]["completed"] == 4, what="the batch to end")
+        workers = [w for w in cluster.workers.values()]
+        until(lambda: not any(key in w.data for w in workers for key in keys), what="the worker to free the outputs")
+        assert not any(key in cluster.scheduler.tasks for key in keys)
+
+
+VANISHING = """
+import sys, time
+from distributed import Client
+import daskpipe
+from tests.runtime.conftest import example, tiny_model, two_stage
+client = Client(sys.argv[1])
+profile, plan = two_stage("vanishing", slo_ms=60_000.0, gpus=("cpu", "cpu"))
+svc = daskpipe.deploy(client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile})
+futures = svc.map("vanishing", [example() for _ in range(3)])  # a partial batch: it waits a minute
+print("submitted", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_client_killed_mid_stream_leaves_nothing_behind():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp", dashboard_address=None) as cluster, Client(cluster) as client:
+        client.register_plugin(DaskpipeSchedulerPlugin())
+        vanish_and_redeploy(cluster, client)
+
+
+def vanish_and_redeploy(cluster, client) -> None:
+    """A client process that deployed a model and queued requests is killed; another takes the name."""
+    plugin = plugin_of(cluster.scheduler)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", VANISHING, cluster.scheduler_address], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "submitted"
+        until(lambda: "vanishing" in plugin.served and len(plugin.served["vanishing"].inputs) == 3, what="its requests queued")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    served = plugin.served["vanishing"]
+    until(lambda: served.closing, what="its model closed")
+    assert served.inputs == {} and served.dropped == {"released": 3} and served.counts["batches"] == 0
+    until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), what="its keys forgotten")
+    profile, plan = two_stage("vanishing", gpus=("cpu", "cpu"))  # the name is free again
+    with daskpipe.deploy(client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile}) as svc:
+        for out, ref in zip(client.gather(svc.map("vanishing", frames(4))), reference(frames(4))):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def corrupt(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+PLAN_CORRUPTIONS = {
+    "not valid JSON": lambda d: '{"models": [',
+    "not JSON text": lambda d: b"\xff\xfe\x00\x01binary",
+    "top level must be a JSON object": lambda d: "[1, 2]",
+    "field models must be a list": lambda d: json.dumps({**d, "models": 7}),
+    "pipelines\\[0\\].batch_size must be an integer": lambda d: json.dumps(d).replace('"batch_size": 4', '"batch_size": "four"'),
+    "field cluster must be an object": lambda d: json.dumps({**d, "cluster": [1]}),
+}
+
+
+@pytest.mark.parametrize("problem", list(PLAN_CORRUPTIONS))
+def test_a_corrupt_plan_file_fails_deploy_naming_the_file_and_the_problem(cpu_cluster, tmp_path, problem):
+    cluster, client = cpu_cluster
+    profile, plan = two_stage(gpus=("cpu", "cpu"))
+    path = corrupt(tmp_path / "plan.json", PLAN_CORRUPTIONS[problem](plan.to_dict()))
+    with pytest.raises(PlanError, match=f"{path}: .*{problem}"):
+        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=path, profiles={"tiny": profile})
+
+
+def test_a_plan_file_for_other_models_or_blocks_fails_deploy_naming_the_file(cpu_cluster, tmp_path):
+    cluster, client = cpu_cluster
+    profile, plan = two_stage(gpus=("cpu", "cpu"))
+    other = tmp_path / "other.json"
+    two_stage("other", gpus=("cpu", "cpu"))[1].save(other)
+    with pytest.raises(DeployError, match=f"plan {other} has no model \\['tiny'\\]"):
+        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=other, profiles={"tiny": profile})
+    deeper = plan.to_dict()
+    deeper["models"][0]["pipelines"][0]["partitions"][1]["blocks"] = [1, 3]
+    path = corrupt(tmp_path / "deeper.json", json.dumps(deeper))
+    with pytest.raises(DeployError, match=f"plan {path} cuts 'tiny' up to block 3, its profile has 2 blocks"):
+        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=path, profiles={"tiny": profile})
+
+
+PROFILE_CORRUPTIONS = {
+    "not valid JSON": lambda d: "{",
+    "not JSON text": lambda d: b"\x00\xff garbage",
+    "missing field 'latency_us'": lambda d: json.dumps({k: v for k, v in d.items() if k != "latency_us"}),
+    "ragged table": lambda d: json.dumps({**d, "latency_us": {"L4": {"1": [[1, 2], [3]]}}}),
+    "'input_shape': expected a shape of positive integers": lambda d: json.dumps({**d, "input_shape": [3, "x", 16]}),
+    "'boundary_shapes': expected a list": lambda d: json.dumps({**d, "boundary_shapes": 8}),
+    "'meta': expected an object": lambda d: json.dumps({**d, "meta": [1]}),
+}
+
+
+@pytest.mark.parametrize("problem", list(PROFILE_CORRUPTIONS))
+def test_a_corrupt_profile_file_fails_naming_the_file_and_the_problem(tmp_path, problem):
+    profile, _ = two_stage()
+    path = corrupt(tmp_path / "tiny.json", PROFILE_CORRUPTIONS[problem](profile.to_dict()))
+    for load in (Profile.load, lambda file: load_profiles(file.parent)):
+        with pytest.raises(ProfileError, match=f"{path}: .*{problem}"):
+            load(path)
