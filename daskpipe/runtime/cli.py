@@ -122,8 +122,9 @@ def worker(
             raise click.ClickException(str(error)) from None
         for slot in workers.slots:
             click.echo(f"daskpipe worker {slot.name}: {slot.resources} {slot.env}", err=True)
-        await workers
         signals = asyncio.create_task(wait_for_signals())
+        await asyncio.sleep(0)  # its handlers are in place before the workers announce themselves
+        await workers
         finished = asyncio.create_task(workers.finished())
         await asyncio.wait([signals, finished], return_when=asyncio.FIRST_COMPLETED)
         if signals.done():
