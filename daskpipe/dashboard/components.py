@@ -103,6 +103,15 @@ def fit_end(axis_range: Range1d, values: list[float] | np.ndarray) -> None:
         axis_range.end = end
 
 
+def set_factors(axis_range: FactorRange, factors: list) -> bool:
+    """Set a categorical axis's factors only when they change (a steady chart costs no message);
+    returns whether they did."""
+    if list(axis_range.factors) == factors:
+        return False
+    axis_range.factors = factors
+    return True
+
+
 class Chart:
     """One time-series figure of a :class:`TimeSeriesCharts`: its lines, one per label that its
     ``columns`` function returns, read from the shared source's columns ``<chart>/<label>``."""
@@ -219,8 +228,7 @@ class PlanView(DashboardComponent):
                     flow["x0"].append(0)
                     flow["x1"].append(len(pipeline.partitions) - 1)
                     flow["y"].append(y)
-        if list(self.figure.y_range.factors) != factors:
-            self.figure.y_range.factors = factors
+        if set_factors(self.figure.y_range, factors):
             self.figure.height = 120 + 90 * len(factors)
         push(self.flow, flow)
         push(self.source, rows)
@@ -274,8 +282,7 @@ class SLOView(DashboardComponent):
         last = last_completed(now)
         names = list(metrics.models)
         means = [metrics.models[name].phases.means(last - BREAKDOWN_BUCKETS + 1, last) for name in names]
-        if list(self.breakdown.y_range.factors) != names:
-            self.breakdown.y_range.factors = names
+        set_factors(self.breakdown.y_range, names)
         columns = {phase: [round(m.get(phase, 0.0) * 1e3, 2) for m in means] for phase in PHASES}
         push(self.breakdown_source, {"model": names, **columns})
         fit_end(self.breakdown.x_range, [sum(stack) for stack in zip(*columns.values())])
@@ -367,12 +374,10 @@ class GPUView(DashboardComponent):
         busy_s = metrics.busy_seconds(now - TIMELINE_S, now)
         by_gpu = metrics.utilisation_by_gpu(busy_s, TIMELINE_S)
         gpus = list(by_gpu)
-        if list(self.utilisation.x_range.factors) != gpus:
-            self.utilisation.x_range.factors = gpus
+        set_factors(self.utilisation.x_range, gpus)
         push(self.utilisation_source, {"gpu": gpus, "utilisation": [round(u, 3) for u in by_gpu.values()]})
         links = sorted(r for r in busy_s if r.endswith(("/ul", "/dl")))
-        if list(self.nic.x_range.factors) != links:
-            self.nic.x_range.factors = links
+        set_factors(self.nic.x_range, links)
         push(self.nic_source, {"link": links, "utilisation": [round(min(1.0, busy_s[link] / TIMELINE_S), 3) for link in links]})
 
     def _update_timeline(self, metrics: ServiceMetrics, now: float) -> None:
@@ -408,8 +413,7 @@ class GPUView(DashboardComponent):
                 bar(resource, "busy", begin, end, "#e6550d")
                 busy += 1
         factors = [(slot, kind) for slot in sorted(metrics.gpu_of) for kind in ("planned", "busy")]
-        if list(self.timeline.y_range.factors) != factors:
-            self.timeline.y_range.factors = factors
+        set_factors(self.timeline.y_range, factors)
         if bars["y"]:
             self.timeline_source.stream(bars, rollover=2 * TIMELINE_BARS)
         self.timeline.x_range.update(start=clock_ms(metrics, now - TIMELINE_S), end=clock_ms(metrics, now))
@@ -441,8 +445,7 @@ class BatchView(DashboardComponent):
                 histogram["batches"].append(count)
         histogram["color"] = _colors([pipeline for pipeline, _ in histogram["x"]])
         factors = list(histogram["x"])
-        if list(self.histogram.x_range.factors) != factors:
-            self.histogram.x_range.factors = factors
+        set_factors(self.histogram.x_range, factors)
         push(self.histogram_source, histogram)
         fit_end(self.histogram.y_range, histogram["batches"])
         self.series.advance(metrics, now)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -62,6 +63,11 @@ class ModelPlan:
     weight: float
     throughput: float
     pipelines: tuple[Pipeline, ...]
+
+    @cached_property
+    def max_batch(self) -> int:
+        """The largest planned batch (1 without pipelines): the most samples one request may hold."""
+        return max((p.batch_size for p in self.pipelines), default=1)
 
     def entry_slo_us(self) -> dict[int, float]:
         """The latency budget per entry block: the tightest of the pipelines entering there (a

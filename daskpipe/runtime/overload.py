@@ -190,7 +190,7 @@ def run_overload(
     with EmulatedCluster(GPUS, processes=processes, dashboard_address=None) as cluster, Client(cluster) as client:
         svc = deploy(client, {MODEL: model}, example_inputs={MODEL: frames[0]}, plan=plan, profiles={MODEL: profile}, time_dilation=dilation, max_queued=max_queued, dispatcher=dispatcher)
         with svc:
-            batch = max(p.batch_size for p in plan.model(MODEL).pipelines)
+            batch = plan.model(MODEL).max_batch
             wait(svc.map(MODEL, [frames[i % DISTINCT_FRAMES] for i in range(3 * batch)]))  # one-time costs of fresh workers
             status = svc.status()[MODEL]
             slo_s = plan.model(MODEL).slo_us * dilation * 1e-6

@@ -108,7 +108,7 @@ class _Served:
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but
         the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""
-        most = max(p.batch_size for p in self.model.pipelines)
+        most = self.model.max_batch
         if type(size) is not int or not 1 <= size <= most:
             return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
         if not isinstance(payload, bytes):
@@ -121,8 +121,7 @@ class _Served:
 def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
     """``max_queued`` checked, or the default: ``QUEUE_SLOS`` SLOs of requests at the plan's capacity."""
     if max_queued is None:
-        most = max((p.batch_size for p in model.pipelines), default=1)
-        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * most)
+        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * model.max_batch)
     if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
         raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
     return max_queued

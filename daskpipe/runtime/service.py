@@ -292,10 +292,12 @@ def deploy(
         if deepest > profiles[name].num_blocks:
             raise DeployError(f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from")
         shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
-        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, max(p.batch_size for p in model_plan.pipelines), allow_nonfinite)
+        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
     placed = _place(plan, names, slots)
-    stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, specs)
+    # each block pickled once: every stage of its pools and the scheduler's re-planning take these bytes
+    pickled = {name: [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))] for name in names}
+    stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, pickled, specs)
     for name in names:
         client.sync(
             client.scheduler.daskpipe_serve,
@@ -315,7 +317,7 @@ def deploy(
             group=uuid.uuid4().hex,
             models={
                 name: {
-                    "blocks": [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))],
+                    "blocks": pickled[name],
                     "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
                     "output_shape": list(blocked[name].output_shape),
                     "input_dtype": str(specs[name].dtype).removeprefix("torch."),
@@ -425,8 +427,12 @@ def _place(plan: Plan, names: list[str], slots: list[WorkerSlot]) -> dict[str, l
     return placed
 
 
-def _start_stages(client: Client, placed, plan: Plan, blocked, specs: Mapping[str, _InputSpec]) -> tuple[list[Future], dict[str, list[list]]]:
-    """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start."""
+def _start_stages(
+    client: Client, placed, plan: Plan, blocked, pickled: Mapping[str, list[bytes]], specs: Mapping[str, _InputSpec]
+) -> tuple[list[Future], dict[str, list[list]]]:
+    """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start.
+
+    ``pickled`` holds each model's blocks pickled one by one: a stage gets the slice of its partition."""
     started: list[tuple[str, int, int, str, Future]] = []
     for name, placements in placed.items():
         model_plan = plan.model(name)
@@ -434,7 +440,7 @@ def _start_stages(client: Client, placed, plan: Plan, blocked, specs: Mapping[st
             start, end = model_plan.pipelines[p].partitions[q].blocks
             input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
             kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
-            future = client.submit(Stage, name, q, pickle.dumps(blocked[name].blocks[start:end]), **kwargs)
+            future = client.submit(Stage, name, q, pickled[name][start:end], **kwargs)
             started.append((name, p, q, slot.address, future))
     futures = [row[-1] for row in started]
     wait(futures)
