@@ -52,6 +52,7 @@ def main() -> None:
         "graft": "daskpipe.graft.bench:bench_graft",
         "overload": "daskpipe.runtime.overload:bench_overload",
         "chaos": "daskpipe.runtime.chaos:bench_chaos",
+        "dashboard": "daskpipe.dashboard.bench:bench_dashboard",
     },
 )
 def bench() -> None:

@@ -1,8 +1,9 @@
-"""What the daskpipe pages cost the service: ``python -m daskpipe.dashboard.bench``.
+"""What the daskpipe pages cost the service: ``daskpipe bench dashboard``.
 
 The throughput part of ``daskpipe bench runtime`` (its trivial two-stage model and plan, requests
 sent with ``Service.map`` in chunks), run alternately with no page open and with all four daskpipe
-pages open in headless Chromium, on one ``LocalCluster`` with a dashboard. One Chromium stays up
+pages open in headless Chromium, on one ``LocalCluster`` with a dashboard (workers as processes, as
+``daskpipe bench runtime`` runs them by default). One Chromium stays up
 throughout and only the four tabs are opened or closed; rounds alternate in ABBA order so that
 drift (warm-up, other load on the machine) hits both sides alike; the figures are medians. After
 the tabs are opened, an ``open`` round waits until Chromium has loaded them (its CPU use falls
@@ -138,8 +139,9 @@ def chromium_cpu_s() -> float:
 
 def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
     """One round as ``daskpipe bench runtime`` sends it: requests/s, this process's CPU per request
-    (client, scheduler and workers share it: the cost the pages put on the scheduler shows here),
-    and Chromium's CPU seconds meanwhile (what the browser takes from the machine)."""
+    (the client's and the scheduler's, and the in-process workers' too: the cost the pages put on
+    the scheduler shows here), and Chromium's CPU seconds meanwhile (what the browser takes from
+    the machine)."""
     from distributed import wait
 
     x = torch.zeros(1, 16)
@@ -156,7 +158,7 @@ def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
     return {"requests_per_second": requests / elapsed, "python_cpu_us_per_request": cpu / requests * 1e6, "chromium_cpu_s": browser}
 
 
-def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None) -> dict:
+def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None, processes: bool = True) -> dict:
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
@@ -167,7 +169,7 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = 
     requests = -(-requests // BATCH) * BATCH
     sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     opening: list[dict[str, float]] = []  # what opening the pages cost, each time (not timed)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         profiles, plan = _profile_and_plan({MODEL: BATCH})
         svc = daskpipe.deploy(client, {MODEL: _trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
         try:
@@ -190,7 +192,7 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = 
             svc.close()
     medians = {side: {key: statistics.median(r[key] for r in results) for key in results[0]} for side, results in sides.items()}
     return {
-        "cluster": f"LocalCluster, 2 CPU workers, in-process (threads), protocol tcp, dashboard on; {psutil.cpu_count()} CPUs",
+        "cluster": f"LocalCluster, 2 CPU workers, {'processes' if processes else 'in-process (threads)'}, protocol tcp, dashboard on; {psutil.cpu_count()} CPUs",
         "viewer": viewer,
         "requests_per_round": requests,
         "rounds_per_side": rounds,
@@ -208,12 +210,13 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = 
 @click.option("--rounds", default=4, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
 @click.option("--viewer", type=click.Choice(["chromium", "bokeh-client"]), default="chromium", show_default=True, help="Who opens the pages: headless Chromium on this machine, or Bokeh's Python client (no rendering: the scheduler's cost alone).")
 @click.option("--chromium", type=click.Path(exists=True, dir_okay=False), help="The Chromium binary (default: chromium on PATH).")
+@click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes (as daskpipe runs them), or threads of this process.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_dashboard(requests: int, rounds: int, viewer: str, chromium: str | None, json_path: str | None) -> None:
+def bench_dashboard(requests: int, rounds: int, viewer: str, chromium: str | None, processes: bool, json_path: str | None) -> None:
     """Runtime throughput with the daskpipe pages closed and open."""
     if requests < 1 or rounds < 1:
         raise click.BadParameter("--requests and --rounds must be >= 1")
-    figures = run(requests, rounds, viewer=viewer, chromium=chromium)
+    figures = run(requests, rounds, viewer=viewer, chromium=chromium, processes=processes)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

@@ -397,10 +397,10 @@ class GPUView(DashboardComponent):
         for name, model in metrics.models.items():
             new = min(model.dispatch_count - self.dispatches_seen.get(name, 0), len(model.dispatches))
             self.dispatches_seen[name] = model.dispatch_count
-            for _, dispatch in islice(reversed(model.dispatches), new):
-                if planned >= TIMELINE_BARS or dispatch.hops[-1].compute.end < now - TIMELINE_S:
+            for _, hops in islice(reversed(model.dispatches), new):
+                if planned >= TIMELINE_BARS or hops[-1].compute.end < now - TIMELINE_S:
                     break
-                for hop in dispatch.hops:
+                for hop in hops:
                     bar(hop.slot, "planned", hop.compute.start, hop.compute.end, "#9ecae1")
                     planned += 1
         new = min(metrics.busy_count - self.busy_seen, len(metrics.busy))

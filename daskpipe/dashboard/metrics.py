@@ -1,8 +1,9 @@
 """What the dashboard and ``/metrics`` show, recorded as it happens: :class:`ServiceMetrics`.
 
 The scheduler plugin (or a simulator replay) calls one method per event; each call does O(1)
-work on bounded structures (per-second counters, ring buffers, fixed histogram buckets) and keeps
-references to objects the caller made anyway (the ``Dispatch``, the ``Feedback``). Aggregation
+work per batch on bounded structures (per-second counters, ring buffers, fixed histogram buckets,
+filled with numpy a batch at a time) and keeps no per-request objects: a request's arrival time
+is all it needs, so a full ring buffer holds no ``Request`` for the collector to walk. Aggregation
 (rates, percentiles, utilisation) is left to the readers: the dashboard's periodic ``update`` and
 the Prometheus collector, which run far less often than requests arrive.
 
@@ -12,7 +13,6 @@ clock); readers pass their own ``now`` in the same clock.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from daskpipe.plan.schema import ModelPlan
-    from daskpipe.sched.api import Dispatch, Feedback, Placement
+    from daskpipe.sched.api import Dispatch, Feedback, Hop, Placement
 
 BUCKET_S = 1.0
 """Width of one bucket of the rate series."""
@@ -95,8 +95,9 @@ class LatencySeries(_Series):
 
     __slots__ = ()
 
-    def add(self, now: float, latency: float) -> None:
-        self._current(now, lambda: [0] * (len(LATENCY_BINS_S) + 1))[1][bisect_left(LATENCY_BINS_S, latency)] += 1
+    def add(self, now: float, latencies: np.ndarray) -> None:
+        counts = self._current(now, lambda: np.zeros(len(LATENCY_BINS_S) + 1, dtype=np.int64))[1]
+        counts += np.bincount(np.searchsorted(LATENCY_BINS_S, latencies), minlength=len(counts))
 
     def percentiles(self, first: int, last: int, qs: tuple[float, ...]) -> dict[float, list[float]]:
         """Each ``q``-th percentile (0-100) of each bucket ``first`` to ``last``, in seconds; NaN
@@ -119,10 +120,11 @@ class PhaseSeries(_Series):
 
     __slots__ = ()
 
-    def add(self, now: float, phases: tuple[float, ...]) -> None:
+    def add(self, now: float, phases: np.ndarray) -> None:
+        """``phases``: one row of :data:`PHASES` seconds per completed request."""
         sums = self._current(now, lambda: [0] * (len(PHASES) + 1))[1]
-        sums[0] += 1
-        for i, seconds in enumerate(phases, 1):
+        sums[0] += len(phases)
+        for i, seconds in enumerate(phases.sum(axis=0).tolist(), 1):
             sums[i] += seconds
 
     def means(self, first: int, last: int) -> dict[str, float]:
@@ -154,10 +156,12 @@ class RateSeries(_Series):
 
 @dataclass(slots=True)
 class Pending:
-    """A dispatched batch until its last stage is done: when it left the queue, and the seconds its
-    reservations really took so far (from the workers' feedback)."""
+    """A dispatched batch until its last stage is done: its planned hops, its requests' arrivals,
+    when it left the queue, and the seconds its reservations really took so far (from the
+    workers' feedback)."""
 
-    dispatch: Dispatch
+    hops: tuple[Hop, ...]
+    arrivals: np.ndarray
     dispatched: float
     compute_s: float = 0.0
     transfer_s: float = 0.0
@@ -175,8 +179,13 @@ class DropEvent:
     detail: str
 
 
-def _latency_buckets() -> list[int]:
-    return [0] * (len(LATENCY_BOUNDS_S) + 1)
+def _latency_buckets() -> np.ndarray:
+    return np.zeros(len(LATENCY_BOUNDS_S) + 1, dtype=np.int64)
+
+
+def _histogram_add(counts: np.ndarray, seconds: np.ndarray) -> None:
+    """Count ``seconds`` into the buckets over :data:`LATENCY_BOUNDS_S` (``le``: a bound belongs to its bucket)."""
+    counts += np.bincount(np.searchsorted(LATENCY_BOUNDS_S, seconds), minlength=len(counts))
 
 
 @dataclass
@@ -191,14 +200,14 @@ class ModelMetrics:
     on_time: RateSeries = field(default_factory=RateSeries)
     failed: RateSeries = field(default_factory=RateSeries)
     dropped: dict[str, RateSeries] = field(default_factory=dict)  # reason -> series
-    latency_buckets: list[int] = field(default_factory=_latency_buckets)
+    latency_buckets: np.ndarray = field(default_factory=_latency_buckets)
     latency_sum: float = 0.0
     latencies: LatencySeries = field(default_factory=LatencySeries)
     phases: PhaseSeries = field(default_factory=PhaseSeries)  # latency breakdown of completions, per bucket
-    phase_buckets: dict[str, list[int]] = field(default_factory=lambda: {phase: _latency_buckets() for phase in PHASES})
+    phase_buckets: dict[str, np.ndarray] = field(default_factory=lambda: {phase: _latency_buckets() for phase in PHASES})
     phase_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     batch_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # (pipeline, requests in batch) -> batches
-    dispatches: deque[tuple[float, Dispatch]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))
+    dispatches: deque[tuple[float, tuple[Hop, ...]]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))  # (when, planned hops)
     dispatch_count: int = 0  # dispatches recorded in all, so a reader can tell the new ones in ``dispatches``
     pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
@@ -245,10 +254,10 @@ class ServiceMetrics:
         metrics = self.model(model)
         key = (dispatch.pipeline, len(dispatch.requests))
         metrics.batch_sizes[key] = metrics.batch_sizes.get(key, 0) + 1
-        metrics.dispatches.append((now, dispatch))
+        metrics.dispatches.append((now, dispatch.hops))
         metrics.dispatch_count += 1
         pending = metrics.pending
-        pending[dispatch.id] = Pending(dispatch, now)
+        pending[dispatch.id] = Pending(dispatch.hops, np.fromiter((r.arrival for r in dispatch.requests), float, len(dispatch.requests)), now)
         if len(pending) > PENDING_LIMIT:
             del pending[next(iter(pending))]
         metrics.queue.add(now, queued)
@@ -259,7 +268,7 @@ class ServiceMetrics:
         pending = self.models[model].pending.get(fb.dispatch) if model in self.models else None
         if pending is None:
             return
-        for hop in pending.dispatch.hops:
+        for hop in pending.hops:
             if hop.partition != fb.partition:
                 continue
             if fb.kind == "compute":
@@ -283,27 +292,26 @@ class ServiceMetrics:
         pending = metrics.pending.pop(dispatch_id, None) if metrics is not None else None
         if pending is None:
             return
-        for request in pending.dispatch.requests:
-            latency = now - request.arrival
-            queue = pending.dispatched - request.arrival
-            other = max(0.0, latency - queue - pending.compute_s - pending.transfer_s)
-            self.complete(model, latency, now, (queue, pending.compute_s, pending.transfer_s, other))
+        latencies = now - pending.arrivals
+        queue = pending.dispatched - pending.arrivals
+        other = np.maximum(0.0, latencies - queue - pending.compute_s - pending.transfer_s)
+        phases = np.column_stack((queue, np.full_like(queue, pending.compute_s), np.full_like(queue, pending.transfer_s), other))
+        self.complete(model, latencies, now, phases)
 
-    def complete(self, model: str, latency: float, now: float, phases: tuple[float, float, float, float] | None = None) -> None:
-        """One request completed ``latency`` seconds after it arrived; ``phases`` is its latency
-        split into :data:`PHASES`, where known."""
+    def complete(self, model: str, latencies: np.ndarray, now: float, phases: np.ndarray | None = None) -> None:
+        """Requests completed ``latencies`` seconds after they arrived (one batch, or one request);
+        ``phases`` holds each one's latency split into :data:`PHASES` (a row each), where known."""
         metrics = self.model(model)
-        metrics.completed.add(now)
-        if latency <= metrics.slo_s:
-            metrics.on_time.add(now)
-        metrics.latency_buckets[bisect_left(LATENCY_BOUNDS_S, latency)] += 1
-        metrics.latency_sum += latency
-        metrics.latencies.add(now, latency)
+        metrics.completed.add(now, len(latencies))
+        metrics.on_time.add(now, int(np.count_nonzero(latencies <= metrics.slo_s)))
+        _histogram_add(metrics.latency_buckets, latencies)
+        metrics.latency_sum += float(latencies.sum())
+        metrics.latencies.add(now, latencies)
         if phases is not None:
             metrics.phases.add(now, phases)
-            for phase, seconds in zip(PHASES, phases):
-                metrics.phase_buckets[phase][bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
-                metrics.phase_sums[phase] += seconds
+            for column, phase in enumerate(PHASES):
+                _histogram_add(metrics.phase_buckets[phase], phases[:, column])
+                metrics.phase_sums[phase] += float(phases[:, column].sum())
         self.last_time = now
 
     def drop(self, model: str, reason: str, count: int, now: float, detail: str = "") -> None:

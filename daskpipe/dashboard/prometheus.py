@@ -27,7 +27,7 @@ def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
     """Per-bucket counts over :data:`LATENCY_BOUNDS_S` as Prometheus' cumulative ``(le, count)``."""
     cumulative, buckets = 0, []
     for bound, count in zip((*map(str, LATENCY_BOUNDS_S), "+Inf"), counts):
-        cumulative += count
+        cumulative += int(count)
         buckets.append((bound, cumulative))
     return buckets
 

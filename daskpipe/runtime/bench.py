@@ -94,7 +94,7 @@ class LoopLag:
             self.lags_s.append(loop.time() - asked)
 
 
-def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = False, latency_samples: int = 200, rounds: int = 2,
+def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = True, latency_samples: int = 200, rounds: int = 2,
               advance: Callable[..., None] = lambda *a, **k: None) -> dict:
     """The figures of ``daskpipe bench runtime``, all on one cluster.
 
@@ -204,8 +204,8 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
 @click.command("runtime")
 @click.option("--requests", default=5000, show_default=True, help="Requests (and plain Dask tasks) to send.")
 @click.option("--protocol", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True, help="Comms; ucx falls back to tcp with a warning without distributed-ucxx.")
-@click.option("--processes/--in-process", default=False, show_default=True, help="Workers as processes, or threads of this process.")
-@click.option("--rounds", default=2, show_default=True, help="Throughput rounds of each kind, alternated; the best of each is reported.")
+@click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes (as daskpipe runs them), or threads of this process (all under one GIL).")
+@click.option("--rounds", default=3, show_default=True, help="Throughput rounds of each kind, alternated; the best of each is reported.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, json_path: str | None) -> None:
     """Requests/s and per-request overhead of the Dask runtime with trivial stages, vs plain Dask tasks/s."""

@@ -118,9 +118,9 @@ class EntrySpec(_InputSpec):
 
     start_block: int = 0
 
-    def check(self, model: str, x: Any) -> int:
+    def admit(self, model: str, x: Any) -> tuple[int, bytes]:
         try:
-            return super().check(model, x)
+            return super().admit(model, x)
         except InvalidRequest as exc:
             raise InvalidRequest(
                 f"{exc} (a request entering at block {self.start_block} carries the {FEATURE_MAP_DTYPE} feature map "
@@ -178,7 +178,7 @@ class SharedStage(Stage):
         try:
             merged = torch.cat([self._as_tensor(data) for _, data, _ in group])
             hold = self._latency_s[min(sum(counts), len(self._latency_s)) - 1]
-            output, start, end, overrun = await self._compute_held(merged, False, hold)
+            output, start, end, overrun = await self._compute_held(merged, [size for batch, _, _ in group for size in batch["sizes"]], hold)
         except Exception as exc:  # fails the merged call's batches only, each with the cause
             for batch, _, _ in group:
                 self._fail(batch, exc)
@@ -186,9 +186,11 @@ class SharedStage(Stage):
         self.batches += 1
         self.merged_calls += len(group) > 1
         self.recent.append({"dispatches": [batch["dispatch"] for batch, _, _ in group], "samples": counts, "held_s": end - start})
-        for (batch, _, received_at), out in zip(group, torch.split(output, counts)):
+        outputs = iter(output)  # one per request, in the group's order
+        for batch, _, received_at in group:
+            own = [next(outputs) for _ in batch["sizes"]]
             forwarded = len(batch["route"]) > 1
-            self._deliver(batch, out.to(FEATURE_MAP_DTYPE) if forwarded else out, batch["route"][0]["partition"], (start, end), received_at, overrun)
+            self._deliver(batch, torch.cat(own).to(FEATURE_MAP_DTYPE) if forwarded else own, batch["route"][0]["partition"], (start, end), received_at, overrun)
 
     def _as_tensor(self, data: torch.Tensor | Sequence[bytes]) -> torch.Tensor:
         """A batch's input: a previous stage's feature map, or entering requests' raw bytes."""

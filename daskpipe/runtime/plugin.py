@@ -37,6 +37,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
 
@@ -187,6 +188,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             for address in scheduler.workers:
                 self.add_worker(scheduler, address)
             attach_dashboard(scheduler)
+            raise_gc_thresholds()
         except Exception:
             logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
+from daskpipe.runtime.gctune import raise_gc_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Stage:
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
         self._input_shape = tuple(input_shape)
         self._input_dtype = getattr(torch, input_dtype)
-        sizeof(self._compute(torch.zeros((1, *input_shape)), cast_fp16=False))
+        sizeof(self._compute(torch.zeros((1, *input_shape)), split=[1]))
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.
@@ -103,7 +104,7 @@ class Stage:
         The hello carries a feature map like the real ones, so that both ends have been through
         the tensor (de)serialisation path once.
         """
-        sample = self._compute(torch.zeros((1, *self._input_shape)), cast_fp16=True)
+        sample = self._compute(torch.zeros((1, *self._input_shape)), split=None)
         for address in peers:
             if address != self.worker.address:
                 self.worker.send_to_worker(address, {"op": messages.HELLO, "data": to_serialize(sample)})
@@ -122,20 +123,20 @@ class Stage:
         """Run one batch: compute, then forward the feature map or store the outputs."""
         hop, rest = batch["route"][0], batch["route"][1:]
         try:
-            output, start, end, overrun = await self._compute_held(data, bool(rest), float(hop.get("hold_s") or 0.0))
+            output, start, end, overrun = await self._compute_held(data, None if rest else batch["sizes"], float(hop.get("hold_s") or 0.0))
         except Exception as exc:  # a stage error fails this batch only, with its cause
             self._fail(batch, exc)
             return
         self.batches += 1
         self._deliver(batch, output, self.partition, (start, end), received_at, overrun)
 
-    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], cast_fp16: bool, hold: float) -> tuple[torch.Tensor, float, float, bool]:
+    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float) -> tuple[Any, float, float, bool]:
         """(output, start, end, overrun): compute on the slot's thread, one batch at a time on the
         slot; an emulated stage then holds the slot until ``hold`` seconds from the start."""
         slot = _SLOTS[self.worker]
         async with slot.busy:
             start = time.time()
-            output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, cast_fp16)
+            output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, split)
             computed = time.time()
             overrun = self.emulated and computed - start > hold
             if self.emulated:
@@ -145,7 +146,7 @@ class Stage:
                 await asyncio.sleep(max(0.0, start + hold - time.time()))
             return output, start, time.time(), overrun
 
-    def _deliver(self, batch: dict[str, Any], output: torch.Tensor, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool) -> None:
+    def _deliver(self, batch: dict[str, Any], output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool) -> None:
         """Forward ``output`` to the batch's next stage, or store it under its keys (last stage),
         reporting the timings of hop ``partition`` (its input's transfer, its compute over ``ran``)."""
         worker = self.worker
@@ -161,7 +162,7 @@ class Stage:
             worker.send_to_worker(nxt["address"], {"op": messages.BATCH, **forwarded, "data": to_serialize(output)})
             worker.batched_send({"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
             return
-        outputs = {key: chunk.clone() for key, chunk in zip(batch["keys"], torch.split(output, list(batch["sizes"])))}
+        outputs = dict(zip(batch["keys"], output))
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
         worker.batched_send(
@@ -170,25 +171,27 @@ class Stage:
                 "model": self.model,
                 "dispatch": batch["dispatch"],
                 "keys": list(outputs),
-                "nbytes": [t.element_size() * t.nelement() for t in outputs.values()],
+                "nbytes": [t.nbytes for t in output],
                 "timings": timings,
                 "overrun": overrun,
             }
         )
         worker.update_data(data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
 
-    def _compute(self, data: torch.Tensor | Sequence[bytes], cast_fp16: bool) -> torch.Tensor:
+    def _compute(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None) -> torch.Tensor | list[torch.Tensor]:
         """Runs in the slot's compute thread: never on the event loop or the actor thread.
 
         ``data`` is the previous stage's feature map, or the requests' raw bytes for the first one.
+        ``split=None``: the fp16 feature map for the next stage; else (last stage) one output per
+        request of ``split`` samples each, copied out of the batch so that each frees alone.
         """
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
             with _LOADING:
                 y = self._module(x.to(self.device, self._dtype))
-            if cast_fp16:
-                y = y.to(torch.float16)
-            return y.cpu()
+            if split is None:
+                return y.to(torch.float16).cpu()
+            return [chunk.clone() for chunk in torch.split(y.cpu(), list(split))]
 
     def _fail(self, batch: dict[str, Any], exc: BaseException) -> None:
         logger.warning("%s partition %d failed a batch of %d requests: %r", self.model, self.partition, len(batch["keys"]), exc)
@@ -213,13 +216,15 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def install(worker: Any) -> None:
-    """Give ``worker`` daskpipe's batch handler and its slot runtime (idempotent).
+    """Give ``worker`` daskpipe's batch handler and its slot runtime, and its process the scheduler's
+    GC policy (``gctune``); idempotent.
 
     Runs from the actor's constructor, which may be off the event loop: ``asyncio.Lock`` binds to
     the running loop only on first use.
     """
     if worker in _SLOTS:
         return
+    raise_gc_thresholds()
     _SLOTS[worker] = _SlotRuntime(ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}"))
     worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
     worker.stream_handlers[messages.HELLO] = _hello

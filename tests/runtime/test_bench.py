@@ -1,0 +1,22 @@
+"""``daskpipe bench runtime`` end to end on a small run: the figures it promises, nothing lost."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from daskpipe.cli import main
+
+
+def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path):
+    out = tmp_path / "runtime.json"
+    result = CliRunner().invoke(main, ["bench", "runtime", "--requests", "50", "--rounds", "1", "--in-process", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["requests"] == 64  # rounded up to whole batches of 32
+    assert figures["failed"] == 0 and figures["batches"] >= 2 * 2  # the warm-up's two batches and this round's
+    assert figures["requests_per_second"] > 0 and figures["dask_tasks_per_second"] > 0
+    assert figures["ratio"] == figures["requests_per_second"] / figures["dask_tasks_per_second"]
+    assert 0 < figures["overhead_p50_ms"] <= figures["overhead_p99_ms"]
+    assert "in-process" in figures["cluster"] and figures["loop_lag_max_ms"] is not None
