@@ -79,6 +79,25 @@ def test_inputs_travel_as_raw_bytes_and_rebuild_into_the_batch(dtype):
     assert torch.equal(decode_inputs(payloads, dtype, (4, 3)), torch.cat(xs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.complex64])
+def test_the_client_check_sees_nonfinite_values_in_any_layout_and_encodes_the_values(dtype):
+    """numpy where it can (no torch op per request), torch for what numpy lacks (bfloat16) or cannot
+    view (a lazily conjugated tensor); a tensor that requires grad is read as its values."""
+    from daskpipe.runtime.service import _InputSpec, encode_input
+
+    spec = _InputSpec(shape=(4, 3), dtype=dtype, max_samples=4)
+    good = torch.randn(2, 3, 4).to(dtype).transpose(1, 2)  # not contiguous
+    variants = [good, good.detach().clone().requires_grad_(True)] + ([good.conj()] if dtype.is_complex else [])
+    for x in variants:
+        size, payload = spec.admit("m", x)
+        assert size == 2 and payload == encode_input(x.detach().resolve_conj().contiguous())
+    bad = good.clone()
+    bad[1, 2, 0] = float("nan")
+    with pytest.raises(InvalidRequest, match="NaN or Inf"):
+        spec.admit("m", bad)
+    assert _InputSpec(shape=(4, 3), dtype=dtype, max_samples=4, allow_nonfinite=True).admit("m", bad)[0] == 2
+
+
 def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:
