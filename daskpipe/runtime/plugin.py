@@ -179,7 +179,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             scheduler.stream_handlers.update(
                 {
-                    messages.SUBMIT: self.on_submit,
+                    messages.SUBMIT: self._submit_handler,
                     messages.FEEDBACK: self.on_feedback,
                     messages.DONE: self.on_done,
                     messages.FAILED: self.on_failed,
@@ -405,6 +405,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         self.metrics.submit(model, len(fresh), now, len(served.inputs))
         self._arm()
+
+    async def _submit_handler(self, **message: Any) -> None:
+        """The stream handler of SUBMIT: one message of at most ``SUBMIT_CHUNK`` requests, then the
+        event loop runs whatever waits. Dask handles the messages of one batched payload back to
+        back, and a client's burst arrives as one payload of many chunks: handled in one go, it
+        held the loop (timers, workers' streams) for hundreds of milliseconds."""
+        self.on_submit(**message)
+        await asyncio.sleep(0)
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
