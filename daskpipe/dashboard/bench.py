@@ -5,7 +5,8 @@ sent with ``Service.map`` in chunks), run alternately with no page open and with
 pages open in headless Chromium, on one ``LocalCluster`` with a dashboard (workers as processes, as
 ``daskpipe bench runtime`` runs them by default). One Chromium stays up
 throughout and only the four tabs are opened or closed; rounds alternate in ABBA order so that
-drift (warm-up, other load on the machine) hits both sides alike; the figures are medians. After
+drift (warm-up, other load on the machine) hits both sides alike, and the two rounds of a side in
+a row share one opening (one set of pages open, never two); the figures are medians. After
 the tabs are opened, an ``open`` round waits until Chromium has loaded them (its CPU use falls
 below :data:`QUIET_CPU_PER_S`), so it times pages that are open, not pages being opened; what
 opening cost is reported apart (``opening_pages``).
@@ -21,6 +22,7 @@ import json
 import multiprocessing
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +36,9 @@ from daskpipe.runtime.bench import BATCH, _profile_and_plan, _trivial_model
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "trivial-b32"
+ROUND_REQUESTS = 30000
+"""Requests per round: 1.5 to 3 s on the 2-core development machine, so that every round holds page
+updates (one a second); rounds of 10000 lasted about 0.5 s and held one update or none."""
 SETTLE_S = 2.0
 """Pause after opening or closing the pages (and after the previous round's futures are
 released) before a round is timed."""
@@ -63,6 +68,10 @@ class Pages:
     def __init__(self, browser, base_url: str) -> None:
         self.browser, self.base_url, self.tabs = browser, base_url, []
 
+    @property
+    def opened(self) -> bool:
+        return bool(self.tabs)
+
     def open(self) -> None:
         for url, _ in PAGES:
             tab = self.browser.new_page()
@@ -75,13 +84,28 @@ class Pages:
             self.tabs.pop().close()
 
 
-def _follow_pages(base_url: str, ready) -> None:
-    """In a child process: open every page as a Bokeh client session and receive its updates."""
+def _follow_page(url: str, opened) -> None:
+    """In a thread of its own loop: open ``url`` as a Bokeh client session and receive its updates
+    until the process ends (each connection reads its own messages only while its loop runs)."""
+    import asyncio
+
     from bokeh.client import pull_session
 
-    sessions = [pull_session(url=f"{base_url}/{url}") for url, _ in PAGES]
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    session = pull_session(url=url)
+    opened.release()
+    session._loop_until_closed()  # ClientSession.loop_until_closed went private in Bokeh 3
+
+
+def _follow_pages(base_url: str, ready) -> None:
+    """In a child process: follow every page, each as a Bokeh client session on its own thread."""
+    opened = threading.Semaphore(0)
+    for url, _ in PAGES:
+        threading.Thread(target=_follow_page, args=(f"{base_url}/{url}", opened), daemon=True).start()
+    for _ in PAGES:
+        opened.acquire()
     ready.set()
-    sessions[0].loop_until_closed()  # the sessions share this process's loop
+    threading.Event().wait()  # until terminated
 
 
 class BokehClientPages:
@@ -91,6 +115,10 @@ class BokehClientPages:
 
     def __init__(self, base_url: str) -> None:
         self.base_url, self.process = base_url, None
+
+    @property
+    def opened(self) -> bool:
+        return self.process is not None
 
     def open(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -102,6 +130,8 @@ class BokehClientPages:
 
     def close(self) -> None:
         if self.process is not None:
+            if not self.process.is_alive():
+                raise RuntimeError(f"the Bokeh client stopped following the pages (exit code {self.process.exitcode}): the round did not have them open")
             self.process.terminate()
             self.process.join()
             self.process = None
@@ -158,7 +188,7 @@ def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
     return {"requests_per_second": requests / elapsed, "python_cpu_us_per_request": cpu / requests * 1e6, "chromium_cpu_s": browser}
 
 
-def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None, processes: bool = True) -> dict:
+def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None, processes: bool = True) -> dict:
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
@@ -178,12 +208,13 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = 
             with chromium_pages(base_url, chromium) if viewer == "chromium" else bokeh_client_pages(base_url) as pages:
                 for round_index in range(rounds):
                     for side in ("closed", "open") if round_index % 2 == 0 else ("open", "closed"):  # ABBA: no side always goes first
-                        if side == "open":
+                        # two rounds of a side in a row share one opening (or closing): never two sets of pages open
+                        if side == "open" and not pages.opened:
                             cpu = chromium_cpu_s()
                             pages.open()
                             waited, quiet_cpu = wait_until_chromium_quiet()
                             opening.append({"chromium_cpu_s": chromium_cpu_s() - cpu, "settle_s": waited, "settle_chromium_cpu_s": quiet_cpu})
-                        else:
+                        elif side == "closed" and pages.opened:
                             pages.close()
                         time.sleep(SETTLE_S)
                         gc.collect()
@@ -206,8 +237,8 @@ def run(requests: int = 10000, rounds: int = 4, chunk: int = 500, viewer: str = 
 
 
 @click.command("dashboard")
-@click.option("--requests", default=10000, show_default=True, help="Requests per round.")
-@click.option("--rounds", default=4, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
+@click.option("--requests", default=ROUND_REQUESTS, show_default=True, help="Requests per round (a round should last a few page updates).")
+@click.option("--rounds", default=6, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
 @click.option("--viewer", type=click.Choice(["chromium", "bokeh-client"]), default="chromium", show_default=True, help="Who opens the pages: headless Chromium on this machine, or Bokeh's Python client (no rendering: the scheduler's cost alone).")
 @click.option("--chromium", type=click.Path(exists=True, dir_okay=False), help="The Chromium binary (default: chromium on PATH).")
 @click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes (as daskpipe runs them), or threads of this process.")

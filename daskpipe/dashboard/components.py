@@ -1,15 +1,14 @@
 """The dashboard's views, one class per page, each reading a :class:`ServiceMetrics`.
 
 Every view builds its ``ColumnDataSource``\\ s and figures once and refreshes them in ``update()``,
-which sends the browser as little as possible: time series grow by ``stream`` (with rollover) one
-row per completed second, the GPU timeline streams only the bars recorded since the last update,
-and the small sources (bars, tables) are replaced only when their data changed. A view gets its
-data from a ``Reader``: a function returning the recorder and the ``now`` to draw against, so the
-same view draws the live service (the scheduler plugin's recorder and the monotonic clock) or a
-finished simulated run (its recorder and end time).
-
-Times are drawn as the recorder's clock plus its ``unix_offset`` on datetime axes: UTC wall-clock
-times for the live service, time since the start for a simulated run.
+which sends the browser as little as possible, since every source sent is a message and a redraw
+in each open page: a source is replaced only when what it shows changed (a time-series chart once
+per completed second at most, the GPU timeline once per update under load), and the x axes count
+back from now so that no range moves. A view gets its data from a ``Reader``: a function returning
+the recorder and the ``now`` to draw against, so the same view draws the live service (the
+scheduler plugin's recorder and the monotonic clock) or a finished simulated run (its recorder
+and end time). The recent drops carry times of day: the recorder's clock plus its
+``unix_offset``, UTC for the live service and time since the start for a simulated run.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from itertools import cycle, islice
 import numpy as np
 from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, DataTable, DatetimeTickFormatter, FactorRange, HoverTool, LayoutDOM, NumberFormatter, Range1d, TableColumn
+from bokeh.models import ColumnDataSource, DataTable, FactorRange, HoverTool, LayoutDOM, NumberFormatter, Range1d, TableColumn
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from distributed.dashboard.components import DashboardComponent
@@ -40,11 +39,13 @@ SERIES_BUCKETS = 120
 TIMELINE_S = 5.0
 """Seconds of reservations and busy intervals the GPU timeline shows."""
 TIMELINE_BARS = 400
-"""At most this many planned and this many busy bars are sent per update, and twice as many kept:
-under heavy load the timeline shows less than :data:`TIMELINE_S` rather than thousands of bars."""
+"""At most this many planned and this many busy bars are drawn: under heavy load the timeline
+shows less than :data:`TIMELINE_S` rather than thousands of bars."""
 PERCENTILES = (50, 99)
 BREAKDOWN_BUCKETS = 10
 """The latency breakdown averages the requests completed in this many last seconds."""
+LINE = "line/"
+"""Prefix of the source column of each time-series line."""
 SLO_SUFFIX = " SLO"
 """Label suffix of the (dashed) SLO lines in the latency chart."""
 PHASE_COLORS = ("#fdae6b", "#3182bd", "#756bb1", "#bdbdbd")
@@ -70,11 +71,6 @@ def push(source: ColumnDataSource, data: dict[str, list]) -> None:
     browser nothing and redraws nothing (sources pushed here hold plain lists, no NaN)."""
     if source.data != data:
         source.data = data
-
-
-def clock_ms(metrics: ServiceMetrics, t: float) -> float:
-    """A recorder time as a datetime axis value (milliseconds since the Unix epoch)."""
-    return (t + metrics.unix_offset) * 1e3
 
 
 def clock_text(metrics: ServiceMetrics, t: float) -> str:
@@ -114,10 +110,12 @@ def set_factors(axis_range: FactorRange, factors: list) -> bool:
 
 class Chart:
     """One time-series figure of a :class:`TimeSeriesCharts`: its lines, one per label that its
-    ``columns`` function returns, read from the shared source's columns ``<chart>/<label>``."""
+    ``columns`` function returns, each a column ``line/<label>`` of the chart's own source (a
+    label may be any model name, ``x`` too)."""
 
-    def __init__(self, charts: TimeSeriesCharts, index: int, fig: figure, columns: Columns, markers: bool, fixed_y: bool) -> None:
-        self.charts, self.prefix, self.figure, self.columns = charts, f"{index}/", fig, columns
+    def __init__(self, fig: figure, columns: Columns, markers: bool, fixed_y: bool) -> None:
+        self.figure, self.columns = fig, columns
+        self.source = ColumnDataSource({"x": []})
         self.markers = markers  # a marker per point, so a point between gaps (NaN) still shows
         self.fixed_y = fixed_y
         self.labels: list[str] = []
@@ -125,28 +123,32 @@ class Chart:
 
     def column(self, label: str) -> list[float]:
         """The values the line ``label`` shows, oldest first."""
-        return list(self.charts.source.data[self.prefix + label])
+        return list(self.source.data[LINE + label])
 
     def add_line(self, label: str) -> None:
         color = next(self.palette)
         dash = "dashed" if label.endswith(SLO_SUFFIX) else "solid"
-        field = self.prefix + label
-        self.figure.line("x", field, source=self.charts.source, color=color, line_width=2, line_dash=dash, legend_label=label)
+        self.figure.line("x", LINE + label, source=self.source, color=color, line_width=2, line_dash=dash, legend_label=label)
         if self.markers and dash == "solid":
-            self.figure.scatter("x", field, source=self.charts.source, color=color, size=4, legend_label=label)
+            self.figure.scatter("x", LINE + label, source=self.source, color=color, size=4, legend_label=label)
         self.figure.legend.location = "top_left"
+
+    def show(self, data: dict[str, np.ndarray]) -> None:
+        """Replace the source's data unless every line holds the same values already: a chart
+        whose window did not change (a flat attainment, no drops) is not sent or redrawn."""
+        current = self.source.data
+        if current.keys() != data.keys() or not all(np.array_equal(current[k], v, equal_nan=True) for k, v in data.items()):
+            self.source.data = data
 
 
 class TimeSeriesCharts:
     """The time-series figures of one page: one point per completed :data:`BUCKET_S` bucket over
     the last :data:`SERIES_BUCKETS`, at x = seconds before the end of the last completed one.
-    Every line of every figure is a column of one source, replaced (as binary arrays) once per
-    completed bucket: one message per second for all the figures of a page, and each figure
-    redrawn once. The x range is fixed and the y ranges are set here (see :func:`fit_end`), so the
-    browser sends nothing back."""
+    Each figure has its own source, replaced (as binary arrays) once per completed bucket if its
+    lines changed: a figure whose window looks the same is not sent or redrawn. The x range is
+    fixed and the y ranges are set here (see :func:`fit_end`), so the browser sends nothing back."""
 
     def __init__(self) -> None:
-        self.source = ColumnDataSource({"x": []})
         self.x_range = Range1d(-SERIES_BUCKETS * BUCKET_S, 0)
         self.charts: list[Chart] = []
         self.last: int | None = None  # the last bucket sent
@@ -158,7 +160,7 @@ class TimeSeriesCharts:
         )
         fig.xaxis.axis_label = "seconds before now"
         fig.yaxis.axis_label = y_label
-        chart = Chart(self, len(self.charts), fig, columns, markers, fixed_y=y_end is not None)
+        chart = Chart(fig, columns, markers, fixed_y=y_end is not None)
         self.charts.append(chart)
         return chart
 
@@ -168,17 +170,16 @@ class TimeSeriesCharts:
         if last == self.last:
             return
         first = last - SERIES_BUCKETS + 1
-        data = {"x": (np.arange(first, last + 1) - last) * BUCKET_S}
+        x = (np.arange(first, last + 1) - last) * BUCKET_S
         for chart in self.charts:
-            lines = chart.columns(metrics, first, last)
-            for label, column in lines.items():
+            lines = {label: np.asarray(column, dtype=float) for label, column in chart.columns(metrics, first, last).items()}
+            for label in lines:
                 if label not in chart.labels:
                     chart.add_line(label)
-                data[chart.prefix + label] = np.asarray(column, dtype=float)
             chart.labels = list(lines)
             if not chart.fixed_y:
-                fit_end(chart.figure.y_range, np.concatenate([data[chart.prefix + label] for label in lines]) if lines else [])
-        self.source.data = data
+                fit_end(chart.figure.y_range, np.concatenate(list(lines.values())) if lines else [])
+            chart.show({"x": x, **{LINE + label: values for label, values in lines.items()}})
         self.last = last
 
 
@@ -349,13 +350,9 @@ class GPUView(DashboardComponent):
         self.timeline_source = ColumnDataSource({"y": [], "left": [], "right": [], "kind": [], "color": []})
         self.timeline = figure(
             title=f"Planned reservations vs actual busy intervals (last {TIMELINE_S:g} s)", height=360, sizing_mode="stretch_width",
-            y_range=FactorRange(), x_range=Range1d(0, TIMELINE_S * 1e3), x_axis_type="datetime",
-            tools="xpan,xwheel_zoom,reset", x_axis_label="time (UTC)",
+            y_range=FactorRange(), x_range=Range1d(-TIMELINE_S * 1e3, 0), tools="xpan,xwheel_zoom,reset", x_axis_label="ms before now",
         )
-        self.timeline.xaxis.formatter = DatetimeTickFormatter(context=None, seconds="%H:%M:%S", milliseconds="%H:%M:%S.%3N")
         self.timeline.hbar(y="y", left="left", right="right", height=0.8, color="color", legend_field="kind", source=self.timeline_source)
-        self.dispatches_seen: dict[str, int] = {}  # model -> its dispatches already drawn
-        self.busy_seen = 0
         self.utilisation_source = ColumnDataSource({"gpu": [], "utilisation": []})
         self.utilisation = figure(title="Utilisation per GPU type (busy share of its slots)", height=260, sizing_mode="stretch_width", x_range=FactorRange(), y_range=(0, 1.05), tools="")
         self.utilisation.vbar(x="gpu", top="utilisation", width=0.7, source=self.utilisation_source, color="#31a354")
@@ -381,42 +378,36 @@ class GPUView(DashboardComponent):
         push(self.nic_source, {"link": links, "utilisation": [round(min(1.0, busy_s[link] / TIMELINE_S), 3) for link in links]})
 
     def _update_timeline(self, metrics: ServiceMetrics, now: float) -> None:
-        """Stream the reservations dispatched and the intervals run since the last update (the
-        newest :data:`TIMELINE_BARS` of each) as one message, and move the x range to the last
-        :data:`TIMELINE_S` (absolute times: the bars already sent stay valid)."""
+        """The reservations and busy intervals of the last :data:`TIMELINE_S` (the newest
+        :data:`TIMELINE_BARS` of each), at x = ms before ``now``: one replaced source is one
+        message and one redraw, and the fixed x range needs none."""
         bars: dict[str, list] = {"y": [], "left": [], "right": [], "kind": [], "color": []}
+        since = now - TIMELINE_S
 
         def bar(resource: str, kind: str, begin: float, end: float, color: str) -> None:
             bars["y"].append((resource, kind))
-            bars["left"].append(clock_ms(metrics, begin))
-            bars["right"].append(clock_ms(metrics, end))
+            bars["left"].append(round((begin - now) * 1e3, 3))
+            bars["right"].append(round((end - now) * 1e3, 3))
             bars["kind"].append(kind)
             bars["color"].append(color)
 
         planned = 0
-        for name, model in metrics.models.items():
-            new = min(model.dispatch_count - self.dispatches_seen.get(name, 0), len(model.dispatches))
-            self.dispatches_seen[name] = model.dispatch_count
-            for _, hops in islice(reversed(model.dispatches), new):
-                if planned >= TIMELINE_BARS or hops[-1].compute.end < now - TIMELINE_S:
+        for model in metrics.models.values():
+            for _, hops in reversed(model.dispatches):
+                if planned >= TIMELINE_BARS or hops[-1].compute.end < since:
                     break
                 for hop in hops:
                     bar(hop.slot, "planned", hop.compute.start, hop.compute.end, "#9ecae1")
                     planned += 1
-        new = min(metrics.busy_count - self.busy_seen, len(metrics.busy))
-        self.busy_seen = metrics.busy_count
         busy = 0
-        for resource, begin, end in islice(reversed(metrics.busy), new):
-            if busy >= TIMELINE_BARS or end < now - TIMELINE_S - 1.0:  # recorded about in the order they end
+        for resource, begin, end in reversed(metrics.busy):
+            if busy >= TIMELINE_BARS or end < since - 1.0:  # recorded about in the order they end
                 break
-            if resource in metrics.gpu_of:
+            if resource in metrics.gpu_of and end >= since:
                 bar(resource, "busy", begin, end, "#e6550d")
                 busy += 1
-        factors = [(slot, kind) for slot in sorted(metrics.gpu_of) for kind in ("planned", "busy")]
-        set_factors(self.timeline.y_range, factors)
-        if bars["y"]:
-            self.timeline_source.stream(bars, rollover=2 * TIMELINE_BARS)
-        self.timeline.x_range.update(start=clock_ms(metrics, now - TIMELINE_S), end=clock_ms(metrics, now))
+        set_factors(self.timeline.y_range, [(slot, kind) for slot in sorted(metrics.gpu_of) for kind in ("planned", "busy")])
+        push(self.timeline_source, bars)
 
 
 class BatchView(DashboardComponent):

@@ -208,7 +208,6 @@ class ModelMetrics:
     phase_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     batch_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # (pipeline, requests in batch) -> batches
     dispatches: deque[tuple[float, tuple[Hop, ...]]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))  # (when, planned hops)
-    dispatch_count: int = 0  # dispatches recorded in all, so a reader can tell the new ones in ``dispatches``
     pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
 
@@ -223,7 +222,6 @@ class ServiceMetrics:
         self.unix_offset = unix_offset
         self.models: dict[str, ModelMetrics] = {}
         self.busy: deque[tuple[str, float, float]] = deque(maxlen=BUSY_HISTORY)  # (resource, start, end)
-        self.busy_count = 0  # busy intervals recorded in all, so a reader can tell the new ones in ``busy``
         self.drops: deque[DropEvent] = deque(maxlen=DROP_HISTORY)
         self.gpu_of: dict[str, str] = {}  # slot id -> GPU type
         self.last_time = 0.0
@@ -255,7 +253,6 @@ class ServiceMetrics:
         key = (dispatch.pipeline, len(dispatch.requests))
         metrics.batch_sizes[key] = metrics.batch_sizes.get(key, 0) + 1
         metrics.dispatches.append((now, dispatch.hops))
-        metrics.dispatch_count += 1
         pending = metrics.pending
         pending[dispatch.id] = Pending(dispatch.hops, np.fromiter((r.arrival for r in dispatch.requests), float, len(dispatch.requests)), now)
         if len(pending) > PENDING_LIMIT:
@@ -283,7 +280,6 @@ class ServiceMetrics:
     def busy_interval(self, resource: str, start: float, end: float) -> None:
         """``resource`` (a slot, or a ``<server>/ul|dl`` NIC direction) was busy over [start, end)."""
         self.busy.append((resource, start, end))
-        self.busy_count += 1
 
     def done(self, model: str, dispatch_id: int, now: float) -> None:
         """The last stage of dispatch ``dispatch_id`` finished: its requests completed, each with

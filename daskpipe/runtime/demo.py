@@ -319,4 +319,6 @@ def _print_summary(console, summary: Summary) -> None:
     console.print(table)
     for failure in summary.failures:
         console.print(f"[red]failed:[/red] {failure}")
-    console.print(f"dashboard (while the demo ran): {summary.dashboard}")
+    if summary.dashboard:
+        pages = summary.dashboard.removesuffix("/status")
+        console.print(f"dashboard (while the demo ran): {summary.dashboard}; daskpipe's pages: {pages}/daskpipe-slos, {pages}/daskpipe-plan")

@@ -460,10 +460,11 @@ class Elastic:
         started = []
         for name, placements in placed.items():
             spec, model_plan = dep.models[name], plan.model(name)
+            blocks = await client.scatter(spec.blocks)  # once per model, not in every stage's task
             for p, q, slot in placements:
                 start, end = model_plan.pipelines[p].partitions[q].blocks
                 kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=spec.input_shapes[start], input_dtype=spec.input_dtype)
-                started.append((name, p, q, slot.address, client.submit(Stage, name, q, spec.blocks[start:end], **kwargs)))
+                started.append((name, p, q, slot.address, client.submit(Stage, name, q, blocks[start:end], **kwargs)))
         futures = [row[-1] for row in started]
         try:
             await wait(futures, timeout=max(60.0, self.settings.plan_time_limit_s))

@@ -462,15 +462,17 @@ def _start_stages(
 ) -> tuple[list[Future], dict[str, list[list]]]:
     """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start.
 
-    ``pickled`` holds each model's blocks pickled one by one: a stage gets the slice of its partition."""
+    ``pickled`` holds each model's blocks pickled one by one: a stage gets the slice of its partition,
+    scattered once (not embedded in each stage's task, a large graph through the scheduler)."""
     started: list[tuple[str, int, int, str, Future]] = []
+    scattered = {name: client.scatter(pickled[name]) for name in placed}
     for name, placements in placed.items():
         model_plan = plan.model(name)
         for p, q, slot in placements:
             start, end = model_plan.pipelines[p].partitions[q].blocks
             input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
             kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
-            future = client.submit(Stage, name, q, pickled[name][start:end], **kwargs)
+            future = client.submit(Stage, name, q, scattered[name][start:end], **kwargs)
             started.append((name, p, q, slot.address, future))
     futures = [row[-1] for row in started]
     wait(futures)

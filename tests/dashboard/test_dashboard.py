@@ -169,3 +169,38 @@ def test_pages_appear_when_the_plugin_is_registered_after_the_scheduler_started(
         client.register_plugin(DaskpipeSchedulerPlugin())
         html = http_get(base_url(cluster) + "/daskpipe-plan")
         assert 'href="daskpipe-slos"' in html  # daskpipe's page, with its own links
+
+
+def test_a_closed_page_is_destroyed_without_a_full_collection_of_the_schedulers_heap():
+    import gc
+    import weakref
+
+    from bokeh.document import Document
+
+    from daskpipe.dashboard.server import page_doc
+
+    class Scheduler:
+        plugins: dict = {}
+
+    class Session:  # what Bokeh's server session registers on the document it serves
+        def _document_patched(self, event) -> None:
+            pass
+
+    class Cycle:
+        pass
+
+    def garbage_cycle() -> weakref.ref:
+        cycle = Cycle()
+        cycle.itself = cycle
+        return weakref.ref(cycle)
+
+    for page, destroyed_with_full_collection in (("slos", False), (None, True)):  # a daskpipe page, a plain Bokeh document
+        document, session = Document(), Session()
+        if page is not None:
+            page_doc(page)(Scheduler(), {}, document)
+        document.on_change_dispatch_to(session)
+        old_garbage = garbage_cycle()
+        document.destroy(session)  # as Bokeh's session clean-up does, on the scheduler's event loop
+        assert (old_garbage() is None) == destroyed_with_full_collection
+        gc.collect()
+        assert old_garbage() is None  # the collector's next full pass takes it

@@ -77,12 +77,14 @@ def test_dispatch_feedback_and_done_give_busy_intervals_batches_and_latencies():
     view.update()
     assert sorted(view.timeline_source.data["kind"]) == ["busy", "busy", "planned", "planned"]
     assert view.nic_source.data["link"] == ["s0/ul", "s1/dl"]
-    view.update()  # nothing new: nothing streamed twice
-    assert len(view.timeline_source.data["kind"]) == 4
+    sent = view.timeline_source.data
+    view.update()  # nothing new at the same time: nothing sent
+    assert view.timeline_source.data is sent
     metrics.feedback("m", Feedback(7, 0, "compute", 1.9, 1.95))  # ignored: dispatch 7 is done
     metrics.busy_interval("a", 1.9, 1.95)
     view.update()
-    assert view.timeline_source.data["kind"][-1] == "busy" and len(view.timeline_source.data["kind"]) == 5
+    assert sorted(view.timeline_source.data["kind"]) == ["busy", "busy", "busy", "planned", "planned"]
+    assert max(view.timeline_source.data["right"]) == -50.0  # ms before now (2.0 s): the newest busy interval ended at 1.95 s
 
 
 def test_time_series_stream_only_the_completed_seconds_and_the_drops_table_shows_the_newest_first():
@@ -92,16 +94,18 @@ def test_time_series_stream_only_the_completed_seconds_and_the_drops_table_shows
     view = SLOView(lambda: (metrics, now[0]))
     metrics.submit("m", 3, 100.2, queued=3)
     view.update()
-    x = list(view.series.source.data["x"])
+    x = list(view.rates.source.data["x"])
     assert len(x) == SERIES_BUCKETS and (x[0], x[-1]) == (-(SERIES_BUCKETS - 1) * BUCKET_S, 0)
     assert sum(view.rates.column("m offered")) == 0  # the second in progress (100) is not shown yet
-    sent = view.series.source.data
+    sent = view.rates.source.data
     now[0] = 100.9
     view.update()
-    assert view.series.source.data is sent  # no second completed: nothing sent
+    assert view.rates.source.data is sent  # no second completed: nothing sent
+    drops_sent = view.drops.source.data
     now[0] = 101.2
     view.update()
-    assert len(view.series.source.data["x"]) == SERIES_BUCKETS and view.rates.column("m offered")[-1] == 3 / BUCKET_S
+    assert len(view.rates.source.data["x"]) == SERIES_BUCKETS and view.rates.column("m offered")[-1] == 3 / BUCKET_S
+    assert view.drops.source.data is drops_sent  # a second completed, but the drops chart looks the same: not sent
     assert view.rates.figure.y_range.end == 5  # 3 req/s plus headroom, rounded up to 1, 2 or 5 times a power of ten
     metrics.drop("m", "overload", 2, 101.25, "3 requests queued")
     metrics.drop("m", "overload", 1, 101.3, "4 requests queued")  # the same second and reason: the same row
