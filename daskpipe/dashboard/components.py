@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timezone
-from itertools import cycle, islice
+from itertools import cycle
 
 import numpy as np
 from bokeh.core.properties import without_property_validation
@@ -66,10 +66,15 @@ def last_completed(now: float) -> int:
     return int(now // BUCKET_S) - 1
 
 
-def push(source: ColumnDataSource, data: dict[str, list]) -> None:
+def push(source: ColumnDataSource, data: dict[str, list | np.ndarray]) -> None:
     """Replace ``source``'s data unless it holds ``data`` already: an unchanged source sends the
-    browser nothing and redraws nothing (sources pushed here hold plain lists, no NaN)."""
-    if source.data != data:
+    browser nothing and redraws nothing. Columns are plain lists (no NaN) or float arrays (NaN
+    marks a gap and equals NaN here)."""
+    current = source.data
+    same = current.keys() == data.keys() and all(
+        np.array_equal(current[key], column, equal_nan=True) if isinstance(column, np.ndarray) else current[key] == column for key, column in data.items()
+    )
+    if not same:
         source.data = data
 
 
@@ -133,13 +138,6 @@ class Chart:
             self.figure.scatter("x", LINE + label, source=self.source, color=color, size=4, legend_label=label)
         self.figure.legend.location = "top_left"
 
-    def show(self, data: dict[str, np.ndarray]) -> None:
-        """Replace the source's data unless every line holds the same values already: a chart
-        whose window did not change (a flat attainment, no drops) is not sent or redrawn."""
-        current = self.source.data
-        if current.keys() != data.keys() or not all(np.array_equal(current[k], v, equal_nan=True) for k, v in data.items()):
-            self.source.data = data
-
 
 class TimeSeriesCharts:
     """The time-series figures of one page: one point per completed :data:`BUCKET_S` bucket over
@@ -179,7 +177,7 @@ class TimeSeriesCharts:
             chart.labels = list(lines)
             if not chart.fixed_y:
                 fit_end(chart.figure.y_range, np.concatenate(list(lines.values())) if lines else [])
-            chart.show({"x": x, **{LINE + label: values for label, values in lines.items()}})
+            push(chart.source, {"x": x, **{LINE + label: values for label, values in lines.items()}})  # a chart that looks the same is not sent
         self.last = last
 
 
