@@ -399,8 +399,9 @@ def _profile(client: Client, slots: list[WorkerSlot], name: str, module: nn.Modu
     probe = real[0] if real else slots[0]
     device = "cpu" if probe.gpu == messages.CPU or probe.emulated else "cuda"
     measured_type = probe.gpu if device == "cuda" else messages.CPU
+    weights = client.scatter(module, workers=[probe.address], hash=False)  # sent once, not embedded in the task (a large graph)
     future = client.submit(
-        profile_model, module, example, name=name, num_blocks=num_blocks, batch_sizes=batch_sizes,
+        profile_model, weights, example, name=name, num_blocks=num_blocks, batch_sizes=batch_sizes,
         device=device, gpu_type=measured_type, slices=probe.slices, slo_us=slo_us, workers=[probe.address], pure=False,
     )
     profile, blocked = future.result()
