@@ -11,6 +11,11 @@ wake, feedback that changed a table) it repeats Algorithm 1 while requests are q
 3. **Act**: none fits -> drop the head ("deadline"); fewer samples queued than the batch and the
    last moment not come -> wait; else reserve the path and dispatch the head's batch.
 
+The last moment is when a batch of one more sample would still finish by the head's deadline on
+an idle pipeline. With ``slack_quantile`` (the default) that is at the quantile of the latency
+each stage was measured at, from compute feedback, not at the profiled mean: a batch sent at the
+mean's last moment ends after its deadline whenever it runs over (``daskpipe.sched.latency``).
+
 ``probe`` (Algorithm 2) walks the partitions, picking in each pool the slot that finishes the
 stage first (with ``uplink_aware``, the artifact's choice: whose output can leave first); for
 every stage after the first it reserves the sender's uplink and the receiver's
@@ -47,6 +52,7 @@ from typing import Iterator
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Action, Dispatch, Dispatcher, Drop, DropReason, Feedback, Hop, Placement, Request, Reservation, Slot, Stats, Time
+from daskpipe.sched.latency import MeasuredLatency
 from daskpipe.sched.timeline import NEVER, TIMELINE_MODES, Timeline, make_timeline
 
 INF = float("inf")
@@ -57,7 +63,8 @@ class PPipeSettings:
     """The choices where PPipe's paper and its published simulator (the artifact) differ.
 
     Defaults follow the paper, except ``uplink_aware`` (the artifact's choice, never worse on the
-    shared profiles; docs/dataplane.md); :meth:`artifact` gives the simulator's choices.
+    shared profiles) and ``slack_quantile`` (daskpipe's, the same as the paper's where execution
+    keeps to the profile; docs/dataplane.md); :meth:`artifact` gives the simulator's choices.
 
     timeline
         ``"gaps"`` (paper, Algorithm 2's earliestSlot): interval tables, later requests may fill
@@ -87,6 +94,17 @@ class PPipeSettings:
         A dispatch's reservations are remembered for feedback until its last compute feedback
         arrives, or this long after its planned finish (memory stays bounded if feedback never
         comes).
+    slack_quantile
+        ``0.95`` (default): slack-aware dispatch. Compute feedback corrects each stage's latency
+        (:class:`~daskpipe.sched.latency.MeasuredLatency`): reservations take the measured ratio
+        to the profile once the stage is shown to run slower, and a batch that is not full waits
+        only until the last moment at which one more sample would still meet the head's deadline
+        at this quantile of the measured latency. ``None`` (paper, artifact): the profile as it
+        is, and the last moment by its mean. Execution that keeps to the profile makes both
+        decide alike.
+    latency_window, latency_min_samples
+        The recent compute feedbacks per stage the quantile is taken over, and how many it needs
+        before it departs from the profile.
     """
 
     timeline: str = "gaps"
@@ -96,6 +114,9 @@ class PPipeSettings:
     reevaluate_on_arrival: bool = False
     uplink_aware: bool = True
     feedback_horizon_s: float = 10.0
+    slack_quantile: float | None = 0.95
+    latency_window: int = 100
+    latency_min_samples: int = 20
 
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:
@@ -104,11 +125,15 @@ class PPipeSettings:
             raise ValueError(f"PPipeSettings.max_queued must be None or an integer >= 1, got {self.max_queued!r}")
         if not self.feedback_horizon_s > 0:
             raise ValueError(f"PPipeSettings.feedback_horizon_s must be > 0, got {self.feedback_horizon_s!r}")
+        if self.slack_quantile is not None and not 0.5 <= self.slack_quantile < 1:
+            raise ValueError(f"PPipeSettings.slack_quantile must be None or in [0.5, 1), got {self.slack_quantile!r}")
+        if not 1 <= self.latency_min_samples <= self.latency_window:
+            raise ValueError(f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and {self.latency_window!r}")
 
     @classmethod
     def artifact(cls, **overrides: object) -> PPipeSettings:
         """The published simulator's behaviour (digest §3.6)."""
-        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True)
+        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True, slack_quantile=None)
         choices.update(overrides)
         return cls(**choices)  # type: ignore[arg-type]
 
@@ -140,9 +165,9 @@ class Offer:
 class _Stage:
     """One partition of a pipeline: its pool, ordered by when each slot's reservations end."""
 
-    __slots__ = ("index", "slots", "ul", "dl", "order", "keys", "gappy", "compute", "transfer")
+    __slots__ = ("index", "slots", "ul", "dl", "order", "keys", "gappy", "profiled", "compute", "headroom", "transfer", "measured")
 
-    def __init__(self, index: int, slots: list[str], ul: list[str], dl: list[str], compute: list[float], transfer: list[float]):
+    def __init__(self, index: int, slots: list[str], ul: list[str], dl: list[str], compute: list[float], transfer: list[float], measured: MeasuredLatency | None):
         self.index = index
         self.slots = slots
         self.ul = ul  # uplink resource of each slot's server
@@ -150,18 +175,32 @@ class _Stage:
         self.keys: list[tuple[Time, int]] = [(NEVER, i) for i in range(len(slots))]
         self.order = sorted(self.keys)  # kept sorted with bisect: pools are small, a memmove is cheap
         self.gappy: set[int] = set()  # slots keyed NEVER: a gap before their tail fits the shortest batch
-        self.compute = compute  # seconds by batch size (index 0 unused)
+        self.profiled = compute  # seconds by batch size (index 0 unused), as profiled
+        self.compute = compute  # ... as reserved: profiled x measured.typical
+        self.headroom = [0.0] * len(compute)  # seconds beyond ``compute`` at the slack quantile
         self.transfer = transfer  # seconds to bring the input feature map in, by batch size (0 for the first stage)
+        self.measured = measured  # None: the profile is trusted as it is
+
+    def rescale(self, typical: float, high: float) -> None:
+        """Tables from the profile and the measured factors (:class:`MeasuredLatency`)."""
+        self.compute = [typical * seconds for seconds in self.profiled]
+        self.headroom = [(high - typical) * seconds for seconds in self.profiled]
 
 
 class _Pipe:
-    __slots__ = ("index", "batch_size", "stages", "work")
+    __slots__ = ("index", "batch_size", "stages", "work", "safe_work")
 
     def __init__(self, index: int, batch_size: int, stages: list[_Stage]):
         self.index = index
         self.batch_size = batch_size
         self.stages = stages
-        self.work = [sum(st.compute[b] + st.transfer[b] for st in stages) for b in range(batch_size + 1)]
+        self.retable()
+
+    def retable(self) -> None:
+        """Pure work by batch size: as reserved (``work``), and at the slack quantile (``safe_work``)."""
+        sizes = range(self.batch_size + 1)
+        self.work = [sum(st.compute[b] + st.transfer[b] for st in self.stages) for b in sizes]
+        self.safe_work = [self.work[b] + sum(st.headroom[b] for st in self.stages) for b in sizes]
 
 
 class _Waiting:
@@ -211,7 +250,6 @@ class PPipeDispatcher(Dispatcher):
         self._slot_entries: dict[str, list[tuple[_Stage, int]]] = {}
         self._pipes = [self._build_pipe(pi, p, profile, bw_gbps) for pi, p in enumerate(model.pipelines)]
         self._stages = [stage for pipe in self._pipes for stage in pipe.stages]
-        self._shortest_batch = min((stage.compute[1] for stage in self._stages), default=0.0)
         self._gaps_checked_at = NEVER
         self._earliest = self.timeline.earliest
         self._gap_tables = self.timeline.mode == "gaps"  # append tables have no gaps to track
@@ -224,7 +262,7 @@ class PPipeDispatcher(Dispatcher):
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
-        self._live: dict[int, tuple[tuple[Hop, ...], int]] = {}  # dispatch id -> (hops, timeline corrections then), until feedback is complete
+        self._live: dict[int, tuple[tuple[Hop, ...], int, _Pipe, int]] = {}  # dispatch id -> (hops, timeline corrections then, pipeline, samples), until feedback is complete
         self._live_order: deque[int] = deque()  # dispatch ids in dispatch order, to forget old records
 
     # -- construction --------------------------------------------------------------------------
@@ -236,11 +274,17 @@ class PPipeDispatcher(Dispatcher):
             compute, transfer = latency_tables(profile, part, bs, bw_gbps, first=di == 0)
             ul = [f"{nic_of(slot)}/ul" for slot in pool]
             dl = [f"{nic_of(slot)}/dl" for slot in pool]
-            stage = _Stage(di, [slot.id for slot in pool], ul, dl, compute, transfer)
+            stage = _Stage(di, [slot.id for slot in pool], ul, dl, compute, transfer, self._measured_latency())
             for i, slot_id in enumerate(stage.slots):
                 self._slot_entries.setdefault(slot_id, []).append((stage, i))
             stages.append(stage)
         return _Pipe(pi, bs, stages)
+
+    def _measured_latency(self) -> MeasuredLatency | None:
+        settings = self.settings
+        if settings.slack_quantile is None:
+            return None
+        return MeasuredLatency(settings.slack_quantile, settings.latency_window, settings.latency_min_samples)
 
     # -- Dispatcher interface ------------------------------------------------------------------
     def submit(self, request: Request, now: Time) -> list[Action]:
@@ -262,7 +306,7 @@ class PPipeDispatcher(Dispatcher):
         waiting = self._waiting
         if waiting is None or waiting.epoch != self._epoch or request.deadline < waiting.deadline or self.settings.reevaluate_on_arrival:
             return self._run(now)
-        if n < waiting.batch_size and now < waiting.deadline - waiting.pipe.work[n + 1]:
+        if n < waiting.batch_size and now < waiting.deadline - waiting.pipe.safe_work[n + 1]:
             return []  # still short of the batch, and its last moment has not come
         return self._run(now, held=waiting)
 
@@ -273,13 +317,13 @@ class PPipeDispatcher(Dispatcher):
         waiting = self._waiting
         if waiting is None:
             return None
-        return waiting.deadline - waiting.pipe.work[self._queued_samples + 1]
+        return waiting.deadline - waiting.pipe.safe_work[self._queued_samples + 1]
 
     def feedback(self, fb: Feedback, now: Time) -> list[Action]:
         record = self._live.get(fb.dispatch)
         if record is None:  # finished and forgotten, or never ours: nothing left to correct
             return []
-        hops, corrections_then = record
+        hops, corrections_then, pipe, samples = record
         if fb.kind != "compute" and fb.kind != "transfer":
             raise ValueError(f"feedback kind must be 'compute' or 'transfer', got {fb.kind!r}")
         if not 0 <= fb.partition < len(hops):
@@ -288,11 +332,19 @@ class PPipeDispatcher(Dispatcher):
             raise ValueError(f"feedback for dispatch {fb.dispatch} ends before it starts: [{fb.start}, {fb.end})")
         hop = hops[fb.partition]
         last = fb.partition == len(hops) - 1 and fb.kind == "compute"
+        changed = fb.kind == "compute" and self._measure(pipe, pipe.stages[fb.partition], samples, fb.end - fb.start)
         planned = hop.compute if fb.kind == "compute" else hop.transfer_in[0] if hop.transfer_in is not None else None
-        if corrections_then == self.timeline.corrections and planned is not None and planned.start == fb.start and planned.end == fb.end:
-            if last:  # on time, and no correction moved it since it was reserved: nothing to do
-                del self._live[fb.dispatch]
+        if corrections_then != self.timeline.corrections or planned is None or planned.start != fb.start or planned.end != fb.end:
+            changed |= self._correct(fb, hop, now)  # else on time, and no correction moved it since it was reserved
+        if last:
+            del self._live[fb.dispatch]
+        if not changed:
             return []
+        self._epoch += 1
+        return self._run(now) if self._queue else []
+
+    def _correct(self, fb: Feedback, hop: Hop, now: Time) -> bool:
+        """Move ``hop``'s reservation to what really happened; True when a table changed."""
         token = (fb.dispatch, fb.partition)
         actual = (fb.start, fb.end)
         self.timeline.advance(now)
@@ -300,18 +352,27 @@ class PPipeDispatcher(Dispatcher):
             changed = self.timeline.correct(hop.slot, (hop.compute.start, hop.compute.end), actual, token)
             if changed:
                 self._retail(hop.slot)
-            if last:
-                del self._live[fb.dispatch]
-        else:
-            if hop.transfer_in is None:
-                raise ValueError(f"feedback reports a transfer into partition {fb.partition} of dispatch {fb.dispatch}, which has none")
-            changed = False
-            for resv in hop.transfer_in:
-                changed |= self.timeline.correct(resv.resource, (resv.start, resv.end), actual, token)
-        if not changed:
-            return []
-        self._epoch += 1
-        return self._run(now) if self._queue else []
+            return changed
+        if hop.transfer_in is None:
+            raise ValueError(f"feedback reports a transfer into partition {fb.partition} of dispatch {fb.dispatch}, which has none")
+        changed = False
+        for resv in hop.transfer_in:
+            changed |= self.timeline.correct(resv.resource, (resv.start, resv.end), actual, token)
+        return changed
+
+    def _measure(self, pipe: _Pipe, stage: _Stage, samples: int, seconds: float) -> bool:
+        """Learn from one measured compute of ``stage``; True when its latency tables changed.
+
+        Only computes are measured: a transfer's feedback spans two hosts' clocks and the
+        messaging around it, so its ratio to the modelled wire time says little."""
+        measured = stage.measured
+        profiled = stage.profiled[samples]
+        if measured is None or not profiled > 0 or not measured.add(seconds / profiled):
+            return False
+        stage.rescale(measured.typical, measured.high)
+        pipe.retable()
+        self._refresh_capacity()
+        return True
 
     def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
         actions: list[Action] = []
@@ -344,7 +405,7 @@ class PPipeDispatcher(Dispatcher):
         for stage, i in entries:
             del stage.order[bisect_left(stage.order, stage.keys[i])]
             stage.gappy.discard(i)
-        for dispatch_id, (hops, _) in list(self._live.items()):
+        for dispatch_id, (hops, *_) in list(self._live.items()):
             if any(hop.slot == slot_id for hop in hops) and hops[-1].compute.end > now:
                 self._release(dispatch_id, hops)
         self._refresh_capacity()
@@ -380,7 +441,9 @@ class PPipeDispatcher(Dispatcher):
         del self._live[dispatch_id]
 
     def _refresh_capacity(self) -> None:
-        """Which pipelines can run (every pool has a slot), and what admission may accept."""
+        """Which pipelines can run (every pool has a slot), what admission may accept, and the
+        shortest batch (how often gaps are refreshed)."""
+        self._shortest_batch = min((stage.compute[1] for stage in self._stages), default=0.0)
         self._active = [pipe for pipe in self._pipes if all(stage.order for stage in pipe.stages)]
         self._max_batch = max((p.batch_size for p in self._active), default=0)
         # least pure work of a batch of s samples over the pipelines that can hold it
@@ -564,7 +627,7 @@ class PPipeDispatcher(Dispatcher):
                 actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
                 continue
             n = self._queued_samples
-            if n < bs and now < deadline - pipe.work[n + 1]:
+            if n < bs and now < deadline - pipe.safe_work[n + 1]:
                 self._waiting = _Waiting(pipe, bs, deadline, self._epoch)
                 break
             actions.append(self._dispatch(pipe, bs, finish, path, now))
@@ -608,7 +671,7 @@ class PPipeDispatcher(Dispatcher):
         dispatch_id = next(self._dispatch_ids)
         hops = self._hops(pipe, taken, path)
         self._reserve_hops(hops, dispatch_id)
-        self._live[dispatch_id] = (hops, self.timeline.corrections)
+        self._live[dispatch_id] = (hops, self.timeline.corrections, pipe, taken)
         self._live_order.append(dispatch_id)
         stats = self.stats
         stats.dispatched_batches += 1

@@ -42,6 +42,30 @@ def summary(result: SimResult) -> dict[str, Any]:
     }
 
 
+def read_ratios(path: str) -> list[float]:
+    """Measured/profiled latency ratios, one per line; blank lines and ``#`` comments are skipped."""
+    ratios = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            ratios.append(float(text))
+        except ValueError:
+            raise click.BadParameter(f"line {number} of {path}: {text!r} is not a number", param_hint="--latency-ratios") from None
+    return ratios
+
+
+def parse_quantile(ctx: click.Context, param: click.Parameter, value: str | None) -> float | str | None:
+    """``--slack-quantile``: a number, ``off`` (last-moment dispatch), or unset (the default)."""
+    if value is None or value == "off":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a number nor 'off'") from None
+
+
 def write_report(plan: Any, result: SimResult, path: str) -> None:
     """The live dashboard's pages, filled from the simulated run of each model."""
     from daskpipe.dashboard.metrics import ServiceMetrics
@@ -65,6 +89,10 @@ def write_report(plan: Any, result: SimResult, path: str) -> None:
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of arrivals per run.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seeds arrivals and noise; a run is fixed by it.")
 @click.option("--noise", type=float, default=0.0, show_default=True, help="Sigma of a mean-one log-normal factor on every duration.")
+@click.option("--latency-ratios", "ratios_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of measured/profiled compute ratios, one per line: each compute takes its profiled time times one drawn from them.")
+@click.option("--slack-quantile", callback=parse_quantile, default=None,
+              help="ppipe: the quantile of measured latency a waiting batch keeps slack for (default 0.95), or 'off' for last-moment dispatch.")
 @click.option("--bursty-cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the bursty gaps.")
 @click.option("--bw-gbps", type=float, default=None, help="Network bandwidth (default: the plan's cluster record).")
 @click.option("--timeout-ms", type=float, default=2.0, show_default=True, help="timeout data plane: a batch goes when its oldest request has waited this long.")
@@ -72,7 +100,8 @@ def write_report(plan: Any, result: SimResult, path: str) -> None:
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True), help="Where to write the figures.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write the dashboard's pages for the reported run (at the max load with --find-max-load) as one HTML file.")
-def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, bursty_cv, bw_gbps, timeout_ms, max_batch, json_path, report_path) -> None:
+def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, ratios_path, slack_quantile,
+                     bursty_cv, bw_gbps, timeout_ms, max_batch, json_path, report_path) -> None:
     """Simulate PLAN under a workload and write per-model SLO attainment, drops, latency and
     batch size, and utilisation per GPU type, to --json."""
     from daskpipe.plan.schema import Plan, PlanError
@@ -86,8 +115,19 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
         raise click.ClickException(str(exc)) from None
     if arrivals not in ("poisson", "bursty") and not Path(arrivals).is_file():
         raise click.BadParameter(f"{arrivals!r} is neither poisson, bursty nor a trace file", param_hint="--arrivals")
+    settings = None
+    if slack_quantile is not None:
+        if dataplane != "ppipe":
+            raise click.BadParameter(f"only the ppipe data plane has it, not {dataplane}", param_hint="--slack-quantile")
+        from daskpipe.sched.ppipe import PPipeSettings
+
+        try:
+            settings = PPipeSettings(slack_quantile=None if slack_quantile == "off" else slack_quantile)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--slack-quantile") from None
     kwargs = dict(dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
-                  bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3, max_batch=max_batch)
+                  latency_ratios=read_ratios(ratios_path) if ratios_path else None, bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3,
+                  max_batch=max_batch, settings=settings)
     try:
         if search_max_load:
             from daskpipe.progress import progress_bar

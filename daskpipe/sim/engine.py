@@ -13,7 +13,9 @@ What the engine models:
   holds the sender's uplink and the receiver's downlink together. Hops between slots of one server
   need no transfer. Ordering every queue by planned start means the globally earliest pending
   operation can always run, so nothing deadlocks;
-* durations come from a :class:`Durations` model, optionally with multiplicative noise;
+* durations come from a :class:`Durations` model, optionally with multiplicative noise: a
+  mean-one log-normal factor on every duration, and/or for computes a ratio drawn from an
+  empirical list of measured/profiled ratios (what the runtime's feedback records);
 * every ended compute or transfer is reported back as :class:`~daskpipe.sched.api.Feedback`.
 
 No request is lost: every submitted request ends dispatched-and-completed (on time or late) or
@@ -27,7 +29,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Mapping, Protocol
+from typing import Callable, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -128,8 +130,11 @@ class Engine:
         Ground-truth durations.
     noise
         Sigma of a mean-one log-normal factor applied to every duration (0: deterministic).
+    latency_ratios
+        Measured/profiled compute ratios: each compute's duration is multiplied by one drawn
+        uniformly from them (with replacement), before ``noise``. ``None``: computes as profiled.
     seed
-        Seeds the noise.
+        Seeds the noise and the ratio draws.
     horizon
         End of the measurement window for busy time (default: run to the end).
     """
@@ -141,11 +146,14 @@ class Engine:
         durations: Durations,
         *,
         noise: float = 0.0,
+        latency_ratios: Sequence[float] | None = None,
         seed: int = 1,
         horizon: Time | None = None,
     ) -> None:
         if not (noise >= 0 and math.isfinite(noise)):
             raise ValueError(f"noise must be a non-negative sigma, got {noise!r}")
+        if latency_ratios is not None:
+            check_ratios(latency_ratios)
         self.models = dict(dispatchers)
         self.sources: list[Dispatcher] = []
         self._source_of: dict[int, int] = {}
@@ -156,6 +164,7 @@ class Engine:
         self.slots = dict(slots)
         self.durations = durations
         self.noise = noise
+        self.latency_ratios = None if latency_ratios is None else tuple(float(r) for r in latency_ratios)
         self._rng = np.random.default_rng([seed, 7])
         self.horizon = horizon
         self.trace = Trace()
@@ -261,8 +270,12 @@ class Engine:
         return record
 
     # -- execution -------------------------------------------------------------------------------
-    def _scaled(self, seconds: float) -> float:
-        if self.noise == 0.0 or seconds == 0.0:
+    def _scaled(self, seconds: float, kind: str) -> float:
+        if seconds == 0.0:
+            return seconds
+        if kind == "compute" and self.latency_ratios is not None:
+            seconds *= self.latency_ratios[int(self._rng.integers(len(self.latency_ratios)))]
+        if self.noise == 0.0:
             return seconds
         return seconds * float(np.exp(self._rng.normal(-self.noise**2 / 2, self.noise)))
 
@@ -293,10 +306,10 @@ class Engine:
                 planned = hop.transfer_in[0].start if hop.transfer_in else hop.compute.start  # the api.Dispatch contract
                 sender, receiver = self.slots[previous.resources[0]].server, slot.server
                 feeder = self._op(source, dispatch, hop.partition, "transfer", (f"{sender}/ul", f"{receiver}/dl"), planned,
-                                  self._scaled(self.durations.transfer(dispatch, hop.partition)), previous)
+                                  self._scaled(self.durations.transfer(dispatch, hop.partition), "transfer"), previous)
                 ops.append(feeder)
             compute = self._op(source, dispatch, hop.partition, "compute", (hop.slot,), hop.compute.start,
-                               self._scaled(self.durations.compute(dispatch, hop.partition, slot)), feeder)
+                               self._scaled(self.durations.compute(dispatch, hop.partition, slot), "compute"), feeder)
             ops.append(compute)
             previous = compute
             if hop.partition > last_partition:
@@ -372,6 +385,15 @@ class Engine:
         for name, resource in self._resources.items():
             if name in self.slots:
                 self.trace.slot_busy[name] = resource.busy_time
+
+
+def check_ratios(ratios: Sequence[float]) -> None:
+    """Refuse an empty list of latency ratios, or one with a ratio that is not a positive number."""
+    if len(ratios) == 0:
+        raise ValueError("latency_ratios is empty; give at least one measured/profiled ratio")
+    bad = [r for r in ratios if not (r > 0 and math.isfinite(r))]
+    if bad:
+        raise ValueError(f"latency ratios must be positive numbers, got {bad[:5]}")
 
 
 def on_time(record: RequestRecord) -> bool:

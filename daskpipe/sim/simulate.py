@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from daskpipe.colocation.execute import colocated_latency, colocated_placements,
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Dispatch, Dispatcher, Placement, Request, Slot
-from daskpipe.sim.engine import Engine, Trace, on_time
+from daskpipe.sim.engine import Engine, Trace, check_ratios, on_time
 from daskpipe.sim.workload import Trace as ArrivalTrace
 from daskpipe.sim.workload import arrivals as make_arrivals
 
@@ -194,6 +194,7 @@ class _Setup:
     duration: float
     seed: int
     noise: float
+    latency_ratios: Sequence[float] | None
     cv: float
     dispatcher_kwargs: Mapping[str, Any]
 
@@ -207,6 +208,7 @@ def _prepare(
     duration: float = 30.0,
     seed: int = 1,
     noise: float = 0.0,
+    latency_ratios: Sequence[float] | None = None,
     bursty_cv: float = 2.0,
     bw_gbps: float | None = None,
     gpus_per_server: Mapping[str, int] | None = None,
@@ -223,6 +225,8 @@ def _prepare(
         raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
     if not (timeout_s >= 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a non-negative number of seconds, got {timeout_s!r}")
+    if latency_ratios is not None:
+        check_ratios(latency_ratios)
     if isinstance(arrivals, str) and arrivals not in ("poisson", "bursty"):
         from daskpipe.sim.workload import load_trace
 
@@ -254,7 +258,7 @@ def _prepare(
         kwargs["max_batch"] = max_batch
     if dataplane == "timeout":
         kwargs["timeout_s"] = timeout_s
-    return _Setup(plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, bursty_cv, kwargs)
+    return _Setup(plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, latency_ratios, bursty_cv, kwargs)
 
 
 def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: float) -> tuple[ModelResult, Trace, Placement]:
@@ -271,7 +275,7 @@ def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: fl
     slo = model_plan.slo_us / 1e6
     dispatcher = make_dispatcher(setup.dataplane, model_plan, placement, profile, bw_gbps=setup.bw_gbps, **setup.dispatcher_kwargs)
     engine = Engine({model_plan.name: dispatcher}, placement.slots, ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),
-                    noise=setup.noise, seed=setup.seed * 1000 + index, horizon=setup.duration)
+                    noise=setup.noise, latency_ratios=setup.latency_ratios, seed=setup.seed * 1000 + index, horizon=setup.duration)
     engine.add_arrivals(Request(i, model_plan.name, float(t), float(t) + slo) for i, t in enumerate(times))
     trace = engine.run()
     return model_result(trace, model_plan.name, load_factor, rate), trace, placement
@@ -300,6 +304,7 @@ def simulate(
     duration: float = 30.0,
     seed: int = 1,
     noise: float = 0.0,
+    latency_ratios: Sequence[float] | None = None,
     bursty_cv: float = 2.0,
     bw_gbps: float | None = None,
     gpus_per_server: Mapping[str, int] | None = None,
@@ -312,7 +317,9 @@ def simulate(
     """Run every model of ``plan`` for ``duration`` seconds of arrivals at ``load_factor``.
 
     ``arrivals``: ``"poisson"``, ``"bursty"`` (gamma gaps with ``bursty_cv``), a trace file path or
-    a loaded trace. ``noise``: sigma of a mean-one log-normal factor on every duration.
+    a loaded trace. ``noise``: sigma of a mean-one log-normal factor on every duration;
+    ``latency_ratios``: measured/profiled compute ratios, one drawn for each compute (latency noise
+    as the runtime measured it; docs/simulator.md).
     ``timeout_s``/``max_batch`` are the timeout data plane's knobs (``max_batch`` also caps the
     eager and deferred ones); ``settings`` goes to the dispatcher. Arrivals stop at ``duration``;
     the run goes on until every request is completed or dropped; utilisation counts busy time
@@ -320,7 +327,7 @@ def simulate(
     """
     if not (load_factor >= 0 and math.isfinite(load_factor)):
         raise ValueError(f"load_factor must be a non-negative number, got {load_factor!r}")
-    setup = _prepare(plan, profiles, dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
+    setup = _prepare(plan, profiles, dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, latency_ratios=latency_ratios, bursty_cv=bursty_cv,
                      bw_gbps=bw_gbps, gpus_per_server=gpus_per_server, base_rates=base_rates, placements=placements,
                      timeout_s=timeout_s, max_batch=max_batch, settings=settings)
     results, busy, slots, runs = {}, {}, {}, {}

@@ -278,6 +278,64 @@ def test_feedback_rejects_nonsense():
     assert d.feedback(Feedback(999, 0, "compute", 0.0, 0.01), 0.01) == []  # unknown dispatch: ignored
 
 
+# -- slack-aware dispatch -----------------------------------------------------------------------------------
+def run_full_batches(d: PPipeDispatcher, ratios: list[float]) -> None:
+    """One full batch of 4 a second, each computing ``ratio`` x its reservation, with its feedback."""
+    for k, ratio in enumerate(ratios):
+        now = float(k)
+        [batch] = [action for i in range(4) for action in d.submit(req(10 * k + i, now), now)]
+        hop = batch.hops[0]
+        d.feedback(Feedback(batch.id, 0, "compute", hop.compute.start, hop.compute.start + ratio * (hop.compute.end - hop.compute.start)), now + 0.5)
+
+
+def test_variance_moves_the_last_moment_earlier_not_the_reservations():
+    d = dispatcher(model(whole("A")), latency_window=20, latency_min_samples=20)
+    run_full_batches(d, [1.0, 1.0, 1.0, 1.5] * 5)  # p95 of the measured ratio: 1.5; its median: 1.0
+    assert d.probe(0, 4, 30.0).hops[0].compute.end - 30.0 == pytest.approx(50 * MS)  # reserved as profiled
+    assert d.submit(req(0, 30.0), 30.0) == []
+    assert d.next_wake() == pytest.approx(30.0 + (200 - 1.5 * 30) * MS)  # deadline - p95 work(|q| + 1)
+    [batch] = d.wake(d.next_wake())
+    assert batch.batch_size == 1 and batch.finish == pytest.approx(30.0 + (200 - 45 + 20) * MS)
+
+
+def test_a_stage_measured_slower_is_reserved_longer():
+    d = dispatcher(model(whole("A")), latency_window=20, latency_min_samples=20)
+    run_full_batches(d, [1.3] * 20)
+    assert d.probe(0, 4, 30.0).hops[0].compute.end - 30.0 == pytest.approx(1.3 * 50 * MS)
+    assert d.submit(req(0, 30.0), 30.0) == []
+    assert d.next_wake() == pytest.approx(30.0 + (200 - 1.3 * 30) * MS)
+
+
+def test_last_moment_dispatch_ignores_the_measures():
+    d = dispatcher(model(whole("A")), slack_quantile=None)
+    run_full_batches(d, [1.3] * 30)
+    assert d.probe(0, 4, 30.0).hops[0].compute.end - 30.0 == pytest.approx(50 * MS)
+    assert d.submit(req(0, 30.0), 30.0) == []
+    assert d.next_wake() == pytest.approx(30.0 + (200 - 30) * MS)
+
+
+@pytest.mark.parametrize("load", [0.4, 1.5])
+def test_with_execution_as_reserved_both_policies_decide_alike(load):
+    prof = synthetic_profile()
+    plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
+    m = plan.models[0]
+    requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=5))
+    decided = []
+    for quantile in (0.95, None):
+        d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(slack_quantile=quantile))
+        out = drive(d, requests, record=True)
+        decided.append(([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops]))
+    assert decided[0] == decided[1]
+
+
+def test_slack_settings_are_checked():
+    with pytest.raises(ValueError, match="slack_quantile"):
+        PPipeSettings(slack_quantile=1.0)
+    with pytest.raises(ValueError, match="latency_min_samples"):
+        PPipeSettings(latency_window=10, latency_min_samples=20)
+    assert PPipeSettings.artifact().slack_quantile is None
+
+
 # -- end to end: nothing lost, deadlines met when execution follows the reservations --------------------
 def _check_run(d: PPipeDispatcher, requests: list[Request], **kwargs) -> None:
     out = drive(d, requests, record=True, **kwargs)
@@ -421,6 +479,6 @@ def test_records_of_dispatches_without_feedback_are_forgotten_after_the_horizon(
     m = plan.models[0]
     d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(feedback_horizon_s=0.05))
     out = drive(d, poisson_arrivals(m.name, m.throughput * 0.8, m.slo_us * 1e-6, 5000, seed=4), feedback=False)
-    newest = max(h.compute.end for hops, _ in d._live.values() for h in hops)
-    assert out.batches > 10 * len(d._live) and all(hops[-1].compute.end >= newest - 0.05 - m.slo_us * 1e-6 for hops, _ in d._live.values())
+    newest = max(h.compute.end for hops, *_ in d._live.values() for h in hops)
+    assert out.batches > 10 * len(d._live) and all(hops[-1].compute.end >= newest - 0.05 - m.slo_us * 1e-6 for hops, *_ in d._live.values())
     assert len(d._live_order) == len(d._live)

@@ -25,3 +25,14 @@ def toy_plan(throughput: float = 1000.0) -> Plan:
 @pytest.fixture
 def toy():
     return toy_plan(), {"toy": toy_profile()}
+
+
+def batching_plan(slots: int = 2, batch: int = 8) -> tuple[Plan, dict[str, Profile]]:
+    """One stage on ``slots`` GPUs at batch ``batch``, 20 ms + 2 ms per sample, SLO 100 ms: a sample
+    costs little next to a batch, so at low load a batch waits for the last moment of its head."""
+    latency_us = np.array([(20.0 + 2.0 * b) * 1e3 for b in range(1, batch + 1)])
+    profile = Profile("g", 100_000.0, 1, {("G", 1): latency_us[None, :]}, boundary_bytes=())
+    throughput = slots * batch / (latency_us[-1] * 1e-6)
+    pipeline = Pipeline(batch, throughput, (Partition((0, 1), "G", 1, slots, latency_us[-1]),))
+    model = ModelPlan("g", 100_000.0, 1.0, throughput, (pipeline,))
+    return Plan(throughput, (model,), cluster={"gpus": {"G": slots}, "gpus_per_server": {"G": 1}, "bw_gbps": 10.0}), {"g": profile}

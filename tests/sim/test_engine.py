@@ -118,3 +118,26 @@ def test_noise_changes_durations_but_not_the_books(toy):
         finishes.append([r.finish for r in trace.requests.values()])
         assert all(r.finish is not None or r.dropped for r in trace.requests.values())
     assert finishes[0] != finishes[1]
+
+
+def test_latency_ratios_scale_computes_and_are_fed_back(toy):
+    """Each compute takes its profiled time x a ratio drawn from the list; transfers keep theirs."""
+    plan, profiles = toy
+    slots = {"a0": Slot("a0", "A", 1, "s0"), "b0": Slot("b0", "B", 1, "s1"), "b1": Slot("b1", "B", 1, "s1")}
+    feedbacks = []
+    for seed in (5, 5):
+        scripted = Scripted(lambda now: two_hop(now + 0.01 * scripted.ids))  # batches far apart: no queueing
+        engine = Engine({"toy": scripted}, slots, ProfileDurations(plan, profiles, 1.0), latency_ratios=[1.25, 2.0], seed=seed)
+        engine.add_arrivals(Request(i, "toy", 0.0, 1.0) for i in range(20))
+        engine.run()
+        feedbacks.append(scripted.feedbacks)
+    assert feedbacks[0] == feedbacks[1]  # seeded
+    computes = [(f.partition, round((f.end - f.start) * 1e3, 6)) for f in feedbacks[0] if f.kind == "compute"]
+    assert {c for c in computes if c[0] == 0} == {(0, 1.25), (0, 2.0)} and {c for c in computes if c[0] == 1} == {(1, 2.5), (1, 4.0)}
+    assert {round((f.end - f.start) * 1e3, 6) for f in feedbacks[0] if f.kind == "transfer"} == {1.0}
+
+
+@pytest.mark.parametrize("ratios", [[], [1.0, 0.0], [float("nan")]])
+def test_latency_ratios_must_be_positive_numbers(ratios):
+    with pytest.raises(ValueError, match="ratio"):
+        Engine({}, {}, ReservedDurations(), latency_ratios=ratios)

@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from daskpipe.sim.cli import simulate as simulate_cli
 from daskpipe.sim.simulate import find_max_load, simulate
 
+from .conftest import batching_plan
+
 
 @pytest.mark.parametrize("dataplane", ["deferred", "eager", "timeout"])
 def test_every_request_is_accounted_for(toy, dataplane):
@@ -109,3 +111,29 @@ def test_a_model_without_pipelines_has_its_requests_refused(toy):
     result = simulate(starved, profiles, dataplane="deferred", duration=0.2, base_rates={"toy": 1000.0, "none": 500.0})
     r = result.models["none"]
     assert r.submitted > 0 and r.dropped == {"no-capacity": r.submitted} and r.attainment == 0.0
+
+
+def test_cli_latency_noise_and_dispatch_policy(tmp_path):
+    plan, profiles = batching_plan()
+    plan.save(tmp_path / "plan.json")
+    profiles["g"].save(tmp_path / "g.json")
+    (tmp_path / "ratios.txt").write_text("# measured / profiled\n1.1\n\n1.3  # a slow one\n")
+    out = tmp_path / "out.json"
+    base = ["--plan", str(tmp_path / "plan.json"), "--profiles", str(tmp_path / "g.json"), "--load-factor", "0.2", "--duration", "5", "--json", str(out),
+            "--latency-ratios", str(tmp_path / "ratios.txt")]
+    attainment = {}
+    for quantile in ("0.95", "off"):
+        result = CliRunner().invoke(simulate_cli, base + ["--slack-quantile", quantile])
+        assert result.exit_code == 0, result.output
+        attainment[quantile] = json.loads(out.read_text())["models"]["g"]["attainment"]
+    assert attainment["0.95"] > attainment["off"]
+    for args, message in [(["--slack-quantile", "1.5"], "slack_quantile"), (["--slack-quantile", "high"], "neither a number nor 'off'"),
+                          (["--slack-quantile", "off", "--dataplane", "eager"], "only the ppipe data plane")]:
+        result = CliRunner().invoke(simulate_cli, base + args)
+        assert result.exit_code == 2 and message in result.output, result.output
+    (tmp_path / "ratios.txt").write_text("1.1\nfast\n")
+    result = CliRunner().invoke(simulate_cli, base)
+    assert result.exit_code == 2 and "line 2" in result.output
+    (tmp_path / "ratios.txt").write_text("# nothing measured\n")
+    result = CliRunner().invoke(simulate_cli, base)
+    assert result.exit_code == 1 and "latency_ratios is empty" in result.output
