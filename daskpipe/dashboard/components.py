@@ -233,6 +233,13 @@ class PlanView(DashboardComponent):
         push(self.source, rows)
 
 
+CONTROL_COLUMNS = (
+    ("model", "control path (ms)"), ("margin_ms", "margin"), ("dispatch_p50_ms", "dispatch p50"), ("dispatch_p99_ms", "dispatch p99"),
+    ("hop_p50_ms", "hop p50"), ("hop_p99_ms", "hop p99"), ("done_p50_ms", "done p50"), ("done_p99_ms", "done p99"), ("total_p99_ms", "batch total p99"),
+)
+"""The control-path table of the SLO page: ``ControlPath.summary`` keys and their titles."""
+
+
 class SLOView(DashboardComponent):
     """Per model over time: offered rate and goodput, SLO attainment, drops by reason, latency
     percentiles; the latency breakdown of recent requests; the recent drops."""
@@ -260,10 +267,16 @@ class SLOView(DashboardComponent):
                      TableColumn(field="requests", title="requests", width=60), TableColumn(field="detail", title="detail", width=400)],
         )
         self.newest_drop: tuple[DropEvent, int] | None = None  # the newest drop event the table shows, and its count then
+        self.control_source = ColumnDataSource({field: [] for field, _ in CONTROL_COLUMNS})
+        self.control_table = DataTable(
+            source=self.control_source, height=120, sizing_mode="stretch_width", index_position=None,
+            columns=[TableColumn(field=f, title=t, **({} if f == "model" else {"formatter": NumberFormatter(format="0.00")})) for f, t in CONTROL_COLUMNS],
+        )
         self.root = column(
             row(self.rates.figure, self.attainment.figure, sizing_mode="stretch_width"),
             row(self.drops.figure, self.latency.figure, sizing_mode="stretch_width"),
             row(self.breakdown, column(self.drop_table, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
+            self.control_table,
             sizing_mode="stretch_width",
         )
 
@@ -276,6 +289,12 @@ class SLOView(DashboardComponent):
         self.series.advance(metrics, now)
         self._update_breakdown(metrics, now)
         self._update_drops(metrics)
+        self._update_control(metrics)
+
+    def _update_control(self, metrics: ServiceMetrics) -> None:
+        """The runtime's measured control path and the margin it plans deadlines with (ms)."""
+        summaries = [(name, m.control()) for name, m in metrics.models.items() if m.control is not None]
+        push(self.control_source, {field: [name if field == "model" else (round(summary[field], 3) if field in summary else None) for name, summary in summaries] for field, _ in CONTROL_COLUMNS})
 
     def _update_breakdown(self, metrics: ServiceMetrics, now: float) -> None:
         last = last_completed(now)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -210,6 +210,7 @@ class ModelMetrics:
     dispatches: deque[tuple[float, tuple[Hop, ...]]] = field(default_factory=lambda: deque(maxlen=DISPATCH_HISTORY))  # (when, planned hops)
     pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
+    control: Callable[[], dict[str, float]] | None = None  # the live runtime's control-path summary (ms), if any
 
 
 class ServiceMetrics:
@@ -233,10 +234,11 @@ class ServiceMetrics:
         return found
 
     # -- events ---------------------------------------------------------------------------------
-    def serve(self, model: str, plan: ModelPlan, placement: Placement) -> None:
-        """``model`` is served by ``plan`` on ``placement`` from now on."""
+    def serve(self, model: str, plan: ModelPlan, placement: Placement, control: Callable[[], dict[str, float]] | None = None) -> None:
+        """``model`` is served by ``plan`` on ``placement`` from now on; ``control`` reads its
+        measured control path (``daskpipe.runtime.control.ControlPath.summary``)."""
         metrics = self.model(model)
-        metrics.plan, metrics.placement, metrics.slo_s = plan, placement, plan.slo_us * 1e-6
+        metrics.plan, metrics.placement, metrics.slo_s, metrics.control = plan, placement, plan.slo_us * 1e-6, control
         for slot in placement.slots.values():
             self.gpu_of[slot.id] = slot.gpu
 

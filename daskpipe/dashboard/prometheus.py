@@ -73,9 +73,20 @@ class DaskpipeCollector(PrometheusCollector):
                 batches.add_metric([model, str(pipeline), str(size)], count)
         queue = GaugeMetricFamily(name("queue_depth"), "Requests waiting for a batch, now", labels=["model"])
         in_flight = GaugeMetricFamily(name("in_flight"), "Requests in dispatched batches, now", labels=["model"])
+        margin = GaugeMetricFamily(name("control_margin_seconds"), "How much earlier than its SLO each request's deadline is planned: the measured control path (docs/runtime.md)", labels=["model"])
+        control = GaugeMetricFamily(
+            name("control_delay_seconds"), "Measured control-path delays of recent batches: dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
+            labels=["model", "kind", "quantile"],
+        )
         for model, status in plugin.status().items():
             queue.add_metric([model], status["queued"])
             in_flight.add_metric([model], status["in_flight"])
+            summary = status["control"]
+            margin.add_metric([model], summary["margin_ms"] * 1e-3)
+            for kind in ("dispatch", "hop", "done", "total"):
+                for q in ("p50", "p99"):
+                    if f"{kind}_{q}_ms" in summary:
+                        control.add_metric([model, kind, "0.5" if q == "p50" else "0.99"], summary[f"{kind}_{q}_ms"] * 1e-3)
         now = time.monotonic()
         busy = metrics.busy_seconds(now - UTILISATION_WINDOW_S, now)
         gpus = GaugeMetricFamily(name("gpu_utilization"), f"Busy share of each GPU type's slots over the last {UTILISATION_WINDOW_S:g} s", labels=["gpu"])
@@ -89,7 +100,7 @@ class DaskpipeCollector(PrometheusCollector):
             server, _, direction = resource.rpartition("/")
             if direction in ("ul", "dl"):
                 nics.add_metric([server, direction], min(1.0, seconds / UTILISATION_WINDOW_S))
-        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, gpus, slots, nics)
+        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, margin, control, gpus, slots, nics)
 
 
 _COLLECTOR: DaskpipeCollector | None = None

@@ -19,6 +19,7 @@ from torch import nn
 from daskpipe.plan.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
 from daskpipe.profiles.model import Profile
+from daskpipe.runtime.environ import worker_threads
 
 if TYPE_CHECKING:
     from daskpipe.colocation.fit import FitReport, Measurement, ModelInfo
@@ -84,9 +85,11 @@ def profile_model(
     ``slices`` only labels the table: running inside a 1/v MPS share (the worker sets
     ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) is the caller's job. Batch sizes missing from a sparse
     ``batch_sizes`` are interpolated linearly (listed in ``meta["interpolated_batch_sizes"]``).
-    ``cpu_threads`` pins torch's intra-op threads while timing on the CPU: on a busy machine the
-    spinning OpenMP threads of a multi-threaded run inflate timings by 10x and more, so 1 is the
-    stable choice there. The blocks share their parameters with ``module`` and come back on the CPU.
+    ``cpu_threads`` pins torch's intra-op threads while timing (recorded as ``meta["cpu_threads"]``):
+    by default, inside a Dask worker, the worker's threads, which its slot serves with
+    (:func:`~daskpipe.runtime.environ.compute_thread_setup`); elsewhere the caller's. On a busy
+    machine the spinning OpenMP threads of a multi-threaded run inflate timings by 10x and more, so
+    1 is the stable choice there. The blocks share their parameters with ``module`` and come back on the CPU.
     """
     if slices < 1:
         raise ValueError(f"slices must be >= 1, got {slices}")
@@ -105,16 +108,14 @@ def profile_model(
             f"{name}: has only {segmented.num_segments} single-tensor cut segments; ask for at most that many blocks"
         )
     report = progress or (lambda stage, done, total: None)
-    with _intra_op_threads(cpu_threads if device.type == "cpu" else None):
+    with _intra_op_threads(cpu_threads or worker_threads() or torch.get_num_threads()):
         profile, blocked = _measure(segmented, name, num_blocks, measured, device, gpu_type, slices, slo_us, repeats, warmup, report)
     return profile, blocked.to("cpu")
 
 
 @contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    """Set on this thread: torch's thread count is per thread under OpenMP."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -150,7 +151,7 @@ def _measure(
         "profiler": "daskpipe.profiles.profiler (torch eager, fp32)",
         "device": str(device),
         "repeats": repeats,
-        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "cpu_threads": torch.get_num_threads(),
         "measured_batch_sizes": measured,
         "segment_boundaries": blocked.segment_boundaries,
         "segment_latency_us": segment_us,

@@ -13,7 +13,10 @@ feature map, outputs stored on the last worker, completions back to the client.
 * per-request overhead: closed-loop single requests through a pipeline planned at batch 1 (so
   no deferred batching waits), end-to-end latency (result fetched) minus the stages' profiled
   compute; plain Dask's closed-loop ``submit(no-op).result()`` latency alongside, for scale;
-* the scheduler's event-loop lag (max, p99) during the daskpipe throughput rounds.
+* per-request overhead under load: the same closed-loop requests on their own idle pipeline,
+  while another model of the same service takes Poisson load at ``LOAD_FACTOR`` of its plan's
+  capacity from another thread of the same client: the control path shared with real traffic;
+* the scheduler's event-loop lag (max, p99) during the daskpipe throughput rounds and the loaded run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from torch import nn
 
 STAGE_US = 20.0  # profiled latency of each trivial block, at any batch size
 BATCH = 32
+LOAD_BATCH, LOAD_STAGE_US = 8, 4000.0
+"""The loaded run's background model: batches of 8 reserved 4 ms per stage, a capacity of 2000
+requests/s, offered at ``LOAD_FACTOR`` of it from a thread of the client."""
+LOAD_FACTOR = 0.8
 SLO_MS = 10_000.0  # generous: the throughput run is a burst, and nothing should be dropped
 
 
@@ -41,8 +48,9 @@ def _trivial_model() -> nn.Module:
     return nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
 
 
-def _profile_and_plan(names_batches: dict[str, int]):
-    """A profile and a 2-partition plan on ``cpu`` slots for each (model name, batch size)."""
+def _profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US):
+    """A profile and a 2-partition plan on ``cpu`` slots for each (model name, batch size), each
+    block profiled at ``stage_us`` at any batch size."""
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
@@ -52,14 +60,14 @@ def _profile_and_plan(names_batches: dict[str, int]):
     blocked = segmented.cut(bounds)
     profiles, models = {}, []
     for name, batch in names_batches.items():
-        table = np.full((2, batch), STAGE_US)
+        table = np.full((2, batch), stage_us)
         profiles[name] = Profile(
             model=name, slo_us=SLO_MS * 1e3, num_blocks=2, latency_us={("cpu", 1): table},
             boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes), input_shape=blocked.input_shape,
             boundary_shapes=tuple(blocked.boundary_shapes), meta={"segment_boundaries": bounds},
         )
-        throughput = batch / (STAGE_US * 1e-6)
-        parts = tuple(Partition(blocks=(i, i + 1), gpu="cpu", slices=1, vgpus=1, latency_us=STAGE_US) for i in range(2))
+        throughput = batch / (stage_us * 1e-6)
+        parts = tuple(Partition(blocks=(i, i + 1), gpu="cpu", slices=1, vgpus=1, latency_us=stage_us) for i in range(2))
         models.append(ModelPlan(name=name, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(Pipeline(batch, throughput, parts),)))
     return profiles, Plan(objective=min(m.throughput for m in models), models=tuple(models), cluster={"bw_gbps": 10.0})
 
@@ -106,6 +114,7 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
+    from daskpipe.runtime.environ import stage_worker_environ
 
     requests = -(-requests // BATCH) * BATCH
 
@@ -114,7 +123,7 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
 
         protocol = resolve_protocol(protocol)
     # a pipeline's two partitions need two slots; the b=1 pipeline gets two more
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
+    with stage_worker_environ(), LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
         profiles, plan = _profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
         model = _trivial_model()
         svc = daskpipe.deploy(
@@ -145,8 +154,13 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             status = svc.status()
         finally:
             svc.close()
+        _settle(cluster.scheduler)
+        loaded_latencies, load = _loaded(client, cluster, latency_samples)
+        lags.extend(load.pop("loop_lags_s"))
+        advance(note="loaded run")
     compute_s = 2 * STAGE_US * 1e-6
     overhead_ms = sorted((latency - compute_s) * 1e3 for latency in daskpipe_latencies)
+    loaded_ms = sorted((latency - compute_s) * 1e3 for latency in loaded_latencies)
     lags_ms = sorted(lag_s * 1e3 for lag_s in lags)
     return {
         "cluster": f"LocalCluster, 4 CPU workers, {'processes' if processes else 'in-process (threads)'}, protocol {protocol}",
@@ -160,10 +174,67 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
         "dask_tasks_per_second_rounds": dask_rates,
         "overhead_p50_ms": _percentile(overhead_ms, 0.5),
         "overhead_p99_ms": _percentile(overhead_ms, 0.99),
+        "overhead_loaded_p50_ms": _percentile(loaded_ms, 0.5),
+        "overhead_loaded_p99_ms": _percentile(loaded_ms, 0.99),
+        "load": load,
         "dask_task_latency_p50_ms": _percentile(sorted(latency * 1e3 for latency in dask_latencies), 0.5),
         "loop_lag_max_ms": lags_ms[-1] if lags_ms else None,
         "loop_lag_p99_ms": _percentile(lags_ms, 0.99) if lags_ms else None,
         "batches": status["trivial-b32"]["batches"],
+    }
+
+
+def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]:
+    """Closed-loop latencies of ``samples`` requests of trivial-b1, on its own pipeline, while
+    trivial-load takes Poisson load at ``LOAD_FACTOR`` of its plan's capacity; and what the load
+    saw (offered rate, attainment) with the scheduler's loop lags."""
+    import threading
+
+    from distributed import wait
+
+    import daskpipe
+
+    profiles, plan = _profile_and_plan({"trivial-b1": 1})
+    load_profiles, load_plan = _profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US)
+    plan = type(plan)(objective=plan.objective, models=plan.models + load_plan.models, cluster=plan.cluster)
+    model, x = _trivial_model(), torch.zeros(1, 16)
+    svc = daskpipe.deploy(client, {"trivial-b1": model, "trivial-load": model}, example_inputs={"trivial-b1": x, "trivial-load": x}, plan=plan, profiles={**profiles, **load_profiles})
+    rate = LOAD_FACTOR * load_plan.models[0].throughput
+    lag, stop, sent = LoopLag(), threading.Event(), []
+
+    def offer() -> None:  # open loop: each request at its Poisson time, late ones at once
+        due = time.perf_counter()
+        for gap in np.random.default_rng(0).exponential(1 / rate, size=10**7):
+            due += gap
+            time.sleep(max(0.0, due - time.perf_counter()))
+            if stop.is_set():
+                return
+            sent.append(svc.submit("trivial-load", x))
+
+    try:
+        wait(svc.map("trivial-load", [x] * 2 * LOAD_BATCH))
+        wait(svc.map("trivial-b1", [x] * 10))
+        before = svc.status()["trivial-load"]
+        loader = threading.Thread(target=offer, daemon=True)
+        cluster.sync(lag.start)
+        started = time.perf_counter()
+        loader.start()
+        time.sleep(1.0)  # the load is flowing
+        latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), samples)
+        stop.set()
+        loader.join()
+        offered = len(sent) / (time.perf_counter() - started)
+        lags = cluster.sync(lag.stop)
+        wait(sent)
+        after = svc.status()["trivial-load"]
+    finally:
+        svc.close()
+    submitted = after["submitted"] - before["submitted"]
+    return latencies, {
+        "model_capacity": load_plan.models[0].throughput,
+        "offered_rate": offered,
+        "attainment": (after["on_time"] - before["on_time"]) / submitted if submitted else None,
+        "loop_lags_s": lags,
     }
 
 
@@ -215,7 +286,7 @@ def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, js
         raise click.BadParameter("must be >= 1", param_hint="--rounds")
     from daskpipe.progress import progress_bar
 
-    with progress_bar("throughput rounds", total=2 * rounds) as advance:
+    with progress_bar("throughput rounds, loaded run", total=2 * rounds + 1) as advance:
         figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds, advance=advance)
     text = json.dumps(figures, indent=1)
     click.echo(text)

@@ -17,6 +17,7 @@ from typing import Any
 
 from distributed import LocalCluster
 
+from daskpipe.runtime.environ import stage_worker_environ
 from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class EmulatedCluster(LocalCluster):
     """A ``LocalCluster`` whose workers are emulated GPU slots following daskpipe's worker contract.
 
     Its scheduler preloads ``daskpipe`` (as ``dask scheduler --preload daskpipe`` does), so the
-    scheduler plugin is there before the first client connects.
+    scheduler plugin is there before the first client connects. Its worker processes start
+    without the glibc malloc settings Dask's Nanny would give them, which halve torch's throughput
+    (:mod:`daskpipe.runtime.environ`).
 
     Parameters
     ----------
@@ -151,6 +154,12 @@ class EmulatedCluster(LocalCluster):
         for slot in self.slots:
             self.worker_spec[slot.name] = {"cls": base["cls"], "options": {**base["options"], **slot.worker_options()}}
         await super()._start()
+
+    async def _correct_state_internal(self) -> None:
+        """SpecCluster creates the workers' Nannies here: without glibc malloc settings
+        (:func:`~daskpipe.runtime.environ.stage_worker_environ`), so torch runs at full speed."""
+        with stage_worker_environ():
+            await super()._correct_state_internal()
 
 
 def inject_mps_fault(client: Any, gpu: str) -> list[str]:

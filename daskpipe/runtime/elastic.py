@@ -511,8 +511,8 @@ class Elastic:
             del plugin.served[model]
             explicit_bound = served.max_queued != queue_bound(served.model, None)
             try:
-                plugin.serve(
-                    model, plan.to_dict(), dep.models[model].profile.to_dict(), rows[model], time_dilation=dep.time_dilation,
+                plugin.start_serving(
+                    model, plan.to_dict(), dep.models[model].profile.to_dict(), rows[model], control=served.control, time_dilation=dep.time_dilation,
                     bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))), dispatcher=dep.dispatcher,
                     max_queued=served.max_queued if explicit_bound else None, sample_nbytes=served.sample_nbytes,
                 )

@@ -43,7 +43,8 @@ class RequestDropped(DaskpipeError):
         self.model = model
         self.key = key
         why = DROP_EXPLANATIONS.get(reason, reason)
-        super().__init__(f"request {key!r} of model {model!r} dropped ({reason}): {why}" + (f"; {detail}" if detail else ""))
+        who = "a request" if key is None else f"request {key!r}"  # None: one error shared by a whole refused submission
+        super().__init__(f"{who} of model {model!r} dropped ({reason}): {why}" + (f"; {detail}" if detail else ""))
 
     def __reduce__(self):
         return type(self), (self.reason, self.detail, self.model, self.key)
@@ -59,3 +60,9 @@ class RequestFailed(DaskpipeError):
 
     def __reduce__(self):
         return type(self), (self.args[0], self.cause)
+
+
+def refusal_error(kind: str, text: str, reason: str, model: str, key: Hashable) -> DaskpipeError:
+    """The error of a request the scheduler refused on arrival (sent as plain values, not pickled):
+    ``"invalid"`` -> :class:`InvalidRequest` saying ``text``; ``"dropped"`` -> :class:`RequestDropped`."""
+    return InvalidRequest(text) if kind == "invalid" else RequestDropped(reason, text, model, key)

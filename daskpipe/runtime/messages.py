@@ -6,13 +6,14 @@ forwards as they are; feature maps and exceptions ride as ``to_serialize`` paylo
 (``time.time()``), the one clock that processes on different nodes share; the scheduler converts
 them to its monotonic clock.
 
-Paths of one request::
+Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskpipe.runtime.streams`)::
 
-    client   --SUBMIT (stream)-->              scheduler   (keys, inputs, sizes)
-    scheduler --BATCH (stream)-->              worker of partition 0
-    worker   --BATCH (worker stream)-->        worker of the next partition (fp16 feature map)
-    worker   --FEEDBACK (stream)-->            scheduler   (compute and transfer timings)
-    worker   --DONE / FAILED (stream)-->       scheduler   (outputs stored under the keys / the cause)
+    client   --SUBMIT-->              scheduler   (keys, inputs, sizes)
+    scheduler --BATCH-->              worker of partition 0
+    worker   --BATCH-->               worker of the next partition (fp16 feature map)
+    worker   --FEEDBACK-->            scheduler   (compute and transfer timings)
+    worker   --DONE / FAILED-->       scheduler   (outputs stored under the keys, small ones inline / the cause)
+    scheduler --RESOLVED-->           client      (the futures finish; small outputs ride along)
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ BATCH = "daskpipe-batch"
 FEEDBACK = "daskpipe-feedback"
 DONE = "daskpipe-done"
 FAILED = "daskpipe-failed"
-# worker -> worker, over Dask's worker-to-worker stream: the feature map (op BATCH), and HELLO
-# that opens the stream at deploy
+# scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival
+RESOLVED = "daskpipe-resolved"
+REFUSED = "daskpipe-refused"
+# worker -> worker: the feature map (op BATCH), and HELLO that opens the stream at deploy
 HELLO = "daskpipe-hello"
-# client -> scheduler rpc handlers
+# scheduler -> worker, worker -> scheduler: PING and PONG measure the control path at deploy
+PING = "daskpipe-ping"
+PONG = "daskpipe-pong"
+# client -> scheduler rpc handlers; STREAM turns the comm into a daskpipe stream (``client=`` or ``worker=``)
+STREAM = "daskpipe_stream"
 INVENTORY = "daskpipe_inventory"
 SERVE = "daskpipe_serve"
 CLOSE = "daskpipe_close"

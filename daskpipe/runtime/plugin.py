@@ -20,12 +20,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+from distributed.batched import BatchedSend
+from distributed.comm import CommClosedError
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
@@ -35,10 +39,12 @@ from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
+from daskpipe.runtime.control import MAX_SHARE, ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
-from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed, refusal_error
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
+from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams, batched_send
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
 
 logger = logging.getLogger(__name__)
@@ -48,16 +54,20 @@ DispatcherFactory = Callable[..., Dispatcher]
 
 DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher", "hybrid": "daskpipe.graft.dispatch:FragmentDispatcher", "ppipe-two-pass": "daskpipe.runtime.overload:ppipe_two_pass"}
 
-RUNTIME_MARGIN_S = 0.02
-"""What the runtime adds to a batch beyond its planned reservations, in real (undilated) seconds:
-the batch message to the first worker (the scheduler's 5 ms stream batching), the completion
-message back (2 ms), event-loop turns. Dispatchers plan to end this much before the deadline."""
+PINGS = 20
+"""Round trips to each stage's worker when a model is deployed: they seed its control-path margin
+(:mod:`daskpipe.runtime.control`) and decide whether its SLO can be served at all."""
+SUBMIT_SLICE = 64
+"""Requests of one submit message handled between two event-loop turns (a few milliseconds at
+most): a message of any size never holds the loop (timers, other clients, workers' streams) for
+more than one slice."""
 QUEUE_SLOS = 2.0
 """The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
 more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
 holds (requests and their input bytes) independent of how fast clients submit."""
-TIMER_SLACK_S = RUNTIME_MARGIN_S / 2
-"""A wake that fires this much late is given the time it asked for: the margin pays for it. A
+TIMER_SLACK = 0.5
+"""A wake that fires late by up to this fraction of the model's margin is given the time it asked
+for: the margin pays for it (late timers are part of the measured ``dispatch`` delay). A
 deadline-driven dispatcher that waits for a batch's last moment would otherwise find that moment
 just past, and drop the batch, on every timer that fires a millisecond late."""
 
@@ -84,6 +94,20 @@ class _Flight:
     keys: list[Any]
     addresses: frozenset[str]
     retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
+    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s)
+    ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
+
+    def control_delays(self) -> tuple[float, list[float]] | None:
+        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
+        if any(partition not in self.ran for partition, _, _ in self.planned):
+            return None
+        (first, first_start, _), *rest = self.planned
+        hops, previous_end = [], self.ran[first][1]
+        for partition, start, transfer in rest:
+            actual_start, actual_end = self.ran[partition]
+            hops.append(actual_start - max(previous_end + transfer, start))
+            previous_end = actual_end
+        return self.ran[first][0] - first_start, hops
 
 
 @dataclass
@@ -105,6 +129,7 @@ class _Served:
     max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
     sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
     budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
+    control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
 
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but
@@ -126,6 +151,53 @@ def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
     if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
         raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
     return max_queued
+
+
+def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float) -> None:
+    """Refuse a model whose every entry cannot be served even for a lone request on an idle
+    pipeline (batch 1, no queueing) plus the control path's margin: it would drop everything.
+    All times dilated by ``time_dilation`` except the margin, which is real time."""
+    for block, budget in budgets.items():
+        paths = [p for p in plan.pipelines if p.entry_block == block]
+        if not paths:
+            continue
+        fastest = min(sum(_lone_latency_s(profile, part, bw_gbps, first=q == 0) for q, part in enumerate(p.partitions)) for p in paths)
+        if fastest + margin_s > budget:
+            smallest_ms = math.ceil((fastest + margin_s) / time_dilation * 1e3 * 10) / 10
+            entry = f" entering at block {block}" if block else ""
+            raise DeployError(
+                f"the SLO of {plan.name!r}{entry}, {budget / time_dilation * 1e3:.1f} ms, cannot be served: a lone request takes "
+                f"{fastest / time_dilation * 1e3:.1f} ms on its fastest pipeline and the measured control path "
+                f"{margin_s / time_dilation * 1e3:.2f} ms more; the smallest SLO it can serve is {smallest_ms:.1f} ms"
+            )
+
+
+def _lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool) -> float:
+    """Seconds one sample spends in ``part``: its compute at batch 1, and its input's transfer."""
+    transfer = 0.0 if first else profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
+    return profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6 + transfer
+
+
+def _is_key(key: Any) -> bool:
+    """What a daskpipe client sends as a request key (``Service``: strings); Dask takes a few more."""
+    return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
+
+
+def _malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, unknown: dict) -> str | None:
+    """What is wrong with a submission message as a whole, or ``None``; requests are checked one
+    by one later (``_Served.refusal``)."""
+    if unknown:
+        return f"unknown fields {sorted(unknown)}"
+    if not isinstance(model, str):
+        return f"the model must be a name, got {type(model).__name__}"
+    if type(start_block) is not int or start_block < 0:
+        return f"start_block must be an integer >= 0, got {start_block!r}"
+    for name, values in (("inputs", inputs), ("sizes", sizes)):
+        if not isinstance(values, (list, tuple)):  # msgpack reads lists as tuples
+            return f"{name} must be a list, got {type(values).__name__}"
+        if len(values) != len(keys):
+            return f"{len(keys)} keys and {len(values)} {name}"
+    return None
 
 
 def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
@@ -161,6 +233,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        self.client_streams: dict[str, BatchedSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
+        self.to_workers: Streams | None = None  # batches and pings, opened at start
+        self._pongs: dict[int, asyncio.Future] = {}
+        self._ping_tokens = itertools.count()
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
 
@@ -168,8 +244,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         try:
             self.scheduler = scheduler
+            self.to_workers = Streams(scheduler.connection_args, PEER_HANDSHAKE, "daskpipe Scheduler->Worker")
             scheduler.handlers.update(
                 {
+                    messages.STREAM: self.open_stream,
                     messages.INVENTORY: self.inventory,
                     messages.SERVE: self.serve,
                     messages.CLOSE: self.close_models,
@@ -179,10 +257,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             scheduler.stream_handlers.update(
                 {
-                    messages.SUBMIT: self._submit_handler,
+                    messages.SUBMIT: self.on_submit,
                     messages.FEEDBACK: self.on_feedback,
                     messages.DONE: self.on_done,
                     messages.FAILED: self.on_failed,
+                    messages.PONG: self.on_pong,
                 }
             )
             for address in scheduler.workers:
@@ -254,8 +333,53 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             if self._timer is not None:
                 self._timer.cancel()
             await self.elastic.close()
+            if self.to_workers is not None:
+                await self.to_workers.close()
         except Exception:
             logger.exception("daskpipe: closing the scheduler plugin failed")
+
+    # -- daskpipe's streams (daskpipe/runtime/streams.py) --------------------------------------
+    async def open_stream(self, comm: Any, client: str | None = None, worker: str | None = None) -> Status:
+        """The ``STREAM`` handler: read ``comm`` as a stream from ``client`` or ``worker`` (Dask's
+        ``handle_stream`` with the sender in every message); a client's stream also carries the
+        resolutions of its requests back."""
+        if client is None and worker is None:
+            raise ValueError("a daskpipe stream names its client or its worker")
+        reply = None
+        if client is not None:
+            reply = self.client_streams[client] = batched_send()
+            reply.start(comm)
+        try:
+            await self.scheduler.handle_stream(comm, extra={"client": client} if client is not None else {"worker": worker})
+        finally:
+            if reply is not None:
+                if self.client_streams.get(client) is reply:
+                    del self.client_streams[client]
+                reply.abort()
+        return Status.dont_reply
+
+    async def round_trips(self, address: str, count: int, timeout: float = 10.0) -> list[float]:
+        """Seconds of ``count`` PING -> PONG round trips to ``address``'s stage worker, after one to open the streams."""
+        times = []
+        for i in range(count + 1):
+            token = next(self._ping_tokens)
+            pong = self._pongs[token] = asyncio.get_running_loop().create_future()
+            sent = time.monotonic()
+            self.to_workers.send(address, {"op": messages.PING, "token": token})
+            try:
+                await asyncio.wait_for(pong, timeout)
+            except asyncio.TimeoutError:
+                raise DeployError(f"worker {address} did not answer daskpipe's ping within {timeout:g} s") from None
+            finally:
+                self._pongs.pop(token, None)
+            if i:
+                times.append(time.monotonic() - sent)
+        return times
+
+    def on_pong(self, worker: str, token: int) -> None:
+        pong = self._pongs.get(token)
+        if pong is not None and not pong.done():
+            pong.set_result(None)
 
     # -- rpc handlers (client -> scheduler) ----------------------------------------------------
     def inventory(self) -> list[dict]:
@@ -264,21 +388,41 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         slots = gpu_slots or list(self.slots.values())
         return [s.to_msg() for s in sorted(slots, key=lambda s: s.address)]
 
-    def serve(
+    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str:
+        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
+
+        The control path to the stages' workers is measured first (:data:`PINGS` round trips
+        each): it seeds the model's margin, and a model whose SLO cannot be met even by a lone
+        request on an idle pipeline, with that margin, is refused here with the smallest SLO it
+        could serve. ``options`` are :meth:`start_serving`'s.
+        """
+        self._factory(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        addresses = sorted({str(row[2]) for row in stages})
+        for address in addresses:
+            if address not in self.slots:
+                raise DeployError(f"a stage of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pipelines = Plan.from_dict(plan).model(model).pipelines
+        longest = max((len(p.partitions) for p in pipelines), default=1)
+        round_trips = [t for address in addresses for t in await self.round_trips(address, PINGS)]
+        self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        return "OK"
+
+    def start_serving(
         self,
         model: str,
         plan: dict,
         profile: dict,
         stages: list[list],
+        *,
+        control: ControlPath,
         time_dilation: float = 1.0,
         bw_gbps: float = 10.0,
         dispatcher: str = "ppipe",
         max_queued: int | None = None,
         sample_nbytes: int = 0,
-    ) -> str:
-        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
-
-        ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
+    ) -> None:
+        """Serve ``model`` at once with the control-path estimate ``control`` (a re-plan keeps the
+        model's own). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
         ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
         A model closed earlier whose batches have all ended (its owner vanished) is replaced.
         """
@@ -287,13 +431,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
         if not time_dilation > 0:
             raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-        factory = self.dispatchers.get(dispatcher)
-        if factory is None:
-            raise DeployError(f"unknown dispatcher {dispatcher!r}; known: {sorted(self.dispatchers)}")
-        if isinstance(factory, str):
-            factory = _load_factory(factory)
+        factory = self._factory(dispatcher)
+        k = float(time_dilation)
         whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
-        model_plan, model_profile = _dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), float(time_dilation))
+        model_plan, model_profile = _dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
         stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
         pools: dict[tuple[int, int], list[str]] = {}
         for p, q, address in stage_keys:
@@ -306,20 +447,30 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
             slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
         )
+        budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
+        control.cap_s = MAX_SHARE * min(budgets.values())
+        control.refresh(time.monotonic())
+        check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
         self.served[model] = _Served(
             model=model_plan,
             profile=model_profile,
-            dispatcher=factory(model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / float(time_dilation)),
+            dispatcher=factory(model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k),
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
-            colocated=colocated_latency(whole_plan, model, scale=float(time_dilation)),
+            colocated=colocated_latency(whole_plan, model, scale=k),
             max_queued=queue_bound(model_plan, max_queued),
             sample_nbytes=int(sample_nbytes),
-            budgets={block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()},
+            budgets=budgets,
+            control=control,
         )
-        self.metrics.serve(model, model_plan, placement)
-        logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g", model, len(stage_keys), len(model_plan.pipelines), time_dilation)
-        return "OK"
+        self.metrics.serve(model, model_plan, placement, control=control.summary)
+        logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms", model, len(stage_keys), len(model_plan.pipelines), k, control.margin_s * 1e3)
+
+    def _factory(self, dispatcher: str) -> DispatcherFactory:
+        factory = self.dispatchers.get(dispatcher)
+        if factory is None:
+            raise DeployError(f"unknown dispatcher {dispatcher!r}; known: {sorted(self.dispatchers)}")
+        return _load_factory(factory) if isinstance(factory, str) else factory
 
     def close_models(self, models: Iterable[str] | None = None, reason: str = "shutdown") -> dict[str, int]:
         """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
@@ -355,64 +506,101 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 "max_queued": served.max_queued,
                 "in_flight": sum(len(f.keys) for f in served.flights.values()),
                 "closing": served.closing,
+                "control": served.control.summary(),
             }
             if forget and served.closing and not served.flights:
                 del self.served[model]
         return out
 
     # -- stream handlers -----------------------------------------------------------------------
-    @guarded
-    def on_submit(self, client: str, model: str, keys: list, inputs: list, sizes: list, start_block: int = 0) -> None:
+    async def on_submit(self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any) -> None:
         """New requests from ``client``: make their keys, queue them, step the dispatcher.
 
-        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget."""
-        scheduler = self.scheduler
-        fresh = {k: None for k in keys if k not in scheduler.tasks}  # ordered, O(1) membership
-        for key in fresh:
-            scheduler.new_task(key, None, "released")
-        scheduler.client_desires_keys(keys=fresh, client=client)
-        served = self.served.get(model)
-        if served is None or served.closing:
-            for key in fresh:
-                self._err_key(key, RequestDropped("shutdown", "" if served else "no service serves this model", model, key))
+        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
+        The message is checked whole before any key is made, so a malformed one errs every one of
+        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
+        loop running whatever waits between two slices, whatever the message's size."""
+        try:
+            if not isinstance(keys, (list, tuple)):
+                logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
+                return
+            problem = _malformed(model, keys, inputs, sizes, start_block, unknown)
+            served = self.served.get(model) if problem is None else None
+            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
+                problem = f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+            for first in range(0, len(keys), SUBMIT_SLICE):
+                if first:
+                    await asyncio.sleep(0)
+                    served = self.served.get(model) if problem is None else None  # it may have closed meanwhile
+                stop = first + SUBMIT_SLICE
+                self._submit_slice(client, model, served, keys[first:stop], problem, inputs[first:stop] if problem is None else (), sizes[first:stop] if problem is None else (), start_block)
+            self._arm()
+        except Exception:
+            logger.exception("daskpipe: a submission from client %s failed", client)
+
+    def _submit_slice(self, client: str, model: Any, served: _Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int) -> None:
+        """Refuse what cannot be served before it becomes a key (:meth:`_refuse`); make keys of,
+        queue and dispatch the rest."""
+        tasks = self.scheduler.tasks
+        usable = [k for k in keys if _is_key(k) and k not in tasks]
+        if len(usable) < len(keys):
+            logger.warning("daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored", len(keys) - len(usable), model, client)
+        if problem is not None:
+            self._refuse(client, model, [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable])
             return
-        if not len(keys) == len(inputs) == len(sizes):  # not from a daskpipe Service: refuse it whole
-            for key in fresh:
-                self._err_key(key, InvalidRequest(f"malformed submission to model {model!r}: {len(keys)} keys, {len(inputs)} inputs, {len(sizes)} sizes"))
+        if served is None or served.closing:
+            self._refuse(client, model, [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable])
             return
         now = time.monotonic()
-        slo = served.budgets.get(start_block)
-        if slo is None:  # the client checks entries; refuse a stray one whole
-            for key in fresh:
-                self._err_key(key, InvalidRequest(f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"))
-            return
+        refused, accepted = [], []
+        room = served.max_queued - len(served.inputs)
         for key, payload, size in zip(keys, inputs, sizes):
-            if key not in fresh:
-                logger.warning("daskpipe: request key %r of %s is already in use; ignored", key, model)
-                continue
-            served.counts["submitted"] += 1
-            refusal = served.refusal(payload, size, start_block)
-            if refusal is not None:
-                served.counts["invalid"] += 1
-                self._err_key(key, InvalidRequest(f"request {key!r} of model {model!r} refused by the scheduler: {refusal}"))
-                continue
-            if len(served.inputs) >= served.max_queued:
-                self._drop(served, model, key, "overload", f"{len(served.inputs)} requests queued (max_queued)")
-                continue
+            if key not in tasks and _is_key(key):
+                served.counts["submitted"] += 1
+                refusal = served.refusal(payload, size, start_block)
+                if refusal is not None:
+                    served.counts["invalid"] += 1
+                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
+                elif len(accepted) >= room:
+                    detail = f"{served.max_queued} requests queued (max_queued)"
+                    self._count_drop(served, model, "overload", detail)
+                    refused.append((key, "dropped", detail, "overload"))
+                else:
+                    accepted.append((key, payload, size))
+        self._refuse(client, model, refused)
+        for key, _, _ in accepted:
+            self.scheduler.new_task(key, None, "released")
+        self.scheduler.client_desires_keys(keys=[key for key, _, _ in accepted], client=client)
+        deadline = now + served.budgets[start_block] - served.control.margin_s
+        for key, payload, size in accepted:
             served.inputs[key] = (payload, size)
-            served.deadlines[key] = now + slo
-            request = Request(id=key, model=model, arrival=now, deadline=now + slo - RUNTIME_MARGIN_S, size=int(size), start_block=start_block)
+            served.deadlines[key] = now + served.budgets[start_block]
+            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
-        self.metrics.submit(model, len(fresh), now, len(served.inputs))
-        self._arm()
+        self.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))
 
-    async def _submit_handler(self, **message: Any) -> None:
-        """The stream handler of SUBMIT: one message of at most ``SUBMIT_CHUNK`` requests, then the
-        event loop runs whatever waits. Dask handles the messages of one batched payload back to
-        back, and a client's burst arrives as one payload of many chunks: handled in one go, it
-        held the loop (timers, workers' streams) for hundreds of milliseconds."""
-        self.on_submit(**message)
-        await asyncio.sleep(0)
+    def _refuse(self, client: str, model: Any, refused: list[tuple[Any, str, str, str]]) -> None:
+        """End requests refused on arrival, each ``(key, "invalid" | "dropped", text, reason)``.
+
+        They never become keys: the client's stream takes one REFUSED message, whose errors the
+        client raises in their futures (:class:`~daskpipe.runtime.futures.ClientStream`). A flood of
+        them then costs the scheduler no task, transition or report of Dask's. A submission from a
+        client without a daskpipe stream is refused through Dask's erred keys instead."""
+        if not refused:
+            return
+        stream = self.client_streams.get(client)
+        if stream is not None:
+            try:
+                stream.send({"op": messages.REFUSED, "model": model, "refused": [list(r) for r in refused]})
+                return
+            except CommClosedError:  # the client is leaving: nothing is waiting for these
+                return
+        keys = [key for key, _, _, _ in refused]
+        for key in keys:
+            self.scheduler.new_task(key, None, "released")
+        self.scheduler.client_desires_keys(keys=keys, client=client)
+        for key, kind, text, reason in refused:
+            self._err_key(key, refusal_error(kind, text, reason, model, key))
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
@@ -422,9 +610,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._arm()
 
     @guarded
-    def on_done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool = False) -> None:
-        """The last stage stored the batch's outputs on ``worker``: the keys are in memory there."""
-        served = self.served.get(model)
+    def on_done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool = False, outputs: list | None = None) -> None:
+        """The last stage stored the batch's outputs on ``worker``: resolve the clients' futures,
+        with the small ``outputs`` (packed tensors, never unpacked here) that came along.
+
+        Only the resolutions are sent from here; the bookkeeping (the keys into memory on
+        ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
+        No client can act on a resolution before that turn: it takes a round trip."""
+        if worker not in self.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
+            return
+        tasks = self.scheduler.tasks
+        pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
+        if pending:
+            self._resolve(pending, dict(zip(keys, outputs)) if outputs is not None else None)
+        asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic())
+
+    @guarded
+    def _done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float) -> None:
+        """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and counts."""
         tasks = self.scheduler.tasks
         pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
         if pending:
@@ -432,10 +635,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         orphans = [k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))]
         if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
             self.scheduler.worker_send(worker, {"op": "free-keys", "keys": orphans, "stimulus_id": f"daskpipe-released-{time.time()}"})
+        served = self.served.get(model)
         if served is None:
             return
-        served.flights.pop(dispatch, None)
-        done = time.monotonic()
+        self._feedback(served, model, dispatch, timings, overrun)
+        flight = served.flights.pop(dispatch, None)
+        delays = flight.control_delays() if flight is not None else None
+        if delays is not None:
+            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1])
         counts = served.counts
         for key in keys:
             deadline = served.deadlines.pop(key, None)
@@ -444,7 +651,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.inputs.pop(key, None)  # a retry still queued has nothing left to do
             counts["completed"] += 1
             counts["on_time"] += done <= deadline
-        self._feedback(served, model, dispatch, timings, overrun)
         self.metrics.done(model, dispatch, done)
         self._arm()
 
@@ -477,8 +683,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         served.counts["overruns"] += bool(overrun)
         now = time.monotonic()
         offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
+        flight = served.flights.get(dispatch)
         for partition, kind, start, end in timings:
             fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
+            if flight is not None and kind == "compute":
+                flight.ran[fb.partition] = (fb.start, fb.end)
             self.metrics.feedback(model, fb)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
@@ -490,9 +699,12 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._drop(served, model, action.request.id, action.reason, action.detail)
 
     def _drop(self, served: _Served, model: str, key: Any, reason: str, detail: str) -> None:
+        self._count_drop(served, model, reason, detail)
+        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
+
+    def _count_drop(self, served: _Served, model: str, reason: str, detail: str) -> None:
         served.dropped[reason] = served.dropped.get(reason, 0) + 1
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
-        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
     def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
         keys, payloads, sizes = [], [], []
@@ -527,15 +739,34 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._drop(served, model, key, "worker-lost", f"worker {missing[0]} of its pipeline is gone")
             return
         requests = {request.id: request for request in action.requests}
-        served.flights[action.id] = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)])
+        planned = [(h.partition, h.compute.start, 0.0 if h.transfer_in is None else h.transfer_in[1].end - h.transfer_in[1].start) for h in action.hops]
+        served.flights[action.id] = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned)
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
-        self.scheduler.worker_send(
+        self.to_workers.send(
             route[0]["address"],
             {"op": messages.BATCH, "model": model, "dispatch": action.id, "keys": keys, "sizes": sizes, "inputs": payloads, "route": route},
         )
 
     # -- ending requests -----------------------------------------------------------------------
+    def _resolve(self, keys: list, outputs: dict[Any, Any] | None) -> None:
+        """Tell the clients that want ``keys`` on their daskpipe streams, ahead of Dask's report
+        stream, with the small ``outputs`` that came with them (never deserialized here)."""
+        per_client: dict[str, list] = {}
+        tasks = self.scheduler.tasks
+        for key in keys:
+            for cs in tasks[key].who_wants or ():
+                if cs.client_key in self.client_streams:
+                    per_client.setdefault(cs.client_key, []).append(key)
+        for client, wanted in per_client.items():
+            message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted}
+            if outputs is not None:
+                message["outputs"] = [outputs[key] for key in wanted]
+            try:
+                self.client_streams[client].send(message)
+            except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
+                pass
+
     def _err(self, served: _Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
         for key in keys:
             served.inputs.pop(key, None)
@@ -580,7 +811,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for model, served in list(self.served.items()):
             wake = served.dispatcher.next_wake()
             if wake is not None and wake <= now:
-                at = max(wake, now - TIMER_SLACK_S)
+                at = max(wake, now - TIMER_SLACK * served.control.margin_s)
                 self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
         self._arm()
 

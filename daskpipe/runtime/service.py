@@ -5,9 +5,10 @@ on a worker's real device; estimated for emulated or unmeasured GPU types), plan
 places one stage actor per (pool, slot) and tells the plugin to start serving. A
 :class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
 validates the input on the client (the profile knows its shape), creates the futures, and sends
-the inputs to the scheduler over the client's batched stream, a message per ``SUBMIT_CHUNK``
-requests, each input as its raw bytes (:func:`encode_input`): msgpack carries them as they are,
-so no serializer call or extra frames per request, and nothing is unpickled on the way.
+the inputs to the scheduler over the service's own stream (:class:`~daskpipe.runtime.futures.ClientStream`,
+which sends without Dask's 10 ms batching interval), a message per ``SUBMIT_CHUNK`` requests, each
+input as its raw bytes (:func:`encode_input`): msgpack carries them as they are, so no serializer
+call or extra frames per request, and nothing is unpickled on the way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
@@ -125,6 +127,7 @@ class Service:
         entries: Mapping[tuple[str, int], _InputSpec] | None = None,
     ):
         self.client = client
+        self._stream = open_stream(client)
         self._plan = plan
         self.profiles = dict(profiles)
         self.time_dilation = time_dilation
@@ -162,7 +165,7 @@ class Service:
         futures, keys, inputs, sizes = [], [], [], []
         for x in xs:
             key = f"daskpipe-{model}-{self._token}-{next(self._counter)}"
-            future = Future(key, self.client)
+            future = self._stream.pending[key] = ServedFuture(key, self.client)
             futures.append(future)
             try:
                 size, payload = self._admit(model, x, start_block)
@@ -183,7 +186,7 @@ class Service:
         message = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
         if start_block:
             message["start_block"] = start_block
-        self.client._send_to_scheduler(message)
+        self._stream.send(message)
 
     def _admit(self, model: str, x: Any, start_block: int = 0) -> tuple[int, bytes]:
         if self.closed:
@@ -213,6 +216,7 @@ class Service:
                 break
             time.sleep(0.05)
         self.client.sync(self.client.scheduler.daskpipe_status, models=self.models, forget=True)
+        self.client.sync(self._stream.close)
         self._stages.clear()
 
     def __enter__(self) -> Service:
@@ -280,6 +284,9 @@ def deploy(
     if not time_dilation > 0:
         raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
     slots = _inventory(client)
+    from daskpipe.runtime.environ import warn_slow_workers
+
+    warn_slow_workers(client, [slot.address for slot in slots])  # e.g. Dask's MALLOC_TRIM_THRESHOLD_ halves torch
     if not slots:
         raise DeployError("the cluster has no workers to serve on")
     plan_source = "the plan"  # for errors: a plan file is named
@@ -328,19 +335,27 @@ def deploy(
     # each block pickled once: every stage of its pools and the scheduler's re-planning take these bytes
     pickled = {name: [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))] for name in names}
     stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, pickled, specs)
-    for name in names:
-        client.sync(
-            client.scheduler.daskpipe_serve,
-            model=name,
-            plan=plan.to_dict(),
-            profile=profiles[name].to_dict(),
-            stages=stage_rows[name],
-            time_dilation=float(time_dilation),
-            bw_gbps=float(plan.cluster.get("bw_gbps", bw_gbps)),
-            dispatcher=dispatcher,
-            max_queued=max_queued,
-            sample_nbytes=specs[name].sample_nbytes,
-        )
+    served: list[str] = []
+    try:
+        for name in names:
+            client.sync(
+                client.scheduler.daskpipe_serve,
+                model=name,
+                plan=plan.to_dict(),
+                profile=profiles[name].to_dict(),
+                stages=stage_rows[name],
+                time_dilation=float(time_dilation),
+                bw_gbps=float(plan.cluster.get("bw_gbps", bw_gbps)),
+                dispatcher=dispatcher,
+                max_queued=max_queued,
+                sample_nbytes=specs[name].sample_nbytes,
+            )
+            served.append(name)
+    except Exception:  # e.g. an SLO the measured control path cannot meet: serve none of them
+        if served:
+            client.sync(client.scheduler.daskpipe_close, models=served, reason="shutdown")
+            client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
+        raise
     if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
         client.sync(
             client.scheduler.daskpipe_elastic,
@@ -367,6 +382,13 @@ def deploy(
 
 
 # -- steps of deploy ---------------------------------------------------------------------------
+def open_stream(client: Client) -> ClientStream:
+    """The client's own stream to the scheduler, for a service's requests and their resolutions."""
+    stream = ClientStream(client)
+    client.sync(stream.open)
+    return stream
+
+
 def _inventory(client: Client) -> list[WorkerSlot]:
     """The cluster's slots, installing the scheduler plugin first unless a preload did."""
     try:  # idempotent: a no-op where ``--preload daskpipe`` installed it

@@ -18,6 +18,7 @@ the batch, already time-dilated) has passed; it reports when real compute overra
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import pickle
 import threading
@@ -36,17 +37,31 @@ from torch import nn
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams
+from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
 
 logger = logging.getLogger(__name__)
 
 
+INLINE_OUTPUT_BYTES = PACKED_BYTES
+"""A batch whose outputs take at most this many bytes sends them with its completion, so that the
+client's ``result()`` needs no fetch from this worker (daskpipe/runtime/futures.py)."""
+
+
 @dataclass
 class _SlotRuntime:
-    """What the stages of one worker share: the slot runs one batch at a time, on one thread."""
+    """What the stages of one worker share: the slot runs one batch at a time, on one thread, and
+    talks to the scheduler and to the next stages over daskpipe's immediate streams."""
 
     executor: ThreadPoolExecutor
+    to_scheduler: Streams
+    to_peers: Streams
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def report(self, worker: Any, message: dict) -> None:
+        """Send ``message`` to the scheduler."""
+        self.to_scheduler.send(worker.scheduler.address, message)
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
@@ -105,11 +120,12 @@ class Stage:
         the tensor (de)serialisation path once.
         """
         sample = self._compute(torch.zeros((1, *self._input_shape)), split=None)
-        for address in peers:
-            if address != self.worker.address:
-                self.worker.send_to_worker(address, {"op": messages.HELLO, "data": to_serialize(sample)})
+        streams = _SLOTS[self.worker].to_peers
+        others = [a for a in peers if a != self.worker.address]
+        for address in others:
+            streams.send(address, {"op": messages.HELLO, "data": wire_tensor(sample)})
         deadline = time.monotonic() + timeout
-        while any(self.worker.stream_comms[a].comm is None for a in peers if a != self.worker.address):
+        while not all(streams.is_open(a) for a in others):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not open streams to {list(peers)} within {timeout}s")
             await asyncio.sleep(0.01)
@@ -150,6 +166,7 @@ class Stage:
         """Forward ``output`` to the batch's next stage, or store it under its keys (last stage),
         reporting the timings of hop ``partition`` (its input's transfer, its compute over ``ran``)."""
         worker = self.worker
+        slot = _SLOTS[worker]
         rest = batch["route"][1:]
         timings: list[list[Any]] = []
         if received_at is not None:  # the feature map's trip from the previous stage
@@ -159,24 +176,20 @@ class Stage:
             nxt = rest[0]
             forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes")}
             forwarded.update(route=rest, sent_at=time.time())
-            worker.send_to_worker(nxt["address"], {"op": messages.BATCH, **forwarded, "data": to_serialize(output)})
-            worker.batched_send({"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
+            slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
+            slot.report(worker, {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
             return
         outputs = dict(zip(batch["keys"], output))
+        nbytes = [t.nbytes for t in output]
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
-        worker.batched_send(
-            {
-                "op": messages.DONE,
-                "model": self.model,
-                "dispatch": batch["dispatch"],
-                "keys": list(outputs),
-                "nbytes": [t.nbytes for t in output],
-                "timings": timings,
-                "overrun": overrun,
-            }
-        )
-        worker.update_data(data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
+        done = {"op": messages.DONE, "model": self.model, "dispatch": batch["dispatch"], "keys": list(outputs), "nbytes": nbytes, "timings": timings, "overrun": overrun}
+        if sum(nbytes) <= INLINE_OUTPUT_BYTES:
+            done["outputs"] = [pack_tensor(t) for t in output]
+        slot.report(worker, done)
+        # stored after DONE has left (its write is the next loop turn's first step): nothing can ask
+        # this worker for the keys before the scheduler has read DONE and a client has asked it
+        asyncio.get_running_loop().call_soon(functools.partial(worker.update_data, data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}"))
 
     def _compute(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None) -> torch.Tensor | list[torch.Tensor]:
         """Runs in the slot's compute thread: never on the event loop or the actor thread.
@@ -225,9 +238,14 @@ def install(worker: Any) -> None:
     if worker in _SLOTS:
         return
     raise_gc_thresholds()
-    _SLOTS[worker] = _SlotRuntime(ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}"))
+    slot = _SLOTS[worker] = _SlotRuntime(
+        ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}"),
+        to_scheduler=Streams(worker.connection_args, {"op": messages.STREAM, "worker": worker.address, "reply": False}, "daskpipe Worker->Scheduler"),
+        to_peers=Streams(worker.connection_args, PEER_HANDSHAKE, "daskpipe Worker->Worker"),
+    )
     worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
     worker.stream_handlers[messages.HELLO] = _hello
+    worker.stream_handlers[messages.PING] = lambda token: slot.report(worker, {"op": messages.PONG, "token": token})
 
 
 class _BatchHandler:
@@ -249,12 +267,18 @@ class _BatchHandler:
             if not isinstance(stage, Stage):
                 raise LookupError(f"stage {route[0]['stage']!r} is not on worker {worker.address} (was it released?)")
             slot = _SLOTS[worker]
-            task = asyncio.ensure_future(stage.run(batch, data if data is not None else inputs, received_at))
+            task = asyncio.ensure_future(stage.run(batch, from_wire(data) if data is not None else inputs, received_at))
             slot.tasks.add(task)
             task.add_done_callback(slot.tasks.discard)
         except Exception as exc:  # never let a bad batch close the worker's stream
             logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
             report_failure(worker, batch, RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)))
+
+
+def feature_map_peers(worker: Any) -> list[str]:
+    """The peer addresses this worker's stages send feature maps to, as the open comms report them."""
+    slot = _SLOTS.get(worker)
+    return slot.to_peers.peer_addresses() if slot is not None else []
 
 
 def _hello(data: Any = None) -> None:
@@ -263,4 +287,4 @@ def _hello(data: Any = None) -> None:
 
 def report_failure(worker: Any, batch: dict[str, Any], error: RequestFailed) -> None:
     """Every request of ``batch`` errs with ``error``; the scheduler keeps it opaque."""
-    worker.batched_send({"op": messages.FAILED, "model": batch["model"], "dispatch": batch["dispatch"], "keys": list(batch["keys"]), "exception": to_serialize(error)})
+    _SLOTS[worker].report(worker, {"op": messages.FAILED, "model": batch["model"], "dispatch": batch["dispatch"], "keys": list(batch["keys"]), "exception": to_serialize(error)})

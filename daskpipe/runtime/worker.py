@@ -259,6 +259,7 @@ class DaskpipeWorker:
     ``emulate`` and ``server`` are those of :func:`worker_specs`; ``nthreads`` and ``memory_limit``
     (``"auto"``: an equal share of host memory) apply to each slot; ``protocol`` defaults to the
     scheduler address's, and ``"ucx"`` falls back to ``"tcp"`` with a warning without distributed-ucxx.
+    The worker processes start without glibc malloc settings (:mod:`daskpipe.runtime.environ`).
     """
 
     def __init__(
@@ -276,23 +277,25 @@ class DaskpipeWorker:
         from distributed import Nanny
 
         from daskpipe.runtime.cluster import resolve_protocol
+        from daskpipe.runtime.environ import stage_worker_environ
 
         self.slots = worker_specs(slices=slices, emulate=emulate, server=server)
         if memory_limit == "auto":
             memory_limit = equal_memory_share(len(self.slots))
         protocol = resolve_protocol(protocol) if protocol else None
-        self.nannies = [
-            Nanny(
-                scheduler_address,
-                nthreads=nthreads,
-                memory_limit=memory_limit,
-                protocol=protocol,
-                env=slot.env,
-                **slot.worker_options(),
-                **nanny_kwargs,
-            )
-            for slot in self.slots
-        ]
+        with stage_worker_environ():
+            self.nannies = [
+                Nanny(
+                    scheduler_address,
+                    nthreads=nthreads,
+                    memory_limit=memory_limit,
+                    protocol=protocol,
+                    env=slot.env,
+                    **slot.worker_options(),
+                    **nanny_kwargs,
+                )
+                for slot in self.slots
+            ]
 
     async def start(self) -> DaskpipeWorker:
         await asyncio.gather(*self.nannies)

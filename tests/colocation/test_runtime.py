@@ -9,6 +9,7 @@ import torch
 from distributed import Client
 
 from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.control import ControlPath
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.sched.api import Dispatch, Hop, Request, Reservation
 from tests.colocation.helpers import cache_model, shared_gpu_plan, sliced_profile
@@ -19,10 +20,10 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
     return the hold time the plugin sends its worker (runs on the scheduler's event loop)."""
     plugin = plugin_of(dask_scheduler)
     address = sorted(a for a, s in plugin.slots.items() if s.gpu == "L4" and s.slices == 2)[0]
-    plugin.serve("a", plan, profile, [[0, 0, address, "stage-a"]], time_dilation=dilation)
+    plugin.start_serving("a", plan, profile, [[0, 0, address, "stage-a"]], control=ControlPath(0.0), time_dilation=dilation)
     sent = []
-    real_send = dask_scheduler.worker_send
-    dask_scheduler.worker_send = lambda worker, msg: sent.append(msg)
+    real_send = plugin.to_workers.send
+    plugin.to_workers.send = lambda worker, msg: sent.append(msg)
     try:
         served = plugin.served["a"]
         requests = [Request(f"colocated-{dilation}-{plan['models'][-1]['name']}-{i}", "a", 0.0, 10.0) for i in range(2)]
@@ -31,7 +32,7 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
             served.inputs[r.id] = (b"", 1)
         plugin._dispatch(served, "a", Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),)))
     finally:
-        dask_scheduler.worker_send = real_send
+        plugin.to_workers.send = real_send
         plugin.served.pop("a")
     (message,) = sent
     return message["route"][0]["hold_s"]

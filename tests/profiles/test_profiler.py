@@ -51,6 +51,15 @@ def test_labels_slices_and_gpu_type_and_keeps_given_slo():
     assert "interpolated_batch_sizes" not in profile.meta
 
 
+def test_profiles_in_a_dask_worker_with_the_threads_its_slot_serves_with():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=3, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        future = client.submit(profile_model, small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=1, repeats=1, warmup=0)
+        profile, _ = future.result()
+    assert profile.meta["cpu_threads"] == 3  # the worker's threads, not torch's default
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="at most"):
         profile_model(small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=100, repeats=1)

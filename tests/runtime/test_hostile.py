@@ -25,7 +25,7 @@ import daskpipe
 from daskpipe.plan.schema import PlanError
 from daskpipe.profiles.loader import load_profiles
 from daskpipe.profiles.model import Profile, ProfileError
-from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestFailed
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.service import encode_input
 from tests.runtime.conftest import INPUT, example, tiny_model, two_stage
@@ -92,9 +92,64 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         for out, ref in zip(client.gather(futures[len(cases):]), reference(good)):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         (ragged,) = send_raw(svc, "tiny", [raw, raw], [1])
-        with pytest.raises(InvalidRequest, match="2 inputs, 1 sizes"):
+        with pytest.raises(InvalidRequest, match="1 keys and 2 inputs"):
             ragged.result(timeout=30)
         assert svc.status()["tiny"]["invalid"] == len(cases)
+
+
+MALFORMED_FIELDS = {
+    "start_block must be an integer": {"start_block": {"a": 1}},
+    "inputs must be a list, got NoneType": {"inputs": None},
+    "sizes must be a list, got int": {"sizes": 3},
+    "the model must be a name": {"model": 7},
+    "unknown fields": {"priority": "high"},
+    "2 keys and 1 sizes": {"sizes": [1]},
+}
+
+
+@pytest.mark.parametrize("problem", list(MALFORMED_FIELDS))
+def test_a_submission_with_a_malformed_field_errs_every_one_of_its_futures_at_once(emulated_inproc, problem):
+    cluster, client = emulated_inproc
+    raw = encode_input(frames(1)[0])
+    with deploy_two_stage(client) as svc:
+        keys = [f"hostile-{uuid.uuid4().hex}" for _ in range(2)]
+        futures = [Future(key, client) for key in keys]
+        message = {"op": "daskpipe-submit", "model": "tiny", "keys": keys, "inputs": [raw, raw], "sizes": [1, 1], **MALFORMED_FIELDS[problem]}
+        svc._stream.send(message)
+        for future in futures:
+            with pytest.raises(InvalidRequest, match=f"malformed submission.*{problem}"):
+                future.result(timeout=10)
+        assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == (1, 10)  # the stream still serves
+
+
+def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100ms_slo():
+    from daskpipe.runtime.cluster import EmulatedCluster
+    from daskpipe.runtime.futures import ClientStream
+
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client, Client(cluster) as flooder:
+        with deploy_two_stage(client, slo_ms=100.0) as svc:  # real time: 4 + 6 ms stages, no dilation
+            wait(svc.map("tiny", frames(40, seed=2)), timeout=60)  # the control path measured
+            stream = ClientStream(flooder)
+            flooder.sync(stream.open)
+            keys = [f"flood-{i}" for i in range(100_000)]
+            first, last = Future(keys[0], flooder), Future(keys[-1], flooder)
+            before = svc.status()["tiny"]
+            valid, flood_seen = [], []
+            for i, x in enumerate(frames(200)):  # 200 requests a second for a second, the flood sent in their midst
+                if i == 50:
+                    stream.send({"op": "daskpipe-submit", "model": "nope", "keys": keys, "inputs": [b""] * len(keys), "sizes": [1] * len(keys)})
+                valid.append(svc.submit("tiny", x))
+                flood_seen.append((first.done(), last.done()))
+                time.sleep(0.005)
+            wait(valid, timeout=30)
+            with pytest.raises(RequestDropped, match="no service serves this model"):
+                last.result(timeout=60)
+            after = svc.status()["tiny"]
+            assert any(started and not ended for started, ended in flood_seen), "the flood was not taken while the requests ran"
+            assert flood_seen[-1] == (True, True), "the flood was still being taken after the last request"
+            on_time = after["on_time"] - before["on_time"]
+            assert after["completed"] - before["completed"] == len(valid) and on_time >= 0.99 * len(valid), (after, len(valid))
+            flooder.sync(stream.close)
 
 
 def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_meet_the_slo(emulated_inproc):

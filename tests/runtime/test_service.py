@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from distributed import as_completed, wait
 
 import daskpipe
-from daskpipe.runtime.errors import InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from tests.runtime.conftest import INPUT, example, tiny_model, two_stage, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,14 +136,25 @@ def test_a_stage_error_fails_only_its_batch_with_the_cause(emulated_inproc):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_one(emulated_inproc):
+    cluster, client = emulated_inproc
+    with pytest.raises(DeployError, match=r"a lone request takes 80.0 ms .* the smallest SLO it can serve is (\d+\.\d) ms") as refused:
+        deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0)
+    assert float(re.search(r"serve is (\d+\.\d) ms", str(refused.value)).group(1)) > 80.0
+    assert "tiny" not in client.sync(client.scheduler.daskpipe_status)  # nothing left served: it deploys again
+    with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=200.0) as svc:
+        assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == reference(frames(1))[0].shape
+
+
 def test_drops_err_with_the_reason(emulated_inproc):
     cluster, client = emulated_inproc
-    with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0) as svc:  # one request alone misses the SLO
-        future = svc.submit("tiny", frames(1)[0])
-        with pytest.raises(RequestDropped, match=r"dropped \(deadline\)") as info:
-            future.result(timeout=30)
-        assert info.value.reason == "deadline"
-        assert svc.status()["tiny"]["dropped"] == {"deadline": 1}
+    with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=120.0) as svc:  # a lone request fits; a burst of 12 cannot
+        futures = svc.map("tiny", frames(12))
+        wait(futures, timeout=30)
+        dropped = [f.exception() for f in futures if f.status == "error"]
+        assert dropped and all(isinstance(e, RequestDropped) and e.reason == "deadline" for e in dropped)
+        assert svc.status()["tiny"]["dropped"] == {"deadline": len(dropped)}
+        assert sum(f.status == "finished" for f in futures) == 12 - len(dropped)
 
     svc = deploy_two_stage(client, slo_ms=20_000.0)  # the FIFO waits a quarter of the slack before a partial batch
     queued = svc.map("tiny", frames(2))
@@ -174,6 +186,7 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
     feature maps must have travelled between the workers over the cluster's protocol.
     """
     from daskpipe.runtime.cluster import EmulatedCluster
+    from daskpipe.runtime.stage import feature_map_peers
     from distributed import Client
 
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster, Client(cluster) as client:
@@ -193,7 +206,7 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
             assert on_time / submitted >= 0.99, after
             assert after["batches"] - before["batches"] < len(xs)  # it batched
             scheme = cluster.scheduler_address.split("://")[0]
-            peers = client.run(lambda dask_worker: [bc.comm.peer_address for bc in dask_worker.stream_comms.values() if bc.comm is not None])
+            peers = client.run(lambda dask_worker: feature_map_peers(dask_worker))
             assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
 
 

@@ -1,0 +1,98 @@
+"""The control path's measured delays, and the margin every deadline is planned with.
+
+A dispatcher plans a batch's reservations from the profile; what it cannot see is the runtime's
+own path: the batch message reaching the first worker (and the timer that sent it firing late),
+each feature map's hop beyond its planned transfer, the completion reaching the scheduler, and the
+resolution reaching the client. The plugin measures those from the feedback of every batch:
+
+* ``dispatch``: the first stage's actual start minus its planned start;
+* ``hop``: a later stage's actual start minus the later of the previous stage's actual end plus
+  its planned transfer and its own planned start (so a planned wait is not counted);
+* ``done``: the completion read on the scheduler minus the last stage's actual end.
+
+The last message, scheduler to client, is one more message of the same kind on the same kind of
+stream as ``done``, and is counted as one more ``done``. A batch's control delay is the sum.
+
+The margin, by which each request's deadline is moved earlier, is a high percentile
+(:data:`MARGIN_QUANTILE`) of the delays of the batches of the last :data:`HORIZON_S` seconds
+(:data:`WINDOW` at most), and never less than the seed: round trips measured when the model is
+deployed. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
+batch among a few says little. A stall is forgotten once it leaves the horizon: otherwise a margin
+swollen by it would drop every request, no batch would run, and nothing would bring it down. And
+the margin never takes more than :data:`MAX_SHARE` of the model's tightest budget, so that the
+requests the pipeline can still serve in the rest are served through a stall.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WINDOW = 1000
+"""Batches the margin is computed over at most: enough for a p99, recent enough to follow the load."""
+HORIZON_S = 10.0
+MARGIN_QUANTILE = 0.99
+MIN_BATCHES = 20
+RECOMPUTE_EVERY = 20
+"""Batches between two recomputations of the margin (a percentile of the window costs ~30 us)."""
+MAX_SHARE = 0.5
+KINDS = ("dispatch", "hop", "done")
+
+
+@dataclass
+class ControlPath:
+    """One model's control-path delays (seconds) and the margin planned from them.
+
+    ``cap_s``: the most the margin may be (:data:`MAX_SHARE` of the tightest budget)."""
+
+    seed_s: float
+    cap_s: float = float("inf")
+    batches: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (when, total)
+    parts: dict[str, deque[float]] = field(default_factory=lambda: {kind: deque(maxlen=WINDOW) for kind in KINDS})
+    margin_s: float = 0.0
+    recorded: int = 0
+
+    def __post_init__(self) -> None:
+        self.margin_s = min(self.seed_s, self.cap_s)
+
+    def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float) -> None:
+        """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before its planned time)."""
+        dispatch_s, done_s = max(0.0, dispatch_s), max(0.0, done_s)
+        hops_s = [max(0.0, h) for h in hops_s]
+        self.parts["dispatch"].append(dispatch_s)
+        self.parts["hop"].extend(hops_s)
+        self.parts["done"].append(done_s)
+        self.batches.append((now, dispatch_s + sum(hops_s) + 2 * done_s))
+        self.recorded += 1
+        if self.recorded % RECOMPUTE_EVERY == 0:
+            self.refresh(now)
+
+    def refresh(self, now: float) -> None:
+        """Recompute the margin from the batches within the horizon."""
+        batches = self.batches
+        while batches and batches[0][0] < now - HORIZON_S:
+            batches.popleft()
+        margin = self.seed_s
+        if len(batches) >= MIN_BATCHES:
+            margin = max(margin, float(np.quantile([total for _, total in batches], MARGIN_QUANTILE)))
+        self.margin_s = min(margin, self.cap_s)
+
+    def summary(self) -> dict[str, float]:
+        """Milliseconds: the margin, and p50 / p99 of each delay and of the batches' totals."""
+        out = {"margin_ms": self.margin_s * 1e3, "seed_ms": self.seed_s * 1e3, "cap_ms": self.cap_s * 1e3, "batches": float(self.recorded)}
+        for name, values in (*self.parts.items(), ("total", [total for _, total in self.batches])):
+            if values:
+                p50, p99 = np.quantile(np.fromiter(values, float, len(values)), (0.5, 0.99))
+                out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = float(p50) * 1e3, float(p99) * 1e3
+        return out
+
+
+def seed_from_round_trips(round_trips_s: list[float], messages: int) -> float:
+    """A margin before any batch has run: ``messages`` one-way messages (a pipeline of P stages
+    takes P + 2), each as long as a high percentile (p90) of the measured scheduler-worker round
+    trips. A ping's round trip is two messages, but a batch's message also meets a compute thread's
+    hand-off and a tensor's serialization on its way (measured: a batch's path took about twice the
+    pings'). Not the slowest ping: one garbage collection among them would swell it."""
+    return float(np.quantile(round_trips_s, 0.9)) * messages if round_trips_s else 0.0

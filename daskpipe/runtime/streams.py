@@ -1,0 +1,103 @@
+"""daskpipe's own streams: Dask comms with a ``BatchedSend`` that never waits out an interval.
+
+Dask's batched streams hold a message that follows another within their interval (client ->
+scheduler 10 ms, scheduler -> worker 5 ms, worker -> scheduler 2 ms, scheduler -> client 2 ms,
+worker -> worker 1 ms): right for task graphs, but each request crosses five of them, and at GPU
+SLOs of 20-170 ms those waits were the runtime's whole overhead. daskpipe opens streams of its own
+with ``distributed.comm.connect`` (so TCP, TLS and UCX alike, with the cluster's security) and
+sends on them with ``BatchedSend(interval=0)``: a message goes out on the next event-loop turn,
+and messages queued while a write is in progress go out together in the next one, so batching
+still happens exactly when the stream is busy.
+
+A receiving end is Dask's own ``handle_stream``: workers take the ``connection_stream`` op that
+every Dask server has, the scheduler the :data:`~daskpipe.runtime.messages.STREAM` handler of
+daskpipe's plugin, which adds who sent it (``worker=`` or ``client=``) to each message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Mapping
+
+import dask
+from distributed.batched import BatchedSend
+from distributed.comm import connect
+
+logger = logging.getLogger(__name__)
+
+def batched_send(loop: Any = None) -> BatchedSend:
+    """A ``BatchedSend`` with daskpipe's interval (config ``daskpipe.stream-interval``, default 0)."""
+    return BatchedSend(interval=dask.config.get("daskpipe.stream-interval", "0ms"), loop=loop)
+
+
+PEER_HANDSHAKE = {"op": "connection_stream", "reply": False}
+"""Opens a stream to a Dask worker: its ``handle_stream`` runs the messages' stream handlers."""
+
+
+class Streams:
+    """Outgoing immediate streams of one process, one per peer address, opened on first use.
+
+    ``handshake`` is the first message on each new comm (what makes the peer read it as a
+    stream). Sends to a peer whose stream is still opening queue in its ``BatchedSend`` and go
+    out once it is open; a stream found closed is replaced, so a peer that came back is reached
+    again. Must be used from the event loop it was made on.
+    """
+
+    def __init__(self, connection_args: Mapping[str, Any], handshake: Mapping[str, Any], name: str):
+        self.connection_args = dict(connection_args)
+        self.handshake = dict(handshake)
+        self.name = name
+        self._streams: dict[str, BatchedSend] = {}
+        self._opening: dict[str, asyncio.Task] = {}
+
+    def send(self, address: str, message: dict) -> None:
+        self._stream(address).send(message)
+
+    def open(self, address: str) -> asyncio.Task | None:
+        """Start opening the stream to ``address`` now; the task to await, ``None`` if it is open."""
+        self._stream(address)
+        return self._opening.get(address)
+
+    def is_open(self, address: str) -> bool:
+        stream = self._streams.get(address)
+        return stream is not None and stream.comm is not None and not stream.comm.closed()
+
+    def peer_addresses(self) -> list[str]:
+        """Where the open streams' comms lead (the protocol in use, as the comm reports it)."""
+        return [stream.comm.peer_address for stream in self._streams.values() if stream.comm is not None and not stream.comm.closed()]
+
+    def _stream(self, address: str) -> BatchedSend:
+        stream = self._streams.get(address)
+        if stream is not None and not stream.please_stop and not (stream.comm is not None and stream.comm.closed()):
+            return stream
+        stream = self._streams[address] = batched_send()
+        self._opening[address] = asyncio.ensure_future(self._connect(address, stream))
+        return stream
+
+    async def _connect(self, address: str, stream: BatchedSend) -> None:
+        try:
+            comm = await connect(address, **self.connection_args)
+            comm.name = self.name
+            await comm.write(self.handshake)
+            stream.start(comm)
+        except Exception as exc:  # the peer is gone: its messages are lost with it (the scheduler retries lost batches)
+            logger.warning("daskpipe: could not open a %s stream to %s: %r", self.name, address, exc)
+            stream.please_stop = True
+            if self._streams.get(address) is stream:
+                del self._streams[address]
+        finally:
+            if self._opening.get(address) is asyncio.current_task():
+                del self._opening[address]
+
+    async def close(self) -> None:
+        """Flush and close every stream."""
+        for task in list(self._opening.values()):
+            task.cancel()
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            if stream.comm is not None:
+                try:
+                    await asyncio.wait_for(stream.close(), 2)
+                except Exception:  # closing anyway: a peer that is gone cannot take the flush
+                    stream.abort()

@@ -1,0 +1,87 @@
+"""Stage workers' environment: no glibc malloc setting (Dask's default halves torch), torch on the
+worker's threads, and a deploy-time warning with the fix for a worker that has it wrong."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from torch import nn
+
+import daskpipe
+from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.environ import ALLOCATOR_VARIABLES, WorkerEnvironment, compute_thread_setup, environments, probe_worker
+
+DASK_DEFAULT = "65536"  # distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_
+
+
+@pytest.fixture
+def clean_environ(monkeypatch):
+    """Whatever the Nannies of a test write into this process's environment is undone after it."""
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _report(**changes) -> WorkerEnvironment:
+    fields = {"name": "w", "address": "tcp://127.0.0.1:1", "environ": {}, "nthreads": 1, "torch_threads": 1, "cpus": 2}
+    return WorkerEnvironment(**{**fields, **changes})
+
+
+def test_warnings_name_what_slows_torch_and_the_fix():
+    assert _report().warnings() == []
+    [allocator] = _report(environ={"MALLOC_TRIM_THRESHOLD_": DASK_DEFAULT}).warnings()
+    assert "MALLOC_TRIM_THRESHOLD_=65536" in allocator and "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_: null" in allocator
+    assert "daskpipe worker" in allocator
+    [tunables] = _report(environ={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}).warnings()
+    assert "glibc.malloc.trim_threshold" in tunables
+    [threads] = _report(nthreads=2, torch_threads=1, environ={"OMP_THREAD_LIMIT": "1"}).warnings()
+    assert "1 torch thread(s) of the 2" in threads and "OMP_THREAD_LIMIT=1" in threads
+    assert _report(nthreads=2, torch_threads=None).warnings() == [], "no compute thread yet: nothing to check"
+    [cores] = _report(nthreads=4, torch_threads=4, cpus=2).warnings()
+    assert "--nthreads 2" in cores
+
+
+def test_compute_thread_setup_sets_torch_threads_on_that_thread_only():
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=compute_thread_setup, initargs=(2,)) as compute:
+        assert compute.submit(torch.get_num_threads).result() == 2
+    assert torch.get_num_threads() == before
+
+
+def test_emulated_workers_start_without_allocator_settings(clean_environ):
+    """Even when an earlier Nanny left Dask's value in this process's environment."""
+    clean_environ.setenv("MALLOC_TRIM_THRESHOLD_", DASK_DEFAULT)
+    with EmulatedCluster({"T4": 1}, nthreads=2, dashboard_address=None) as cluster, Client(cluster) as client:
+        [report] = environments(client.run(probe_worker))
+    assert not set(ALLOCATOR_VARIABLES) & set(report.environ) and report.warnings() == []
+    assert report.nthreads == 2
+
+
+def test_daskpipe_worker_drops_the_allocator_setting_of_its_shell():
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", dashboard_address=None) as cluster, Client(cluster) as client:
+        env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": DASK_DEFAULT}
+        process = subprocess.Popen(
+            [sys.executable, "-c", "from daskpipe.cli import main; main()", "worker", cluster.scheduler_address, "--emulate", "T4:1"], env=env
+        )
+        try:
+            client.wait_for_workers(1, timeout=60)
+            [report] = environments(client.run(probe_worker))
+        finally:
+            process.terminate()
+            process.wait(30)
+    assert report.warnings() == [] and "MALLOC_TRIM_THRESHOLD_" not in report.environ
+
+
+def test_deploy_warns_about_a_worker_with_dasks_default_allocator_setting(clean_environ):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster, Client(cluster) as client:
+        with pytest.warns(RuntimeWarning, match="MALLOC_TRIM_THRESHOLD_=65536, which halves torch's CPU throughput"):
+            service = daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0})
+        with service:
+            assert service.submit("tiny", torch.randn(1, 8)).result().shape == (1, 4)
