@@ -33,7 +33,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime.elastic import stage_submit_kwargs
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory
+from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory, awaitable_with_asynchronous_client
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -199,6 +199,7 @@ class SharedStage(Stage):
 
 
 # -- deploy ------------------------------------------------------------------------------------
+@awaitable_with_asynchronous_client
 def deploy_hybrid(
     client: Client,
     module: nn.Module,

@@ -13,6 +13,8 @@ call or extra frames per request, and nothing is unpickled on the way.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -23,7 +25,7 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -143,10 +145,17 @@ class Service:
         return list(dict.fromkeys([*self._specs, *(model for model, _ in self._entries)]))
 
     @property
-    def plan(self) -> Plan:
-        """The plan in force: the scheduler re-plans as workers join and leave (docs/operations.md)."""
+    def plan(self) -> Plan | Awaitable[Plan]:
+        """The plan in force: the scheduler re-plans as workers join and leave (docs/operations.md).
+
+        With an asynchronous client, an awaitable: ``plan = await svc.plan``."""
+        if self.client.asynchronous:
+            return self._current_plan()
+        return self.client.sync(self._current_plan)
+
+    async def _current_plan(self) -> Plan:
         if not self.closed:
-            current = self.client.sync(self.client.scheduler.daskpipe_plan, models=self.models)
+            current = await self.client.scheduler.daskpipe_plan(models=self.models)
             if current is not None:
                 self._plan = Plan.from_dict(current)
         return self._plan
@@ -200,27 +209,39 @@ class Service:
         return spec.admit(model, x)
 
     def status(self) -> dict[str, dict]:
-        """Per model: submitted, completed, on_time, failed, dropped by reason, queued, in_flight."""
+        """Per model: submitted, completed, on_time, failed, dropped by reason, queued, in_flight,
+        the control path (``control``, docs/runtime.md). Awaitable with an asynchronous client."""
         return self.client.sync(self.client.scheduler.daskpipe_status, models=self.models)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop serving: queued requests err with reason "shutdown", dispatched batches finish."""
+    def close(self, timeout: float = 30.0) -> None | Awaitable[None]:
+        """Stop serving: queued requests err with reason "shutdown", dispatched batches finish.
+        Awaitable with an asynchronous client."""
+        return self.client.sync(self._close, timeout)
+
+    async def _close(self, timeout: float) -> None:
         if self.closed:
             return
         self.closed = True
-        self.client.sync(self.client.scheduler.daskpipe_close, models=self.models, reason="shutdown")
+        scheduler = self.client.scheduler
+        await scheduler.daskpipe_close(models=self.models, reason="shutdown")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            left = self.client.sync(self.client.scheduler.daskpipe_status, models=self.models, forget=True)
+            left = await scheduler.daskpipe_status(models=self.models, forget=True)
             if not any(s["in_flight"] for s in left.values()):
                 break
-            time.sleep(0.05)
-        self.client.sync(self.client.scheduler.daskpipe_status, models=self.models, forget=True)
-        self.client.sync(self._stream.close)
+            await asyncio.sleep(0.05)
+        await scheduler.daskpipe_status(models=self.models, forget=True)
+        await self._stream.close()
         self._stages.clear()
 
     def __enter__(self) -> Service:
         return self
+
+    async def __aenter__(self) -> Service:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
@@ -229,6 +250,21 @@ class Service:
         return f"<daskpipe.Service models={self.models} {'closed' if self.closed else 'serving'}>"
 
 
+def awaitable_with_asynchronous_client(function: Callable[..., Service]) -> Callable[..., Any]:
+    """``function(client, ...)`` as it is, or, called on an asynchronous client's event loop, an
+    awaitable of it run in a thread: profiling and planning block for seconds, and the loop must
+    keep serving the client meanwhile (Dask's blocking API works from another thread)."""
+
+    @functools.wraps(function)
+    def wrapper(client: Client, *args: Any, **kwargs: Any) -> Any:
+        if client.asynchronous:
+            return asyncio.get_running_loop().run_in_executor(None, functools.partial(function, client, *args, **kwargs))
+        return function(client, *args, **kwargs)
+
+    return wrapper
+
+
+@awaitable_with_asynchronous_client
 def deploy(
     client: Client,
     models: Mapping[str, nn.Module],
@@ -273,7 +309,9 @@ def deploy(
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
         ``Adaptive`` (:class:`~daskpipe.runtime.elastic.ElasticSettings`); ``None``: the plan stays.
 
-    Raises :class:`DeployError` when the cluster cannot serve the models as asked.
+    Raises :class:`DeployError` when the cluster cannot serve the models as asked. With an
+    asynchronous client, ``svc = await deploy(client, ...)`` (and ``await svc.plan``,
+    ``await svc.status()``, ``await svc.close()`` or ``async with svc``).
     """
     if not models:
         raise DeployError("deploy needs at least one model")

@@ -210,6 +210,24 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
             assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
 
 
+def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
+    """No time dilation: 4 + 6 ms stages (17.5 ms at the planned batch of 4) under a 50 ms SLO, the
+    control path measured and planned for, at half the plan's capacity."""
+    from daskpipe.runtime.cluster import EmulatedCluster
+    from distributed import Client
+
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+        with deploy_two_stage(client, slo_ms=50.0) as svc:
+            wait(svc.map("tiny", frames(30, seed=2)), timeout=60)  # warm, and the margin measured
+            before = svc.status()["tiny"]
+            xs = frames(300)
+            futures = poisson_load(svc, xs, 0.5 * svc.plan.model("tiny").throughput)
+            wait(futures, timeout=60)
+            after = svc.status()["tiny"]
+            submitted, on_time = (after[c] - before[c] for c in ("submitted", "on_time"))
+            assert submitted == len(xs) and on_time / submitted >= 0.99, (after["dropped"], {k: round(v, 2) for k, v in after["control"].items()})
+
+
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
     serve_at_load_factor("tcp", k=20.0)
 
@@ -219,3 +237,26 @@ def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
 def test_processes_cluster_over_ucx():
     # UCX's progress threads poll: on a 2-core machine they take CPU from the stages, so time is dilated more.
     serve_at_load_factor("ucx", k=40.0)
+
+
+def test_an_asynchronous_client_deploys_submits_reads_the_plan_and_closes(emulated_inproc):
+    import asyncio
+
+    from distributed import Client
+
+    cluster, _ = emulated_inproc
+    profile, plan = two_stage()
+    xs = frames(3)
+
+    async def serve() -> None:
+        async with Client(cluster.scheduler_address, asynchronous=True, security=cluster.security) as client:
+            svc = await daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile})
+            async with svc:
+                outputs = [await svc.submit("tiny", x) for x in xs]
+                for out, ref in zip(outputs, reference(xs)):
+                    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+                assert (await svc.plan).model("tiny").pipelines[0].batch_size == 4
+                assert (await svc.status())["tiny"]["completed"] == 3
+            assert svc.closed and (await client.scheduler.daskpipe_status(models=["tiny"])) == {}
+
+    asyncio.run(serve())
