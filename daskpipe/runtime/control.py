@@ -18,9 +18,11 @@ The margin, by which each request's deadline is moved earlier, is a high percent
 (:data:`WINDOW` at most), and never less than the seed: round trips measured when the model is
 deployed. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
 batch among a few says little. A stall is forgotten once it leaves the horizon: otherwise a margin
-swollen by it would drop every request, no batch would run, and nothing would bring it down. And
-the margin never takes more than :data:`MAX_SHARE` of the model's tightest budget, so that the
-requests the pipeline can still serve in the rest are served through a stall.
+swollen by it would drop every request, no batch would run, and nothing would bring it down. For
+the same reason the margin never takes more than the headroom, what the model's tightest budget
+leaves beyond a lone request's latency: a request can always still be dispatched at once, so
+batches keep running and being measured; nor more than :data:`MAX_SHARE` of that budget, so that
+the requests the pipeline can still serve in the rest are served through a stall.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ KINDS = ("dispatch", "hop", "done")
 class ControlPath:
     """One model's control-path delays (seconds) and the margin planned from them.
 
-    ``cap_s``: the most the margin may be (:data:`MAX_SHARE` of the tightest budget)."""
+    ``cap_s``: the most the margin may be (the headroom, at most :data:`MAX_SHARE` of the tightest budget)."""
 
     seed_s: float
     cap_s: float = float("inf")

@@ -153,10 +153,13 @@ def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
     return max_queued
 
 
-def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float) -> None:
+def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float) -> float:
     """Refuse a model whose every entry cannot be served even for a lone request on an idle
     pipeline (batch 1, no queueing) plus the control path's margin: it would drop everything.
-    All times dilated by ``time_dilation`` except the margin, which is real time."""
+    Else the headroom: the least, over its entries, of the budget beyond a lone request's latency,
+    the most a margin may take. All times dilated by ``time_dilation`` except the margin, which is
+    real time."""
+    headroom = float("inf")
     for block, budget in budgets.items():
         paths = [p for p in plan.pipelines if p.entry_block == block]
         if not paths:
@@ -170,6 +173,8 @@ def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[
                 f"{fastest / time_dilation * 1e3:.1f} ms on its fastest pipeline and the measured control path "
                 f"{margin_s / time_dilation * 1e3:.2f} ms more; the smallest SLO it can serve is {smallest_ms:.1f} ms"
             )
+        headroom = min(headroom, budget - fastest)
+    return headroom
 
 
 def _lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool) -> float:
@@ -448,9 +453,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
         )
         budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
-        control.cap_s = MAX_SHARE * min(budgets.values())
+        headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
+        control.cap_s = min(MAX_SHARE * min(budgets.values()), headroom)  # a lone request always stays servable
         control.refresh(time.monotonic())
-        check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
         self.served[model] = _Served(
             model=model_plan,
             profile=model_profile,

@@ -1,0 +1,1 @@
+"""Benchmarks that span the layers (planner, simulator, runtime) and so belong to none of them."""

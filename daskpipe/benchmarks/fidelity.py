@@ -1,0 +1,450 @@
+"""``daskpipe bench fidelity``: does the Dask runtime sustain the load the simulator says a plan sustains?
+
+For each model: one plan (the MILP on a small emulated inventory, ``--gpus``) and, at each load
+factor, one Poisson workload (``--seed``), served twice: by the simulator (:mod:`daskpipe.sim`)
+and by the runtime (``daskpipe.deploy(..., plan=, profiles=, time_dilation=1.0)``) on an
+:class:`~daskpipe.runtime.cluster.EmulatedCluster` whose stages hold each batch for its profiled
+latency. Both run the PPipe dispatcher on the same slots; the simulator is given the emulated
+cluster's layout (every GPU on one server), so no hop crosses a NIC in either.
+
+* Profiles: PPipe's measurements (``--profiles``, default ``../shared/ppipe``) with their SLOs.
+  A stand-in model serves their blocks, one torch.fx node per block, cheap enough for 2 cores: it
+  passes tensors of the profile's boundary shapes where the profile records them, else small ones
+  (PPipe's profiles record only bytes); the output says which.
+* Search: the simulator's max load is :func:`daskpipe.sim.find_max_load`'s; the runtime's is the
+  same bisection on the same grid (0.05 steps up to 1.0, attainment assumed not to rise with
+  load). Each runtime trial replays exactly the simulator's arrivals at that load (read from its
+  trace), and the simulator's attainment on them is reported beside the runtime's.
+* Trials are independent, as simulations are: each runs on a fresh deployment of the plan (on the
+  same cluster), after a warm-up stream that is not counted, so nothing measured at one load
+  (queues, the control path's margin) carries over to the next.
+* Attainment on the runtime: a request counts when its output is in the client's hands (yielded by
+  ``as_completed(with_results=True)`` to a client thread) within the SLO of its *scheduled* send
+  time, so a client that falls behind its schedule is charged for it, as an open-loop client is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import click
+import numpy as np
+import torch
+from torch import nn
+
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.model import Profile
+
+if TYPE_CHECKING:
+    from daskpipe.sched.api import Placement
+    from daskpipe.sim import ModelResult
+
+DEFAULT_PROFILES = "../shared/ppipe"
+DEFAULT_MODELS = ("googlenet-v3", "fcn", "wide_resnet101_2")  # SLOs 23.4, 33.3 and 67.1 ms
+DEFAULT_GPUS = {"L4": 1, "T4": 1}
+DEFAULT_DURATION_S = 4.0
+DEFAULT_MAX_RATE = 400.0
+MAX_GPUS = 3  # the emulated cluster runs a worker process per MPS slice on this machine
+BW_GBPS = 10.0
+PLAN_MARGIN = 0.4  # PPipe's: 40% of the SLO kept in the plan, none at run time
+TARGET = 0.99
+STEP, MAX_LOAD = 0.05, 1.0  # find_max_load's grid
+SMALL_SHAPE = (16,)
+SERVER = "node-0"  # the emulated cluster's one server
+LEAD_S = 0.2  # from the start of a trial to its time zero: the client is ready before the first send
+DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand counts as lost
+WARM_UP_S, WARM_UP_LOAD = 1.0, 0.5  # each deployment's first batches (fresh streams) are slow, and not counted
+
+SEARCH = f"bisection on the {STEP:g} grid up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise with load; the simulator's is daskpipe.sim.find_max_load"
+TIMING = "a request is on time when its output is in the client's hands (as_completed(with_results=True), in a client thread) within the SLO of its scheduled Poisson send time"
+
+
+class BenchOptionError(ValueError):
+    """An option of the bench cannot be used as given; ``option`` names it for the command's error."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+# -- the stand-in model ------------------------------------------------------------------------
+torch.fx.wrap("hand_over")
+
+
+def hand_over(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """One stand-in block: each sample's mean spread over a tensor of ``shape``. Wrapped for
+    torch.fx, so that a block is one graph node and the stand-in cuts exactly between blocks."""
+    return x.flatten(1).mean(1).view(-1, *(1,) * len(shape)).expand(-1, *shape).contiguous()
+
+
+class StandIn(nn.Module):
+    """A model of ``len(shapes)`` blocks, block ``i`` handing on a tensor of ``shapes[i]`` per sample."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]]):
+        super().__init__()
+        self.shapes = [tuple(shape) for shape in shapes]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for shape in self.shapes:
+            x = hand_over(x, shape)
+        return x
+
+
+def stand_in(profile: Profile) -> tuple[Profile, StandIn, torch.Tensor, str]:
+    """The stand-in for ``profile``'s blocks, the profile re-cut for it (``segment_boundaries``:
+    one segment per block), a batch-1 example input, and what its tensors are."""
+    if profile.input_shape is not None and profile.boundary_shapes is not None:
+        input_shape, shapes = tuple(profile.input_shape), [*profile.boundary_shapes, SMALL_SHAPE]
+        tensors = "the profile's boundary shapes"
+    else:
+        input_shape, shapes = SMALL_SHAPE, [SMALL_SHAPE] * profile.num_blocks
+        tensors = f"small: {SMALL_SHAPE} float32 per sample at every boundary (the profile records no boundary shapes)"
+    recut = replace(
+        profile, input_shape=input_shape, boundary_shapes=tuple(tuple(s) for s in shapes[:-1]),
+        meta={**profile.meta, "segment_boundaries": list(range(profile.num_blocks + 1))},
+    )
+    return recut, StandIn(shapes).eval(), torch.zeros(1, *input_shape), tensors
+
+
+# -- what is served ----------------------------------------------------------------------------
+@dataclass
+class ServedModel:
+    """One model as the bench serves it: its re-cut profile, stand-in and plan, and the emulated
+    GPUs (type -> count) with the slice count the plan cuts each type into."""
+
+    name: str
+    profile: Profile
+    module: StandIn
+    example: torch.Tensor
+    tensors: str
+    plan: Plan
+    gpus: dict[str, int]
+    slices: dict[str, int]
+
+    @property
+    def rate(self) -> float:
+        return self.plan.model(self.name).throughput
+
+    @property
+    def slo_s(self) -> float:
+        return self.profile.slo_us / 1e6
+
+    def summary(self) -> list[str]:
+        """Each pipeline on one line: batch, pools (GPU/slices x pool size [blocks)), planned rate."""
+        lines = []
+        for pipeline in self.plan.model(self.name).pipelines:
+            pools = " -> ".join(f"{p.gpu}/v{p.slices} x{p.vgpus} [{p.blocks[0]},{p.blocks[1]})" for p in pipeline.partitions)
+            lines.append(f"batch {pipeline.batch_size}: {pools}, {pipeline.throughput:.1f} req/s")
+        return lines
+
+
+def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str, int], max_rate: float) -> list[ServedModel]:
+    """Load, re-cut and plan every model, checking all of them before any cluster starts."""
+    from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.schema import PlanError
+    from daskpipe.profiles.loader import load_profiles, resolve_model_names
+    from daskpipe.profiles.model import ProfileError
+
+    path = Path(profiles_path)
+    if not path.exists():
+        where = str(path) if path.is_absolute() else f"{path} ({path.resolve()})"
+        raise BenchOptionError("--profiles", f"{where} does not exist: pass the PPipe profiles (../shared/ppipe, see its README.md) from the repository root, or their path")
+    if sum(gpus.values()) > MAX_GPUS:
+        raise BenchOptionError("--gpus", f"at most {MAX_GPUS} GPUs (the emulated cluster runs a process per MPS slice on this machine), got {dict(gpus)}")
+    try:
+        profiles = load_profiles(path)
+    except ProfileError as exc:
+        raise BenchOptionError("--profiles", str(exc)) from None
+    try:
+        names = resolve_model_names(sorted(profiles), list(models), where=str(path))
+    except ProfileError as exc:
+        raise BenchOptionError("--models", str(exc)) from None
+    served = []
+    for name in names:
+        profile, module, example, tensors = stand_in(profiles[name])
+        try:
+            plan = make_plan({name: profile}, gpus, gpus_per_server=gpus, bw_gbps=BW_GBPS, margin=PLAN_MARGIN, max_parts=2)
+        except PlanError as exc:
+            raise BenchOptionError("--gpus", f"cannot plan {name} on {dict(gpus)}: {exc}") from None
+        slices: dict[str, set[int]] = {}
+        for pipeline in plan.model(name).pipelines:
+            for part in pipeline.partitions:
+                slices.setdefault(part.gpu, set()).add(part.slices)
+        mixed = {gpu: sorted(v) for gpu, v in slices.items() if len(v) > 1}
+        if mixed:
+            raise BenchOptionError("--gpus", f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all GPUs of a type alike: pick other --gpus")
+        model = ServedModel(name, profile, module, example, tensors, plan, {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()})
+        if model.rate > max_rate:
+            raise BenchOptionError("--gpus", f"the plan of {name} on {dict(gpus)} serves {model.rate:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs")
+        served.append(model)
+    return served
+
+
+def on_one_server(plan: Plan) -> dict[str, Placement]:
+    """The simulator's placement laid out as the emulated cluster's: every slot on one server."""
+    from daskpipe.sched.placement import place
+
+    return {name: replace(p, slots={sid: replace(slot, server=SERVER) for sid, slot in p.slots.items()}) for name, p in place(plan).items()}
+
+
+# -- one runtime trial -------------------------------------------------------------------------
+def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, arrivals: np.ndarray, slo_s: float) -> dict[str, Any]:
+    """Send one request at each of ``arrivals`` (seconds from time zero) open-loop, and account
+    for every one of them: on time, late, dropped by reason, failed, or lost (not ended after the drain)."""
+    from distributed import as_completed
+
+    from daskpipe.runtime.bench import LoopLag
+    from daskpipe.runtime.errors import RequestDropped
+
+    count = len(arrivals)
+    give_up_s = LEAD_S + float(arrivals.max(initial=0.0)) + slo_s + DRAIN_S
+    futures: list[Any] = []
+    index: dict[Any, int] = {}
+    sent, in_hand = np.full(count, np.nan), np.full(count, np.nan)
+    completed = as_completed(with_results=True, raise_errors=False, timeout=give_up_s)
+    all_sent = threading.Event()
+
+    def collect() -> None:
+        while True:
+            done_sending = all_sent.is_set()  # before looking: a request added since is still to come
+            try:
+                future, _ = next(completed)
+            except StopIteration:  # nothing outstanding now
+                if done_sending:
+                    return
+                all_sent.wait(0.001)
+                continue
+            except TimeoutError:
+                return
+            in_hand[index[future.key]] = time.perf_counter()
+
+    lag = LoopLag()
+    before = service.status()[name]
+    cluster.sync(lag.start)
+    collector = threading.Thread(target=collect, name="fidelity-collector", daemon=True)
+    zero = time.perf_counter() + LEAD_S
+    collector.start()
+    for i, at in enumerate(arrivals):
+        delay = zero + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sent[i] = time.perf_counter()
+        future = service.submit(name, example)
+        index[future.key] = i
+        futures.append(future)
+        completed.add(future)
+    all_sent.set()
+    collector.join()
+    lags_ms = np.asarray(cluster.sync(lag.stop)) * 1e3
+    after = service.status()[name]
+    latency = in_hand - (zero + arrivals)
+    statuses = [future.status for future in futures]
+    finished = (np.array(statuses, dtype=object) == "finished") & ~np.isnan(in_hand)
+    on_time = finished & (latency <= slo_s)
+    dropped: Counter[str] = Counter()
+    failed = 0
+    lost: Counter[str] = Counter()  # by the future's status: pending (never ended), cancelled, finished only after the drain
+    for future, status, done in zip(futures, statuses, finished):
+        if status == "error":
+            exc = future.exception()
+            if isinstance(exc, RequestDropped):
+                dropped[exc.reason] += 1
+            else:
+                failed += 1
+        elif not done:
+            lost[status] += 1
+    send_lag_ms = (sent - (zero + arrivals)) * 1e3
+    return {
+        "attainment": float(on_time.sum()) / count if count else 1.0,
+        "on_time": int(on_time.sum()),
+        "late": int(finished.sum() - on_time.sum()),
+        "dropped_by_reason": dict(dropped),
+        "failed": failed,
+        "lost": sum(lost.values()),
+        "lost_by_status": dict(lost),
+        "p50_ms": percentile(latency[finished] * 1e3, 50),
+        "p99_ms": percentile(latency[finished] * 1e3, 99),
+        "send_lag_p99_ms": percentile(send_lag_ms, 99),
+        "send_lag_max_ms": percentile(send_lag_ms, 100),
+        "loop_lag_p99_ms": percentile(lags_ms, 99),
+        "loop_lag_max_ms": percentile(lags_ms, 100),
+        "batches": after["batches"] - before["batches"],
+        "overruns": after["overruns"] - before["overruns"],
+        "control": after.get("control"),
+    }
+
+
+def percentile(values: np.ndarray, q: float) -> float | None:
+    """The ``q``-th percentile, ``None`` for no values (a trial without requests, or none completed)."""
+    return float(np.percentile(values, q)) if values.size else None
+
+
+def bisect_grid(grid: Sequence[float], passes: Callable[[float], bool]) -> float:
+    """The highest load of ``grid`` that passes (0 if none): the top first, then halving the
+    bracket, as :func:`daskpipe.sim.find_max_load` searches."""
+    good, bad = -1, len(grid) - 1
+    if passes(grid[bad]):
+        return grid[bad]
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if passes(grid[mid]):
+            good = mid
+        else:
+            bad = mid
+    return grid[good] if good >= 0 else 0.0
+
+
+# -- one model, both ways ----------------------------------------------------------------------
+def sim_summary(result: ModelResult) -> dict[str, Any]:
+    """The simulator's figures on a trial's arrivals, under the runtime's names, side by side."""
+    return {"attainment": result.attainment, "late": result.late, "dropped_by_reason": result.dropped, "p99_ms": result.p99_ms, "mean_batch_size": result.mean_batch_size}
+
+
+def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Callable[..., None]) -> dict[str, Any]:
+    """The simulator's and the runtime's max load factor for one model, with every runtime trial."""
+    from distributed import Client
+
+    import daskpipe
+    from daskpipe.runtime.cluster import EmulatedCluster
+    from daskpipe.runtime.errors import DeployError
+    from daskpipe.sim import find_max_load, simulate
+    from daskpipe.sim.simulate import load_grid
+    from daskpipe.sim.workload import poisson_arrivals
+
+    profiles = {model.name: model.profile}
+    placements = on_one_server(model.plan)
+    sim_options = dict(duration=duration, seed=seed, placements=placements)
+    sim_best = find_max_load(model.plan, profiles, target=TARGET, step=STEP, max_load=MAX_LOAD, **sim_options).max_load_factor[model.name]
+    out: dict[str, Any] = {
+        "slo_ms": model.profile.slo_us / 1e3,
+        "sim_max_load_factor": sim_best,
+        "runtime_max_load_factor": 0.0,
+        "ratio": None,
+        "planned_rate_per_s": model.rate,
+        "plan": model.summary(),
+        "emulated_gpus": {gpu: {"count": count, "slices": model.slices[gpu]} for gpu, count in model.gpus.items()},
+        "tensors": model.tensors,
+        "trials": [],
+    }
+    trials: list[dict[str, Any]] = out["trials"]
+    advance(0, note=f"{model.name}: starting {sum(c * model.slices[g] for g, c in model.gpus.items())} emulated slots")
+    warm_up = poisson_arrivals(WARM_UP_LOAD * model.rate, WARM_UP_S, np.random.default_rng(seed))
+    with EmulatedCluster(model.gpus, slices=model.slices, dashboard_address=None) as cluster, Client(cluster) as client:
+
+        def serve(arrivals: np.ndarray) -> dict[str, Any]:
+            """``arrivals`` served by a deployment of their own, warmed up first, so that every
+            trial starts from an idle, steady service (no queue, no delays of another load), as
+            every simulation starts idle."""
+            try:
+                service = daskpipe.deploy(client, {model.name: model.module}, example_inputs={model.name: model.example}, plan=model.plan,
+                                          profiles=profiles, time_dilation=1.0, elastic=None)
+            except DeployError as exc:  # e.g. an SLO the runtime's control path cannot meet
+                return {"attainment": 0.0, "deploy_error": str(exc)}
+            with service:
+                serve_trial(service, cluster, model.name, model.example, warm_up, model.slo_s)
+                return serve_trial(service, cluster, model.name, model.example, arrivals, model.slo_s)
+
+        def passes(load: float) -> bool:
+            sim = simulate(model.plan, profiles, load_factor=load, **sim_options)
+            _, trace = sim.runs[model.name]
+            arrivals = np.sort([r.arrival for r in trace.requests.values()])
+            advance(note=f"{model.name}: load {load:.2f} on the runtime ({len(arrivals)} requests)")
+            runtime = serve(arrivals)
+            trials.append({"load_factor": load, "offered_rate_per_s": load * model.rate, "requests": len(arrivals),
+                           "sim": sim_summary(sim.models[model.name]), "runtime": runtime})
+            return runtime["attainment"] >= TARGET
+
+        out["runtime_max_load_factor"] = bisect_grid(load_grid(STEP, MAX_LOAD), passes)
+    if sim_best > 0:
+        out["ratio"] = out["runtime_max_load_factor"] / sim_best
+    return out
+
+
+def max_trials() -> int:
+    """Runtime trials of one model's search at most: the top of the grid, then the bisection."""
+    from daskpipe.sim.simulate import load_grid
+
+    return 1 + math.ceil(math.log2(len(load_grid(STEP, MAX_LOAD))))
+
+
+def run_fidelity(
+    profiles: str | Path = DEFAULT_PROFILES,
+    models: Sequence[str] = DEFAULT_MODELS,
+    gpus: Mapping[str, int] = DEFAULT_GPUS,
+    *,
+    duration: float = DEFAULT_DURATION_S,
+    seed: int = 1,
+    max_rate: float = DEFAULT_MAX_RATE,
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> dict[str, Any]:
+    """The figures of ``daskpipe bench fidelity``; :class:`BenchOptionError` names a bad argument."""
+    if not (duration > 0 and math.isfinite(duration)):
+        raise BenchOptionError("--duration", f"must be a positive number of seconds, got {duration!r}")
+    if not (max_rate > 0 and math.isfinite(max_rate)):
+        raise BenchOptionError("--max-rate", f"must be a positive number of requests/s, got {max_rate!r}")
+    started = time.perf_counter()
+    served = prepare(profiles, models, gpus, max_rate)
+    results = {}
+    for model in served:
+        results[model.name] = measure_model(model, duration=duration, seed=seed, advance=advance)
+        advance(max_trials() - len(results[model.name]["trials"]), note=f"{model.name} done")
+    return {
+        "profiles": str(profiles),
+        "gpus": dict(gpus),
+        "bw_gbps": BW_GBPS,
+        "plan_margin": PLAN_MARGIN,
+        "time_dilation": 1.0,
+        "dataplane": "ppipe",
+        "duration_s": duration,
+        "seed": seed,
+        "target_attainment": TARGET,
+        "search": SEARCH,
+        "attainment_timing": TIMING,
+        "ratio_definition": "runtime_max_load_factor / sim_max_load_factor (null when the simulator's is 0)",
+        "models": results,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[str, int]:
+    """``--gpus`` as ``daskpipe worker --emulate`` reads its pairs, with errors naming ``--gpus``."""
+    from daskpipe.runtime.worker import WorkerSpecError, parse_pairs
+
+    try:
+        return parse_pairs(value, ":", option="--gpus")
+    except WorkerSpecError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("fidelity")
+@click.option("--profiles", default=DEFAULT_PROFILES, show_default=True, help="PPipe-layout profiles (their SLOs from models.csv), or a folder of daskpipe JSON profiles.")
+@click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, help="Comma-separated model names or unique prefixes.")
+@click.option("--gpus", default=",".join(f"{k}:{v}" for k, v in DEFAULT_GPUS.items()), show_default=True, callback=parse_gpus, help=f"The emulated inventory each model is planned on and served by, TYPE:COUNT,... (at most {MAX_GPUS} GPUs).")
+@click.option("--duration", default=DEFAULT_DURATION_S, show_default=True, help="Seconds of Poisson arrivals per trial.")
+@click.option("--seed", default=1, show_default=True, help="Seed of the arrivals (the simulator's convention: the same workload in both).")
+@click.option("--max-rate", default=DEFAULT_MAX_RATE, show_default=True, help="Refuse plans of more req/s than this machine can send open-loop.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
+def bench_fidelity(profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, max_rate: float, json_path: str | None) -> None:
+    """Max load factor at 99% attainment of each model's plan, in the simulator and on the Dask runtime."""
+    names = [name.strip() for name in models.split(",") if name.strip()]
+    if not names:
+        raise click.BadParameter("name at least one model", param_hint="--models")
+    from daskpipe.progress import progress_bar
+
+    try:
+        with progress_bar("fidelity", total=len(names) * max_trials()) as advance:
+            figures = run_fidelity(profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, advance=advance)
+    except BenchOptionError as exc:
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
+    text = json.dumps(figures, indent=1)
+    click.echo(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
