@@ -19,10 +19,10 @@ The margin, by which each request's deadline is moved earlier, is a high percent
 deployed. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
 batch among a few says little. A stall is forgotten once it leaves the horizon: otherwise a margin
 swollen by it would drop every request, no batch would run, and nothing would bring it down. For
-the same reason the margin never takes more than the headroom, what the model's tightest budget
-leaves beyond a lone request's latency: a request can always still be dispatched at once, so
-batches keep running and being measured; nor more than :data:`MAX_SHARE` of that budget, so that
-the requests the pipeline can still serve in the rest are served through a stall.
+the same reason the margin never takes more than :data:`MAX_SHARE` of the headroom, what the
+model's tightest budget leaves beyond a lone request's latency (nor of the budget itself): a
+request can always still be dispatched, with room to queue, so batches keep running and being
+measured through a stall, and what the pipeline can still serve in time is served.
 """
 
 from __future__ import annotations

@@ -454,7 +454,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         )
         budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
         headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
-        control.cap_s = min(MAX_SHARE * min(budgets.values()), headroom)  # a lone request always stays servable
+        control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
         control.refresh(time.monotonic())
         self.served[model] = _Served(
             model=model_plan,
