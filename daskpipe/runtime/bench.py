@@ -186,9 +186,9 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
 
 def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]:
     """Closed-loop latencies of ``samples`` requests of trivial-b1, on its own pipeline, while
-    trivial-load takes Poisson load at ``LOAD_FACTOR`` of its plan's capacity; and what the load
-    saw (offered rate, attainment) with the scheduler's loop lags."""
-    import threading
+    another client, in a process of its own as clients are, sends trivial-load Poisson load at
+    ``LOAD_FACTOR`` of its plan's capacity; and what the load saw, with the scheduler's loop lags."""
+    import multiprocessing
 
     from distributed import wait
 
@@ -200,42 +200,66 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
     model, x = _trivial_model(), torch.zeros(1, 16)
     svc = daskpipe.deploy(client, {"trivial-b1": model, "trivial-load": model}, example_inputs={"trivial-b1": x, "trivial-load": x}, plan=plan, profiles={**profiles, **load_profiles})
     rate = LOAD_FACTOR * load_plan.models[0].throughput
-    lag, stop, sent = LoopLag(), threading.Event(), []
-
-    def offer() -> None:  # open loop: each request at its Poisson time, late ones at once
-        due = time.perf_counter()
-        for gap in np.random.default_rng(0).exponential(1 / rate, size=10**7):
-            due += gap
-            time.sleep(max(0.0, due - time.perf_counter()))
-            if stop.is_set():
-                return
-            sent.append(svc.submit("trivial-load", x))
-
+    lag = LoopLag()
+    context = multiprocessing.get_context("spawn")
+    flowing, stop, report = context.Event(), context.Event(), context.Queue()
+    loader = context.Process(target=offer_load, args=(cluster.scheduler_address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True)
     try:
         wait(svc.map("trivial-load", [x] * 2 * LOAD_BATCH))
         wait(svc.map("trivial-b1", [x] * 10))
-        before = svc.status()["trivial-load"]
-        loader = threading.Thread(target=offer, daemon=True)
-        cluster.sync(lag.start)
-        started = time.perf_counter()
         loader.start()
+        if not flowing.wait(60):
+            raise RuntimeError("the load generator did not start")
+        cluster.sync(lag.start)
         time.sleep(1.0)  # the load is flowing
         latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), samples)
-        stop.set()
-        loader.join()
-        offered = len(sent) / (time.perf_counter() - started)
         lags = cluster.sync(lag.stop)
-        wait(sent)
-        after = svc.status()["trivial-load"]
+        stop.set()
+        offered, ended, on_time = report.get(timeout=120)
+        loader.join(30)
     finally:
         svc.close()
-    submitted = after["submitted"] - before["submitted"]
     return latencies, {
         "model_capacity": load_plan.models[0].throughput,
         "offered_rate": offered,
-        "attainment": (after["on_time"] - before["on_time"]) / submitted if submitted else None,
+        "attainment": on_time / ended if ended else None,
         "loop_lags_s": lags,
     }
+
+
+def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: Any, stop: Any, report: Any) -> None:
+    """Another client: Poisson requests of ``model`` (already served) at ``rate`` from this process,
+    each at its scheduled time, until ``stop``; reports (offered rate, ended, on time within the
+    model's SLO) once every request has ended. It sends on a daskpipe stream of its own, as a
+    ``Service`` does, without deploying anything."""
+    from distributed import Client, wait
+
+    from daskpipe.runtime import messages
+    from daskpipe.runtime.futures import ClientStream, ServedFuture
+
+    with Client(address) as client:
+        stream = ClientStream(client)
+        client.sync(stream.open)
+        slo_s = SLO_MS * 1e-3
+        futures, sent_at, done_at = [], [], {}
+        flowing.set()
+        started = due = time.perf_counter()
+        for i, gap in enumerate(np.random.default_rng(0).exponential(1 / rate, size=10**7)):
+            due += gap
+            time.sleep(max(0.0, due - time.perf_counter()))
+            if stop.is_set():
+                break
+            future = stream.pending[f"load-{i}"] = ServedFuture(f"load-{i}", client)
+            future.add_done_callback(lambda f: done_at.__setitem__(f.key, time.perf_counter()))
+            stream.send({"op": messages.SUBMIT, "model": model, "keys": [future.key], "inputs": [payload], "sizes": [1]})
+            futures.append(future)
+            sent_at.append(due)
+        offered = len(futures) / (time.perf_counter() - started)
+        wait(futures)
+        time.sleep(0.1)  # the last callbacks
+        ended = [(f, t) for f, t in zip(futures, sent_at) if f.status == "finished"]
+        report.put((offered, len(futures), sum(done_at.get(f.key, float("inf")) - t <= slo_s for f, t in ended)))
+        client.sync(stream.close)
 
 
 def _percentile(ordered: list[float], q: float) -> float:

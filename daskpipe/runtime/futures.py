@@ -5,7 +5,7 @@ Requests leave on the client's :class:`ClientStream` (a ``BatchedSend`` without 
 :mod:`daskpipe.runtime.streams`), and the scheduler answers on the same comm with
 :data:`~daskpipe.runtime.messages.RESOLVED` as soon as a batch's last stage reports: the futures
 finish at once, without waiting out Dask's report stream. A batch whose outputs are small
-(``daskpipe.runtime.inline-output-bytes``) carries them, so that :meth:`ServedFuture.result` returns
+(``daskpipe.runtime.stage.INLINE_OUTPUT_BYTES``) carries them, so that :meth:`ServedFuture.result` returns
 without the scheduler round trip of a ``gather``. Dask's own ``key-in-memory`` report still follows,
 and every other way of reading a future (``client.gather``, ``as_completed``, passing it to a task)
 works as for any future: the outputs are in the last worker's memory under the request's key.
@@ -44,7 +44,7 @@ class ServedFuture(Future):
     async def _result(self, raiseit: bool = True) -> Any:
         await self._state.wait()
         if self.inline is not _NOTHING and self.status == "finished":
-            return self.inline
+            return unpack_tensor(self.inline)  # unpacked when asked for: a burst's futures are often gathered instead
         return await super()._result(raiseit)
 
 
@@ -111,7 +111,7 @@ class ClientStream:
                 continue
             future = self.pending.pop(key, None)
             if future is not None and outputs is not None:
-                future.inline = unpack_tensor(outputs[i])
+                future.inline = outputs[i]
             state.finish()
         if orphans:
             self.client._send_to_scheduler({"op": "client-releases-keys", "keys": orphans, "client": self.client.id})
