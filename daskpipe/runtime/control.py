@@ -16,7 +16,7 @@ stream as ``done``, and is counted as one more ``done``. A batch's control delay
 The margin, by which each request's deadline is moved earlier, is a high percentile
 (:data:`MARGIN_QUANTILE`) of the delays of the batches of the last :data:`HORIZON_S` seconds
 (:data:`WINDOW` at most), and never less than the seed: round trips measured when the model is
-deployed. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
+deployed, and never less than :data:`MIN_MARGIN_S`. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
 batch among a few says little. A stall is forgotten once it leaves the horizon: otherwise a margin
 swollen by it would drop every request, no batch would run, and nothing would bring it down. For
 the same reason the margin never takes more than :data:`MAX_SHARE` of the headroom, what the
@@ -40,6 +40,9 @@ MIN_BATCHES = 20
 RECOMPUTE_EVERY = 20
 """Batches between two recomputations of the margin (a percentile of the window costs ~30 us)."""
 MAX_SHARE = 0.5
+MIN_MARGIN_S = 0.002
+"""The least margin: an event-loop timer fires up to a millisecond late (epoll waits whole
+milliseconds), and the last-moment dispatch of a batch waits on one."""
 KINDS = ("dispatch", "hop", "done")
 
 
@@ -57,7 +60,7 @@ class ControlPath:
     recorded: int = 0
 
     def __post_init__(self) -> None:
-        self.margin_s = min(self.seed_s, self.cap_s)
+        self.margin_s = min(max(self.seed_s, MIN_MARGIN_S), self.cap_s)
 
     def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float) -> None:
         """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before its planned time)."""
@@ -76,7 +79,7 @@ class ControlPath:
         batches = self.batches
         while batches and batches[0][0] < now - HORIZON_S:
             batches.popleft()
-        margin = self.seed_s
+        margin = max(self.seed_s, MIN_MARGIN_S)
         if len(batches) >= MIN_BATCHES:
             margin = max(margin, float(np.quantile([total for _, total in batches], MARGIN_QUANTILE)))
         self.margin_s = min(margin, self.cap_s)

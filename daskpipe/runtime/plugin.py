@@ -65,11 +65,6 @@ QUEUE_SLOS = 2.0
 """The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
 more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
 holds (requests and their input bytes) independent of how fast clients submit."""
-TIMER_SLACK = 0.5
-"""A wake that fires late by up to this fraction of the model's margin is given the time it asked
-for: the margin pays for it (late timers are part of the measured ``dispatch`` delay). A
-deadline-driven dispatcher that waits for a batch's last moment would otherwise find that moment
-just past, and drop the batch, on every timer that fires a millisecond late."""
 
 
 def guarded(method: Callable) -> Callable:
@@ -816,7 +811,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for model, served in list(self.served.items()):
             wake = served.dispatcher.next_wake()
             if wake is not None and wake <= now:
-                at = max(wake, now - TIMER_SLACK * served.control.margin_s)
+                # a wake that fires late by up to the margin is given the time it asked for: the margin
+                # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
+                # waiting for a batch's last moment would find it just past, and drop the batch
+                at = max(wake, now - served.control.margin_s)
                 self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
         self._arm()
 
