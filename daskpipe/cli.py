@@ -53,6 +53,8 @@ def main() -> None:
         "overload": "daskpipe.runtime.overload:bench_overload",
         "chaos": "daskpipe.runtime.chaos:bench_chaos",
         "dashboard": "daskpipe.dashboard.bench:bench_dashboard",
+        "goodput": "daskpipe.benchmarks.goodput:bench_goodput",
+        "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
     },
 )
 def bench() -> None:

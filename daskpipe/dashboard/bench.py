@@ -192,6 +192,7 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
+    from daskpipe.runtime.environ import stage_worker_environ
 
     chromium = chromium or shutil.which("chromium") or shutil.which("chromium-browser")
     if viewer == "chromium" and chromium is None:
@@ -199,7 +200,7 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
     requests = -(-requests // BATCH) * BATCH
     sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     opening: list[dict[str, float]] = []  # what opening the pages cost, each time (not timed)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with stage_worker_environ(), LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         profiles, plan = _profile_and_plan({MODEL: BATCH})
         svc = daskpipe.deploy(client, {MODEL: _trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
         try:

@@ -100,7 +100,7 @@ class WorkerEnvironment:
     """What a worker reports of the conditions its torch computes under.
 
     ``torch_threads`` is what torch gave the slot's compute thread(s) once set up, ``None`` before
-    the first stage created one; ``cpus`` the cores its process may use.
+    the slot's first batch started one; ``cpus`` the cores its process may use.
     """
 
     name: str

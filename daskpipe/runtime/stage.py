@@ -36,6 +36,7 @@ from torch import nn
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
+from daskpipe.runtime.environ import compute_thread_setup
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
@@ -239,7 +240,7 @@ def install(worker: Any) -> None:
         return
     raise_gc_thresholds()
     slot = _SLOTS[worker] = _SlotRuntime(
-        ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}"),
+        ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}", initializer=compute_thread_setup, initargs=(worker.state.nthreads,)),
         to_scheduler=Streams(worker.connection_args, {"op": messages.STREAM, "worker": worker.address, "reply": False}, "daskpipe Worker->Scheduler"),
         to_peers=Streams(worker.connection_args, PEER_HANDSHAKE, "daskpipe Worker->Worker"),
     )

@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 from torch import nn
 
 import daskpipe
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.environ import ALLOCATOR_VARIABLES, WorkerEnvironment, compute_thread_setup, environments, probe_worker
+from daskpipe.runtime.environ import ALLOCATOR_VARIABLES, WorkerEnvironment, compute_thread_setup, environments, probe_worker, stage_worker_environ
 
 DASK_DEFAULT = "65536"  # distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_
 
@@ -82,6 +82,16 @@ def test_deploy_warns_about_a_worker_with_dasks_default_allocator_setting(clean_
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster, Client(cluster) as client:
         with pytest.warns(RuntimeWarning, match="MALLOC_TRIM_THRESHOLD_=65536, which halves torch's CPU throughput"):
-            service = daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0})
-        with service:
-            assert service.submit("tiny", torch.randn(1, 8)).result().shape == (1, 4)
+            daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0}).close()
+
+
+def test_a_slot_computes_on_the_threads_its_worker_was_given(clean_environ):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    with stage_worker_environ(), LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=None) as cluster, Client(cluster) as client:
+        [before] = environments(client.run(probe_worker))
+        with daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0}) as service:
+            assert service.profiles["tiny"].meta["cpu_threads"] == 2, "profiled as it serves"
+            wait(service.map("tiny", [torch.randn(1, 8)] * 4))  # the slot's compute thread starts with its first batch
+            [after] = environments(client.run(probe_worker))
+    assert before.torch_threads is None, "no compute thread before the first batch"
+    assert after.torch_threads == 2 and before.environ.get("OMP_NUM_THREADS") == "1", "Dask's OMP_NUM_THREADS=1 stays for its task threads"

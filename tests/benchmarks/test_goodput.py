@@ -1,0 +1,78 @@
+"""``daskpipe bench goodput``: the rate search, the options, and one small real run's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from daskpipe.benchmarks.goodput import PRECISION, Trial, search_max_rate
+from daskpipe.cli import main
+
+
+def _threshold_trials(capacity: float):
+    """Trials met below ``capacity`` req/s, missed above it, as a served model would be."""
+    rates: list[float] = []
+
+    def trial(rate: float) -> Trial:
+        rates.append(rate)
+        on_time = 100 if rate <= capacity else 90
+        return Trial(rate, submitted=100, in_hand=100, on_time=on_time, dropped=0, failed=0, pending=0, latency_p50_ms=1.0, latency_p99_ms=2.0, mean_batch=1.0)
+
+    return trial, rates
+
+
+@pytest.mark.parametrize("start", [4.0, 10.0, 40.0])
+def test_search_closes_in_on_the_capacity_from_either_side(start):
+    trial, _ = _threshold_trials(capacity=10.0)
+    done = search_max_rate(trial, start, trials=12)
+    best = max(t.rate for t in done if t.met)
+    failed = min(t.rate for t in done if not t.met)
+    assert best <= 10.0 < failed <= best * (1 + PRECISION)
+    assert len(done) < 12, "stops once the bracket is tight"
+
+
+def test_search_keeps_to_its_budget_and_ceiling():
+    trial, _ = _threshold_trials(capacity=100.0)
+    assert len(search_max_rate(trial, 10.0, trials=3)) == 3
+    trial, rates = _threshold_trials(capacity=100.0)
+    search_max_rate(trial, 10.0, trials=10, ceiling=15.0)
+    assert rates == [10.0, 12.5, 15.0], "met at the ceiling: nothing higher to try"
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--workers", "2"], "--workers"),
+        (["--workers", "0x1"], "--workers"),
+        (["--slo-ms", "500,-1"], "--slo-ms"),
+        (["--slo-ms", "fast"], "--slo-ms"),
+        (["--model", "no-such-net"], "--model"),
+        (["--duration", "0"], "--duration"),
+        (["--trials", "0"], "--trials"),
+    ],
+)
+def test_bad_options_name_the_option(args, option):
+    result = CliRunner().invoke(main, ["bench", "goodput", *args])
+    assert result.exit_code == 2 and option in result.output, result.output
+
+
+def test_small_run_writes_the_figures(tmp_path):
+    """resnet18 on 32 x 32 images at a few req/s: every figure is there and every request accounted
+    for. Whether the runtime meets the SLO is the runtime's business; the search is tested above."""
+    out = tmp_path / "goodput.json"
+    args = ["--image-size", "32", "--slo-ms", "2000", "--duration", "3", "--trials", "2", "--limit-seconds", "1", "--max-rate", "4"]
+    result = CliRunner().invoke(main, ["bench", "goodput", *args, "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["workers"] == "2x1" and figures["input_shape"] == [3, 32, 32] and figures["worker_warnings"] == []
+    limit = figures["machine_limit"]
+    assert len(limit["runs"]) == 2 and limit["img_per_s"] == max(limit["runs"]) > 0
+    row = figures["slos"]["2000"]
+    assert row["plan_throughput"] > 0 and row["machine_limit"] == limit["img_per_s"] and row["profile_threads"] == 1
+    assert 1 <= len(row["trials"]) <= 2 and row["trials"][0]["rate"] == 4.0, "starts at the ceiling, below the plan and the limit"
+    for trial in row["trials"]:
+        assert trial["in_hand"] + trial["dropped"] + trial["failed"] + trial["pending"] == trial["submitted"] > 0
+        assert trial["on_time"] <= trial["in_hand"] and trial["met"] == (trial["attainment"] >= 0.99)
+    assert row["max_rate"] == max((t["rate"] for t in row["trials"] if t["met"]), default=0.0)
