@@ -8,6 +8,7 @@ the ``BlockedModel`` returned beside it, so the runtime serves the blocks that w
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
@@ -19,7 +20,6 @@ from torch import nn
 from daskpipe.plan.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.environ import worker_threads
 
 if TYPE_CHECKING:
     from daskpipe.colocation.fit import FitReport, Measurement, ModelInfo
@@ -27,6 +27,18 @@ if TYPE_CHECKING:
 
 SLO_FACTOR = 5.0  # PPipe: the SLO is 5x the whole model's batch-1 latency
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def worker_threads() -> int | None:
+    """The threads of the Dask worker this code runs in (its slot computes with them); ``None`` outside one."""
+    if "distributed" not in sys.modules:  # not a worker, and a profile run from the CLI need not import it
+        return None
+    from distributed import get_worker
+
+    try:
+        return get_worker().state.nthreads
+    except ValueError:
+        return None
 
 
 def normalise_batch_sizes(batch_sizes: int | Iterable[int]) -> list[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -81,18 +80,6 @@ def compute_thread_setup(nthreads: int) -> None:
 
     torch.set_num_threads(nthreads)
     _COMPUTE_THREADS[threading.current_thread()] = torch.get_num_threads()
-
-
-def worker_threads() -> int | None:
-    """The threads of the Dask worker this code runs in (its slot computes with them); ``None`` outside one."""
-    if "distributed" not in sys.modules:  # not a worker, and a profile run from the CLI need not import it
-        return None
-    from distributed import get_worker
-
-    try:
-        return get_worker().state.nthreads
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
