@@ -1,7 +1,7 @@
 """The client's end of daskpipe's fast path: its own stream to the scheduler, and futures whose
 small results arrive with the completion.
 
-Requests leave on the client's :class:`ClientStream` (a ``BatchedSend`` without an interval, see
+Requests leave on the client's :class:`ClientStream` (an :class:`~daskpipe.runtime.streams.ImmediateSend`, see
 :mod:`daskpipe.runtime.streams`), and the scheduler answers on the same comm with
 :data:`~daskpipe.runtime.messages.RESOLVED` as soon as a batch's last stage reports: the futures
 finish at once, without waiting out Dask's report stream. A batch whose outputs are small
@@ -23,7 +23,7 @@ from distributed.comm import CommClosedError, connect
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
-from daskpipe.runtime.streams import batched_send
+from daskpipe.runtime.streams import ImmediateSend
 from daskpipe.runtime.tensors import unpack_tensor
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ClientStream:
     def __init__(self, client: Client):
         self.client = client
         self.pending: weakref.WeakValueDictionary[str, ServedFuture] = weakref.WeakValueDictionary()
-        self._out = batched_send(client.loop)
+        self._out = ImmediateSend()
         self._reader: asyncio.Task | None = None
 
     async def open(self) -> None:

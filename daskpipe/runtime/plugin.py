@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
-from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -44,7 +43,7 @@ from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed, refusal_error
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
-from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams, batched_send
+from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
 
 logger = logging.getLogger(__name__)
@@ -233,7 +232,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self.client_streams: dict[str, BatchedSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
+        self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
         self.to_workers: Streams | None = None  # batches and pings, opened at start
         self._pongs: dict[int, asyncio.Future] = {}
         self._ping_tokens = itertools.count()
@@ -347,7 +346,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             raise ValueError("a daskpipe stream names its client or its worker")
         reply = None
         if client is not None:
-            reply = self.client_streams[client] = batched_send()
+            reply = self.client_streams[client] = ImmediateSend()
             reply.start(comm)
         try:
             await self.scheduler.handle_stream(comm, extra={"client": client} if client is not None else {"worker": worker})

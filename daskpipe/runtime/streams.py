@@ -1,13 +1,15 @@
-"""daskpipe's own streams: Dask comms with a ``BatchedSend`` that never waits out an interval.
+"""daskpipe's own streams: Dask comms written as soon as there is something to send.
 
 Dask's batched streams hold a message that follows another within their interval (client ->
 scheduler 10 ms, scheduler -> worker 5 ms, worker -> scheduler 2 ms, scheduler -> client 2 ms,
 worker -> worker 1 ms): right for task graphs, but each request crosses five of them, and at GPU
 SLOs of 20-170 ms those waits were the runtime's whole overhead. daskpipe opens streams of its own
 with ``distributed.comm.connect`` (so TCP, TLS and UCX alike, with the cluster's security) and
-sends on them with ``BatchedSend(interval=0)``: a message goes out on the next event-loop turn,
-and messages queued while a write is in progress go out together in the next one, so batching
-still happens exactly when the stream is busy.
+sends on them with :class:`ImmediateSend`: a message goes out on the next event-loop turn, and
+messages queued while a write is in progress go out together in the next one, so batching still
+happens exactly when the stream is busy. That is Dask's ``BatchedSend`` with no interval, without
+its timer: with ``interval=0`` it still arms and fires a timeout after every write, and a
+ping-pong over two processes took 0.42-0.50 ms a round trip with it against 0.35 ms with this.
 
 A receiving end is Dask's own ``handle_stream``: workers take the ``connection_stream`` op that
 every Dask server has, the scheduler the :data:`~daskpipe.runtime.messages.STREAM` handler of
@@ -20,15 +22,60 @@ import asyncio
 import logging
 from typing import Any, Mapping
 
-import dask
-from distributed.batched import BatchedSend
-from distributed.comm import connect
+from distributed.comm import CommClosedError, connect
 
 logger = logging.getLogger(__name__)
 
-def batched_send(loop: Any = None) -> BatchedSend:
-    """A ``BatchedSend`` with daskpipe's interval (config ``daskpipe.stream-interval``, default 0)."""
-    return BatchedSend(interval=dask.config.get("daskpipe.stream-interval", "0ms"), loop=loop)
+
+class ImmediateSend:
+    """Messages to one comm, written on the next event-loop turn; those queued during a write go
+    out together with the next. Messages sent before :meth:`start` wait for it. Must be used from
+    the event loop the comm lives on."""
+
+    def __init__(self) -> None:
+        self.comm: Any = None
+        self.buffer: list = []
+        self.please_stop = False
+        self._writer: asyncio.Task | None = None
+
+    def start(self, comm: Any) -> None:
+        self.comm = comm
+        self._write_soon()
+
+    def send(self, *messages: Any) -> None:
+        if self.please_stop or (self.comm is not None and self.comm.closed()):
+            raise CommClosedError(f"{self.comm!r} is closed")
+        self.buffer.extend(messages)
+        self._write_soon()
+
+    def _write_soon(self) -> None:
+        if self.comm is not None and self.buffer and (self._writer is None or self._writer.done()):
+            self._writer = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while self.buffer and not self.please_stop:
+                payload, self.buffer = self.buffer, []
+                await self.comm.write(payload, on_error="raise")
+        except CommClosedError:
+            self.abort()
+        except Exception:
+            logger.exception("daskpipe: a write to %r failed; the stream is closed", self.comm)
+            self.abort()
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Write what is queued, then close the comm."""
+        if self._writer is not None:
+            await asyncio.wait([self._writer], timeout=timeout)
+        self.please_stop = True
+        if self.comm is not None and not self.comm.closed():
+            await self.comm.close()
+
+    def abort(self) -> None:
+        self.please_stop = True
+        self.buffer = []
+        if self.comm is not None and not self.comm.closed():
+            self.comm.abort()
 
 
 PEER_HANDSHAKE = {"op": "connection_stream", "reply": False}
@@ -39,7 +86,7 @@ class Streams:
     """Outgoing immediate streams of one process, one per peer address, opened on first use.
 
     ``handshake`` is the first message on each new comm (what makes the peer read it as a
-    stream). Sends to a peer whose stream is still opening queue in its ``BatchedSend`` and go
+    stream). Sends to a peer whose stream is still opening queue in its :class:`ImmediateSend` and go
     out once it is open; a stream found closed is replaced, so a peer that came back is reached
     again. Must be used from the event loop it was made on.
     """
@@ -48,7 +95,7 @@ class Streams:
         self.connection_args = dict(connection_args)
         self.handshake = dict(handshake)
         self.name = name
-        self._streams: dict[str, BatchedSend] = {}
+        self._streams: dict[str, ImmediateSend] = {}
         self._opening: dict[str, asyncio.Task] = {}
 
     def send(self, address: str, message: dict) -> None:
@@ -67,15 +114,15 @@ class Streams:
         """Where the open streams' comms lead (the protocol in use, as the comm reports it)."""
         return [stream.comm.peer_address for stream in self._streams.values() if stream.comm is not None and not stream.comm.closed()]
 
-    def _stream(self, address: str) -> BatchedSend:
+    def _stream(self, address: str) -> ImmediateSend:
         stream = self._streams.get(address)
         if stream is not None and not stream.please_stop and not (stream.comm is not None and stream.comm.closed()):
             return stream
-        stream = self._streams[address] = batched_send()
+        stream = self._streams[address] = ImmediateSend()
         self._opening[address] = asyncio.ensure_future(self._connect(address, stream))
         return stream
 
-    async def _connect(self, address: str, stream: BatchedSend) -> None:
+    async def _connect(self, address: str, stream: ImmediateSend) -> None:
         try:
             comm = await connect(address, **self.connection_args)
             comm.name = self.name
@@ -98,6 +145,6 @@ class Streams:
         for stream in streams:
             if stream.comm is not None:
                 try:
-                    await asyncio.wait_for(stream.close(), 2)
+                    await stream.close()
                 except Exception:  # closing anyway: a peer that is gone cannot take the flush
                     stream.abort()
