@@ -40,7 +40,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
 from daskpipe.runtime.control import MAX_SHARE, ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
-from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed, refusal_error
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, refusal_error
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
