@@ -238,6 +238,8 @@ CONTROL_COLUMNS = (
     ("hop_p50_ms", "hop p50"), ("hop_p99_ms", "hop p99"), ("done_p50_ms", "done p50"), ("done_p99_ms", "done p99"), ("total_p99_ms", "batch total p99"),
 )
 """The control-path table of the SLO page: ``ControlPath.summary`` keys and their titles."""
+SUSPECT_COLUMNS = (("model", "suspect slot's model"), ("slot", "slot"), ("since_s", "suspect for (s)"), ("probes", "probes"), ("last_ratio", "last probe / profile"), ("detail", "why"))
+"""The suspect-slot table of the SLO page (``daskpipe.runtime.gray``)."""
 
 
 class SLOView(DashboardComponent):
@@ -272,11 +274,17 @@ class SLOView(DashboardComponent):
             source=self.control_source, height=120, sizing_mode="stretch_width", index_position=None,
             columns=[TableColumn(field=f, title=t, **({} if f == "model" else {"formatter": NumberFormatter(format="0.00")})) for f, t in CONTROL_COLUMNS],
         )
+        self.suspect_source = ColumnDataSource({field: [] for field, _ in SUSPECT_COLUMNS})
+        self.suspect_table = DataTable(
+            source=self.suspect_source, height=100, sizing_mode="stretch_width", index_position=None,
+            columns=[TableColumn(field=f, title=t, **({"width": 400} if f == "detail" else {})) for f, t in SUSPECT_COLUMNS],
+        )
         self.root = column(
             row(self.rates.figure, self.attainment.figure, sizing_mode="stretch_width"),
             row(self.drops.figure, self.latency.figure, sizing_mode="stretch_width"),
             row(self.breakdown, column(self.drop_table, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
             self.control_table,
+            self.suspect_table,
             sizing_mode="stretch_width",
         )
 
@@ -295,6 +303,8 @@ class SLOView(DashboardComponent):
         """The runtime's measured control path and the margin it plans deadlines with (ms)."""
         summaries = [(name, m.control()) for name, m in metrics.models.items() if m.control is not None]
         push(self.control_source, {field: [name if field == "model" else (round(summary[field], 3) if field in summary else None) for name, summary in summaries] for field, _ in CONTROL_COLUMNS})
+        rows = [{"model": name, "slot": slot, **summary} for name, m in metrics.models.items() if m.suspects is not None for slot, summary in m.suspects().items()]
+        push(self.suspect_source, {field: [r[field] for r in rows] for field, _ in SUSPECT_COLUMNS})
 
     def _update_breakdown(self, metrics: ServiceMetrics, now: float) -> None:
         last = last_completed(now)

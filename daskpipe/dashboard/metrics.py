@@ -211,6 +211,7 @@ class ModelMetrics:
     pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
     control: Callable[[], dict[str, float]] | None = None  # the live runtime's control-path summary (ms), if any
+    suspects: Callable[[], dict[str, dict[str, Any]]] | None = None  # the live runtime's suspect slots, if any (daskpipe/runtime/gray.py)
 
 
 class ServiceMetrics:
@@ -234,11 +235,14 @@ class ServiceMetrics:
         return found
 
     # -- events ---------------------------------------------------------------------------------
-    def serve(self, model: str, plan: ModelPlan, placement: Placement, control: Callable[[], dict[str, float]] | None = None) -> None:
+    def serve(
+        self, model: str, plan: ModelPlan, placement: Placement, control: Callable[[], dict[str, float]] | None = None, suspects: Callable[[], dict[str, dict[str, Any]]] | None = None,
+    ) -> None:
         """``model`` is served by ``plan`` on ``placement`` from now on; ``control`` reads its
-        measured control path (``daskpipe.runtime.control.ControlPath.summary``)."""
+        measured control path (``daskpipe.runtime.control.ControlPath.summary``), ``suspects``
+        its suspect slots (``daskpipe.runtime.gray.Suspect.summary`` by address)."""
         metrics = self.model(model)
-        metrics.plan, metrics.placement, metrics.slo_s, metrics.control = plan, placement, plan.slo_us * 1e-6, control
+        metrics.plan, metrics.placement, metrics.slo_s, metrics.control, metrics.suspects = plan, placement, plan.slo_us * 1e-6, control, suspects
         for slot in placement.slots.values():
             self.gpu_of[slot.id] = slot.gpu
 

@@ -78,7 +78,10 @@ class DaskpipeCollector(PrometheusCollector):
             name("control_delay_seconds"), "Measured control-path delays of recent batches: dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
             labels=["model", "kind", "quantile"],
         )
+        suspects = GaugeMetricFamily(name("suspect_slots"), "Slots that get no batches because they stalled or slowed down, until a probe computes in line (docs/operations.md)", labels=["model", "slot"])
         for model, status in plugin.status().items():
+            for slot in status["suspects"]:
+                suspects.add_metric([model, slot], 1.0)
             queue.add_metric([model], status["queued"])
             in_flight.add_metric([model], status["in_flight"])
             summary = status["control"]
@@ -100,7 +103,7 @@ class DaskpipeCollector(PrometheusCollector):
             server, _, direction = resource.rpartition("/")
             if direction in ("ul", "dl"):
                 nics.add_metric([server, direction], min(1.0, seconds / UTILISATION_WINDOW_S))
-        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, margin, control, gpus, slots, nics)
+        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, margin, control, suspects, gpus, slots, nics)
 
 
 _COLLECTOR: DaskpipeCollector | None = None

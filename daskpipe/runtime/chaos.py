@@ -1,4 +1,4 @@
-"""``daskpipe bench chaos``: a worker SIGKILLed mid-batch, then two GPUs of a new type join, under load.
+"""``daskpipe bench chaos``: a worker fails mid-batch, then two GPUs of a new type join, under load.
 
 A small CNN (random weights; nothing is downloaded) is profiled for emulated L4, T4 and A10 GPUs
 with the analytic estimator. It is served on an :class:`EmulatedCluster` of worker processes (so a
@@ -10,10 +10,17 @@ two cores of a small machine carry. An open-loop Poisson stream at ``load`` x ca
 through three phases:
 
 1. ``phase_s`` seconds of steady serving (``attainment_before``);
-2. an L4 worker of the first pool is SIGKILLed while it holds a batch: its batches are
-   re-dispatched, its slot leaves the pools, the plugin re-plans with the MILP for what is left
-   (the spare L4 included; its Nanny also restarts the process, which joins again), and serving
-   goes on for ``phase_s`` seconds (``attainment_during`` is the 10 s after the kill);
+2. an L4 worker of the first pool fails while it holds a batch, as ``fault`` says, and serving goes
+   on for ``phase_s`` seconds (``attainment_during`` is the 10 s after the fault starts):
+
+   * ``kill``: SIGKILL. Its batches are re-dispatched, its slot leaves the pools, the plugin
+     re-plans with the MILP for what is left (the spare L4 included; its Nanny also restarts the
+     process, which joins again).
+   * ``stop``: SIGSTOP for ``STOP_S`` seconds, then SIGCONT: a frozen worker that Dask does not
+     notice. The plugin suspects its slot once a batch is overdue, re-dispatches its batches,
+     and re-admits it when a probe computes in line again (:mod:`daskpipe.runtime.gray`).
+   * ``slow``: its emulated GPU holds every batch ``SLOW_FACTOR`` x its profiled latency for
+     ``SLOW_S`` seconds (a throttled GPU);
 3. two emulated A10 GPUs join on a new node; once the plugin has re-planned and migrated to a plan
    that uses them (``scale_up_seconds`` after they were asked for, worker start included), serving
    goes on for ``phase_s`` seconds (``attainment_after`` is everything after the first 10 s past
@@ -25,12 +32,17 @@ scheduler can undo; requests in flight, the ones this benchmark is about, are re
 
 Every future is then counted by how it ended: ``completed``, ``dropped`` by reason, ``failed`` by
 cause, and ``lost`` (= submitted minus all of these; the contract is 0). ``recovery_seconds`` is
-how long after the kill until every following 5-second window of submissions meets the SLO for
-at least 99% of its requests. ``plan_before`` and ``plan_after`` summarise the plans in force.
+how long after the fault until every following 5-second window of submissions meets the SLO for
+at least 99% of its requests; ``late_beyond_2x_slo`` counts results that came later than twice the
+SLO (the plugin drops a request instead, :mod:`daskpipe.runtime.gray`), and
+``attainment_3s_after_fault`` the attainment of the requests submitted from 3 s after the fault
+to the end of its phase. ``plan_before`` and
+``plan_after`` summarise the plans in force.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,12 +50,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 import numpy as np
 
 from daskpipe.runtime.overload import small_cnn
+from daskpipe.runtime.stage import slow_down
 
 MODEL = "chaos-cnn"
 GPU_TYPES = ("L4", "T4", "A10")
@@ -54,11 +67,16 @@ BATCH = 8
 DISTINCT_FRAMES = 16
 WINDOW_S = 5.0  # attainment windows for recovery
 RECOVERY_TARGET = 0.99
-DURING_S = 10.0  # the recovery budget after the kill
+DURING_S = 10.0  # the window of attainment_during after the fault
+RECOVERY_BUDGET_S = 3.0  # attainment_3s_after_fault: every request submitted this long after the fault, to the end of its phase
 SCALE_UP_TIMEOUT_S = 180.0
 COMPUTE_HEADROOM = 4.0  # emulated latency >= this x the CPU's real compute of the stage
 BW_GBPS = 100.0  # the emulated nodes' NICs
 SLO_FACTOR = 3.0  # the SLO, in latencies of the two-pool pipeline at BATCH
+FAULTS = ("kill", "stop", "slow")
+STOP_S = 10.0  # a SIGSTOPped worker's freeze
+SLOW_S = 20.0  # a slowed emulated GPU's throttling ...
+SLOW_FACTOR = 3.0  # ... and how much slower it holds batches
 
 
 def estimated_profile(model, example, gpus=GPU_TYPES, name: str = MODEL):
@@ -165,8 +183,12 @@ class _Ledger:
             flags[i] = kind == "completed" and end - self.submitted[i] <= self.slo_s
         return flags
 
+    def late_beyond(self, slos: float) -> int:
+        """Results that came more than ``slos`` SLOs after their request was submitted."""
+        return sum(kind == "completed" and end - self.submitted[i] > slos * self.slo_s for i, (kind, _, end) in self.outcome.items())
 
-def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase_s: float = 20.0, advance: Callable[..., None] = lambda *a, **k: None) -> dict[str, Any]:
+
+def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase_s: float = 20.0, fault: str = "kill", advance: Callable[..., None] = lambda *a, **k: None) -> dict[str, Any]:
     """The figures of ``daskpipe bench chaos`` (see the module docstring)."""
     import torch
     from distributed import Client, wait
@@ -180,6 +202,8 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
         raise ValueError(f"load must be in (0, 1], got {load!r}")
     if not capacity > 0 or not phase_s > DURING_S:
         raise ValueError(f"capacity must be > 0 and phase_s > {DURING_S}, got {capacity!r} and {phase_s!r}")
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     model = small_cnn()
@@ -214,10 +238,11 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
             submitter.start()
             time.sleep(phase_s)
             advance(note="steady phase")
-            victim = _kill_mid_batch(client, plugin, first_pool=plan.model(MODEL).pipelines[0].partitions[0].gpu)
-            kill_at = time.monotonic()
-            time.sleep(phase_s)
-            advance(note="after the kill")
+            victim = _busy_worker(plugin, first_pool=plan.model(MODEL).pipelines[0].partitions[0].gpu)
+            with _fault(client, victim, fault):
+                kill_at = time.monotonic()
+                time.sleep(phase_s)
+            advance(note=f"after the fault ({fault})")
             add_emulated_gpus(cluster, NEW_GPUS)
             added_at = time.monotonic()
             deadline = added_at + SCALE_UP_TIMEOUT_S  # worker processes start slowly on a loaded machine
@@ -251,6 +276,7 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
 
     return {
         "seed": seed,
+        "fault": fault,
         "model": MODEL,
         "cluster": dict(CLUSTER),
         "added": dict(NEW_GPUS),
@@ -258,17 +284,19 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
         "slo_ms": slo_s * 1e3,
         "rate_per_s": rate,
         "load": load,
-        "victim": victim,
+        "victim": victim[1],
         "retried": retried,
         "submitted": len(ledger.submitted),
         "completed": kinds["completed"],
         "dropped": dict(dropped),
         "failed": dict(failed),
         "lost": len(ledger.submitted) - kinds["completed"] - sum(dropped.values()) - sum(failed.values()),
+        "late_beyond_2x_slo": ledger.late_beyond(2.0),
         "lost_as": dict(Counter(detail for kind, detail, _ in ledger.outcome.values() if kind == "lost")),
         "recovery_seconds": recovery_seconds(submitted_at, good, kill_at, added_at),
         "attainment_before": attainment(started, kill_at),
         "attainment_during": attainment(kill_at, kill_at + DURING_S),
+        "attainment_3s_after_fault": attainment(kill_at + RECOVERY_BUDGET_S, kill_at + phase_s),
         "attainment_after": attainment(kill_at + DURING_S, end_at),
         "attainment_after_scale_up": attainment(scale_at, end_at),
         "plan_before": summarise(plan_before),
@@ -276,13 +304,13 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
         "plan_after_uses_new_gpus": _uses(plan_after, NEW_GPUS),
         "scale_up_seconds": scale_at - added_at,
         "replans": replans,
-        "events_s": {"kill": kill_at - started, "gpus_asked": added_at - started, "gpus_in_plan": scale_at - started, "end": end_at - started},
+        "events_s": {"fault": kill_at - started, "gpus_asked": added_at - started, "gpus_in_plan": scale_at - started, "end": end_at - started},
         "attainment_by_second": [[t, attainment(started + t, started + t + 1.0)] for t in range(int(end_at - started))],
     }
 
 
-def _kill_mid_batch(client: Any, plugin: Any, first_pool: str, timeout_s: float = 30.0) -> str:
-    """SIGKILL the process of a first-pool worker while a batch runs through it; its name."""
+def _busy_worker(plugin: Any, first_pool: str, timeout_s: float = 30.0) -> tuple[str, str]:
+    """(address, name) of a first-pool worker while a batch runs through it."""
     served = plugin.served[MODEL]
     pool = sorted({a for (_, q, a) in served.stages if q == 0 and plugin.slots[a].gpu == first_pool})
     deadline = time.monotonic() + timeout_s
@@ -292,20 +320,41 @@ def _kill_mid_batch(client: Any, plugin: Any, first_pool: str, timeout_s: float 
             break
         time.sleep(0.001)
     victim = busy[0] if busy else pool[0]
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    name = plugin.scheduler.workers[victim].name
-    os.kill(pid, signal.SIGKILL)
-    return str(name)
+    return victim, str(plugin.scheduler.workers[victim].name)
+
+
+@contextlib.contextmanager
+def _fault(client: Any, victim: tuple[str, str], fault: str) -> Iterator[None]:
+    """Inflict ``fault`` on the ``victim`` worker's process now; a stopped one is continued after
+    ``STOP_S`` (and on the way out, whatever happens)."""
+    address, _ = victim
+    pid = client.run(os.getpid, workers=[address])[address]
+    if fault == "kill":
+        os.kill(pid, signal.SIGKILL)
+        yield
+    elif fault == "stop":
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(STOP_S, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            yield
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+    else:
+        client.run(slow_down, SLOW_FACTOR, SLOW_S, workers=[address])
+        yield
 
 
 @click.command("chaos")
 @click.option("--seed", default=0, show_default=True, help="Seeds the arrivals and the frames.")
 @click.option("--capacity", default=40.0, show_default=True, help="The initial plan's capacity in requests/s after time dilation.")
 @click.option("--load", default=0.8, show_default=True, help="Offered load as a fraction of that capacity.")
-@click.option("--phase-seconds", "phase_s", default=20.0, show_default=True, help="Seconds of each phase: steady, after the kill, after the scale-up.")
+@click.option("--phase-seconds", "phase_s", default=20.0, show_default=True, help="Seconds of each phase: steady, after the fault, after the scale-up.")
+@click.option("--fault", type=click.Choice(FAULTS), default="kill", show_default=True, help=f"kill: SIGKILL a worker; stop: SIGSTOP it for {STOP_S:g} s; slow: its emulated GPU {SLOW_FACTOR:g}x slower for {SLOW_S:g} s.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_chaos(seed: int, capacity: float, load: float, phase_s: float, json_path: str | None) -> None:
-    """Kill a stage worker mid-batch, then add two GPUs of a new type, under load: nothing may be lost."""
+def bench_chaos(seed: int, capacity: float, load: float, phase_s: float, fault: str, json_path: str | None) -> None:
+    """Fail a stage worker mid-batch (kill, stop or slow it), then add two GPUs of a new type, under load: nothing may be lost."""
     from daskpipe.progress import progress_bar
 
     if not 0 < load <= 1:
@@ -315,7 +364,7 @@ def bench_chaos(seed: int, capacity: float, load: float, phase_s: float, json_pa
     if not phase_s > DURING_S:
         raise click.BadParameter(f"must be > {DURING_S:g}", param_hint="--phase-seconds")
     with progress_bar("chaos phases", total=3) as advance:
-        figures = run_chaos(seed=seed, capacity=capacity, load=load, phase_s=phase_s, advance=advance)
+        figures = run_chaos(seed=seed, capacity=capacity, load=load, phase_s=phase_s, fault=fault, advance=advance)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

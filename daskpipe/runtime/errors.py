@@ -17,6 +17,7 @@ DROP_EXPLANATIONS = {
     "no-capacity": "the plan gives the model no pipeline",
     "shutdown": "the service was closed before it ran",
     "worker-lost": "its worker died and the deadline left no time to retry",
+    "slow-worker": "its worker stalled or slowed down and the deadline left no time to retry elsewhere",
     "released": "its client released it (cancelled, or disconnected) before it ran",
 }
 

@@ -29,6 +29,7 @@ BATCH = "daskpipe-batch"
 FEEDBACK = "daskpipe-feedback"
 DONE = "daskpipe-done"
 FAILED = "daskpipe-failed"
+EXPIRED = "daskpipe-expired"  # a stage skipped a batch past its requests' late limit
 # scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival
 RESOLVED = "daskpipe-resolved"
 REFUSED = "daskpipe-refused"
@@ -37,6 +38,9 @@ HELLO = "daskpipe-hello"
 # scheduler -> worker, worker -> scheduler: PING and PONG measure the control path at deploy
 PING = "daskpipe-ping"
 PONG = "daskpipe-pong"
+# scheduler -> worker, worker -> scheduler: a suspect slot's probe (daskpipe/runtime/gray.py)
+PROBE = "daskpipe-probe"
+PROBED = "daskpipe-probed"
 # client -> scheduler rpc handlers; STREAM turns the comm into a daskpipe stream (``client=`` or ``worker=``)
 STREAM = "daskpipe_stream"
 INVENTORY = "daskpipe_inventory"

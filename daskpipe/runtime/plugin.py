@@ -24,9 +24,11 @@ import itertools
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -42,9 +44,10 @@ from daskpipe.runtime.control import MAX_SHARE, ControlPath, seed_from_round_tri
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, refusal_error
 from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.gray import GrayPolicy, Suspect, Watchlist
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
-from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Placement, Request, Slot
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,13 @@ SUBMIT_SLICE = 64
 """Requests of one submit message handled between two event-loop turns (a few milliseconds at
 most): a message of any size never holds the loop (timers, other clients, workers' streams) for
 more than one slice."""
+ABANDONED_KEPT = 10_000
+"""Batches taken from a suspect slot that are remembered, so that what it reports for them later
+is discarded (:mod:`daskpipe.runtime.gray`)."""
+EXPIRY = -1
+"""The watchlist's partition for a batch's late limit (its hops are 0, 1, ...)."""
+WATCH_TICK_S = 0.005
+"""The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
 QUEUE_SLOS = 2.0
 """The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
 more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
@@ -88,12 +98,15 @@ class _Flight:
     keys: list[Any]
     addresses: frozenset[str]
     retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
-    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s)
+    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
     ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
+    route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
+    spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
+    isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
 
     def control_delays(self) -> tuple[float, list[float]] | None:
         """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
-        if any(partition not in self.ran for partition, _, _ in self.planned):
+        if not self.planned or any(partition not in self.ran for partition, _, _ in self.planned):
             return None
         (first, first_start, _), *rest = self.planned
         hops, previous_end = [], self.ran[first][1]
@@ -116,7 +129,7 @@ class _Served:
     inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, _Flight] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0, "isolated": 0, "suspected": 0, "readmitted": 0})
     dropped: dict[str, int] = field(default_factory=dict)
     closing: bool = False
     colocated: ColocatedLatency | None = None  # co-located stages' latencies (time-dilated); None: none
@@ -124,6 +137,10 @@ class _Served:
     sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
     budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
     control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
+    gray: GrayPolicy = field(default_factory=GrayPolicy)
+    suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
+    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
+    abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
 
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but
@@ -236,6 +253,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.to_workers: Streams | None = None  # batches and pings, opened at start
         self._pongs: dict[int, asyncio.Future] = {}
         self._ping_tokens = itertools.count()
+        self._watch = Watchlist()  # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._watch_at = float("inf")
+        self._watch_fired = 0.0
+        self._isolation_ids = itertools.count(-1, -1)  # batches the plugin sends itself: ids no dispatcher uses
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
 
@@ -260,6 +282,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.FEEDBACK: self.on_feedback,
                     messages.DONE: self.on_done,
                     messages.FAILED: self.on_failed,
+                    messages.EXPIRED: self.on_expired,
+                    messages.PROBED: self.on_probed,
                     messages.PONG: self.on_pong,
                 }
             )
@@ -295,11 +319,25 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
         re-dispatch the requests of the batches that ran through it while their deadlines allow;
         a request the retry cannot serve is dropped as "worker-lost", saying why."""
-        lost = [served.flights.pop(d) for d in [d for d, flight in served.flights.items() if worker in flight.addresses]]
+        lost = [flight for _, flight in self._take_flights(served, worker)]
+        if served.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
+            self._remove_slot(served, model, worker, now, "worker-lost")
+        self._retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
+
+    @staticmethod
+    def _take_flights(served: _Served, address: str) -> list[tuple[int, _Flight]]:
+        """The batches that run through ``address``, no longer in flight."""
+        return [(d, served.flights.pop(d)) for d in [d for d, flight in served.flights.items() if address in flight.addresses]]
+
+    def _remove_slot(self, served: _Served, model: str, address: str, now: float, reason: DropReason) -> None:
         remove_slot = getattr(served.dispatcher, "remove_slot", None)
-        if remove_slot is not None and any(address == worker for _, _, address in served.stages):
-            self._act(served, model, self._step(served, model, lambda: remove_slot(worker, now, "worker-lost")))
-        for flight in lost:
+        if remove_slot is not None and any(a == address for _, _, a in served.stages):
+            self._act(served, model, self._step(served, model, lambda: remove_slot(address, now, reason)))
+
+    def _retry(self, served: _Served, model: str, flights: list[_Flight], now: float, reason: DropReason, why: str) -> None:
+        """Queue the requests of ``flights`` again, with their original deadlines; one the retry
+        cannot serve is dropped for ``reason``, with ``why`` and the dispatcher's own reason."""
+        for flight in flights:
             for request, payload, size in flight.retries:
                 key = request.id
                 if key not in served.deadlines or key in served.inputs:  # ended meanwhile, or already queued again
@@ -310,8 +348,161 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
-                        action.reason, action.detail = "worker-lost", f"worker {worker} died while its batch ran; the retry: {action.detail}"
+                        action.reason, action.detail = reason, f"{why}; the retry: {action.detail}"
                 self._act(served, model, actions)
+
+    # -- gray failures (daskpipe/runtime/gray.py) ----------------------------------------------
+    def _suspect(self, served: _Served, model: str, address: str, detail: str, now: float) -> None:
+        """``address`` stopped keeping its reservations: it gets no new batches, its batches are
+        re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
+        and it is probed until it computes in line again."""
+        if address not in self.slots:  # gone: remove_worker retries its batches
+            return
+        taken = self._take_flights(served, address)
+        for dispatch, _ in taken:
+            self._abandon(served, dispatch, address)
+        if address not in served.suspects:
+            served.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in served.stages if a == address}))
+            served.counts["suspected"] += 1
+            logger.warning("daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail)
+            self._remove_slot(served, model, address, now, "slow-worker")
+            self._probe(served, model, address)
+        self._retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
+
+    def _pace(self, served: _Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
+        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan;
+        suspect it after ``slow_batches``, unless that would leave one of its pools without a slot in line."""
+        gray = served.gray
+        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if seconds > gray.suspect_factor * planned_s else 0
+        if streak < gray.slow_batches or address in served.suspects:
+            return
+        in_line = {(p, q) for p, q, a in served.stages if a != address and a in self.slots and a not in served.suspects}
+        if all(pool in in_line for pool in {(p, q) for p, q, a in served.stages if a == address}):
+            self._suspect(served, model, address, f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms)", now)
+
+    @staticmethod
+    def _abandon(served: _Served, dispatch: int, address: str) -> None:
+        """Whatever batch ``dispatch`` reports from now on is discarded (it ended here)."""
+        served.abandoned[dispatch] = address
+        while len(served.abandoned) > ABANDONED_KEPT:
+            served.abandoned.popitem(last=False)
+
+    def _probe(self, served: _Served, model: str, address: str) -> None:
+        """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
+        suspect = served.suspects.get(address)
+        if suspect is None or suspect.probe is not None or address not in self.slots or self.served.get(model) is not served:
+            return
+        p, q = suspect.pools[0]
+        part = served.model.pipelines[p].partitions[q]
+        profiled = served.profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6
+        token = next(self._ping_tokens)
+        suspect.probe = (token, profiled)
+        suspect.probes += 1
+        hold = profiled if address in served.emulated else 0.0
+        self.to_workers.send(address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold})
+
+    @guarded
+    def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
+        """A suspect's probe computed over [start, end): re-admit it when that is in line."""
+        served = self.served.get(model)
+        suspect = served.suspects.get(worker) if served is not None else None
+        if suspect is None or suspect.probe is None or suspect.probe[0] != token:
+            return
+        profiled = suspect.probe[1]
+        suspect.probe = None
+        suspect.last_ratio = round((end - start) / profiled, 3) if profiled > 0 else 1.0
+        if suspect.last_ratio <= served.gray.readmit_ratio:
+            self._readmit(served, model, worker)
+        else:
+            asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
+
+    def _readmit(self, served: _Served, model: str, address: str) -> None:
+        """The suspect ``address`` rejoins its pools (a dispatcher that cannot grow a pool keeps
+        it out until the next re-plan)."""
+        slot = self.slots.get(address)
+        add_slot = getattr(served.dispatcher, "add_slot", None)
+        if slot is None or add_slot is None:
+            return
+        suspect = served.suspects.pop(address)
+        served.counts["readmitted"] += 1
+        now = time.monotonic()
+        for p, q in suspect.pools:
+            try:
+                actions = add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
+            except ValueError:  # a re-plan has put it back already
+                continue
+            self._act(served, model, actions)
+        logger.warning("daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again", model, address, suspect.last_ratio, now - suspect.since)
+        self._arm()
+
+    def _arm_watch(self) -> None:
+        """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
+        due = self._watch.next_due
+        if due is None or (self._watch_timer is not None and due >= self._watch_at):
+            return
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+        self._watch_at = due
+        now = time.monotonic()
+        self._watch_timer = asyncio.get_running_loop().call_later(max(0.0, due - now, self._watch_fired + WATCH_TICK_S - now), self._on_watch)
+
+    @guarded
+    def _on_watch(self) -> None:
+        """Suspect the slots of overdue hops; drop requests in flight past the late limit."""
+        self._watch_timer, self._watch_at = None, float("inf")
+        now = self._watch_fired = time.monotonic()
+        for model, dispatch, index, strike in self._watch.due(now):
+            served = self.served.get(model)
+            flight = served.flights.get(dispatch) if served is not None else None
+            if flight is None:
+                continue
+            if index == EXPIRY:
+                self._expire(served, model, dispatch, flight, now)
+            elif flight.planned[index][0] not in flight.ran:
+                if strike == 1:  # once more: a report that waits behind this loop's own lag gets read meanwhile
+                    self._watch.push(now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6), (model, dispatch, index, 2))
+                    continue
+                partition = flight.planned[index][0]
+                detail = f"missed its reservation for stage {partition} of batch {dispatch} twice over ({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
+                self._suspect(served, model, flight.route[index]["address"], detail, now)
+        self._arm_watch()
+        self._arm()
+
+    def _watch_hop(self, served: _Served, model: str, dispatch: int, flight: _Flight, index: int, start: float) -> None:
+        """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
+        self._watch.push(start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6), (model, dispatch, index, 1))
+        self._arm_watch()
+
+    def _expire(self, served: _Served, model: str, dispatch: int, flight: _Flight, now: float) -> None:
+        """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
+        limit = served.gray.late_limit_slos
+        remaining = []
+        for request, _, _ in flight.retries:
+            if request.id not in served.deadlines:
+                continue
+            until = request.arrival + limit * served.budgets[request.start_block]
+            if now >= until:
+                self._drop(served, model, request.id, "deadline", f"still in flight {limit:g}x its SLO after it arrived")
+            else:
+                remaining.append(until)
+        if remaining:
+            self._watch.push(min(remaining), (model, dispatch, EXPIRY, 0))
+        else:  # whatever it reports later is discarded
+            served.flights.pop(dispatch, None)
+            self._abandon(served, dispatch, "")
+
+    @guarded
+    def on_expired(self, worker: str, model: str, dispatch: int, keys: list) -> None:
+        """A stage skipped a batch that reached it past its requests' late limit."""
+        served = self.served.get(model)
+        if served is None or dispatch in served.abandoned:
+            return
+        served.flights.pop(dispatch, None)
+        limit = served.gray.late_limit_slos
+        for key in keys:
+            if key in served.deadlines:
+                self._drop(served, model, key, "deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived")
+        self._arm()
 
     @guarded
     def remove_client(self, scheduler: Any, client: str) -> None:
@@ -431,6 +622,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if not time_dilation > 0:
             raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
         factory = self._factory(dispatcher)
+        try:
+            gray = GrayPolicy.from_config()
+        except (TypeError, ValueError) as exc:
+            raise DeployError(f"the scheduler's Dask config: {exc}") from None
         k = float(time_dilation)
         whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
         model_plan, model_profile = _dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
@@ -461,8 +656,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             sample_nbytes=int(sample_nbytes),
             budgets=budgets,
             control=control,
+            gray=gray,
         )
-        self.metrics.serve(model, model_plan, placement, control=control.summary)
+        self.metrics.serve(model, model_plan, placement, control=control.summary, suspects=functools.partial(self.suspects, model))
         logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms", model, len(stage_keys), len(model_plan.pipelines), k, control.margin_s * 1e3)
 
     def _factory(self, dispatcher: str) -> DispatcherFactory:
@@ -491,6 +687,12 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             drained[model] = len(actions) + len(leftover)
         return drained
 
+    def suspects(self, model: str) -> dict[str, dict[str, Any]]:
+        """``model``'s suspect slots by address: since when (s), why, its probes."""
+        served = self.served.get(model)
+        now = time.monotonic()
+        return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
+
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
         """Counters per model; ``forget`` removes closed models whose batches have all ended."""
         out = {}
@@ -506,6 +708,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 "in_flight": sum(len(f.keys) for f in served.flights.values()),
                 "closing": served.closing,
                 "control": served.control.summary(),
+                "suspects": self.suspects(model),
             }
             if forget and served.closing and not served.flights:
                 del self.served[model]
@@ -604,7 +807,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
         served = self.served.get(model)
-        if served is not None:
+        if served is not None and dispatch not in served.abandoned:
             self._feedback(served, model, dispatch, timings, overrun)
             self._arm()
 
@@ -617,6 +820,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
         No client can act on a resolution before that turn: it takes a round trip."""
         if worker not in self.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
+            return
+        served = self.served.get(model)
+        if served is not None and dispatch in served.abandoned:  # retried or dropped meanwhile: discard what it computed
+            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": list(keys), "stimulus_id": f"daskpipe-abandoned-{time.time()}"})
             return
         tasks = self.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
@@ -650,21 +857,49 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.inputs.pop(key, None)  # a retry still queued has nothing left to do
             counts["completed"] += 1
             counts["on_time"] += done <= deadline
-        self.metrics.done(model, dispatch, done)
+        if flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
+            self.metrics.complete(model, done - np.array([r.arrival for r, _, _ in flight.retries]), done)
+        else:
+            self.metrics.done(model, dispatch, done)
         self._arm()
 
     @guarded
     def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
-        """A stage raised: its batch's requests err with the stage's RequestFailed."""
+        """A stage raised. A batch of several requests is retried in halves (poison isolation,
+        :mod:`daskpipe.runtime.gray`); a request that fails alone, or that its deadline or the
+        isolation budget leave no retry, errs with the stage's RequestFailed."""
         served = self.served.get(model)
-        if served is not None:
-            served.flights.pop(dispatch, None)
-            ended = [key for key in keys if served.deadlines.pop(key, None) is not None]
-            served.counts["failed"] += len(ended)
-            self.metrics.fail(model, dispatch, len(ended), time.monotonic())
-            for key in ended:
-                served.inputs.pop(key, None)
-        self._err_keys(keys, exception)
+        if served is None:
+            self._err_keys(keys, exception)
+            return
+        if dispatch in served.abandoned:  # its requests were retried or dropped when it was taken away
+            return
+        flight = served.flights.pop(dispatch, None)
+        now = time.monotonic()
+        live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
+        failing = self._isolate(served, model, flight, live, now) if len(live) > 1 else [key for key in keys if key in served.deadlines]
+        served.counts["failed"] += len(failing)
+        self.metrics.fail(model, dispatch, len(failing), now)
+        for key in failing:
+            served.deadlines.pop(key, None)
+            served.inputs.pop(key, None)
+        self._err_keys(failing, exception)
+        self._arm()
+
+    def _isolate(self, served: _Served, model: str, flight: _Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
+        """Send each half of a failed batch's ``live`` requests along its route again, while the
+        deadlines and the budget allow; the keys of the halves that cannot go."""
+        failing = []
+        span = sum(flight.spans) + served.control.margin_s
+        half = len(live) // 2
+        for part in (live[:half], live[half:]):
+            fits = now + span <= min(served.deadlines[r.id] for r, _, _ in part)
+            if fits and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"]) and flight.addresses <= set(self.scheduler.workers):
+                served.counts["isolated"] += 1
+                self._send(served, model, next(self._isolation_ids), _Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True))
+            else:
+                failing.extend(r.id for r, _, _ in part)
+        return failing
 
     # -- stepping the dispatcher ---------------------------------------------------------------
     def _step(self, served: _Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
@@ -687,6 +922,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
             if flight is not None and kind == "compute":
                 flight.ran[fb.partition] = (fb.start, fb.end)
+                index = next((i for i, (partition, _, _) in enumerate(flight.planned) if partition == fb.partition), None)
+                if index is None:
+                    continue
+                if index + 1 < len(flight.planned):
+                    _, planned_start, transfer = flight.planned[index + 1]
+                    self._watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
+                self._pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
             self.metrics.feedback(model, fb)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
@@ -739,12 +981,27 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return
         requests = {request.id: request for request in action.requests}
         planned = [(h.partition, h.compute.start, 0.0 if h.transfer_in is None else h.transfer_in[1].end - h.transfer_in[1].start) for h in action.hops]
-        served.flights[action.id] = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned)
+        spans = [h.compute.end - h.compute.start for h in action.hops]
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
+        self._send(served, model, action.id, _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans))
+
+    def _send(self, served: _Served, model: str, dispatch: int, flight: _Flight) -> None:
+        """Send ``flight`` to its first stage, and watch it: its first hop must report within
+        its bound, its requests within the late limit (:mod:`daskpipe.runtime.gray`)."""
+        served.flights[dispatch] = flight
+        if flight.planned:
+            self._watch_hop(served, model, dispatch, flight, 0, flight.planned[0][1])
+        limits = [r.arrival + served.gray.late_limit_slos * served.budgets[r.start_block] for r, _, _ in flight.retries]
+        self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
+        self._arm_watch()
+        retries = flight.retries
         self.to_workers.send(
-            route[0]["address"],
-            {"op": messages.BATCH, "model": model, "dispatch": action.id, "keys": keys, "sizes": sizes, "inputs": payloads, "route": route},
+            flight.route[0]["address"],
+            {
+                "op": messages.BATCH, "model": model, "dispatch": dispatch, "keys": flight.keys, "sizes": [n for _, _, n in retries],
+                "inputs": [p for _, p, _ in retries], "route": flight.route, "expires": max(limits) + time.time() - time.monotonic(),
+            },
         )
 
     # -- ending requests -----------------------------------------------------------------------

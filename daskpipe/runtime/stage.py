@@ -59,6 +59,11 @@ class _SlotRuntime:
     to_peers: Streams
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
+
+    def hold_factor(self) -> float:
+        factor, until = self.slowdown
+        return factor if time.time() < until else 1.0
 
     def report(self, worker: Any, message: dict) -> None:
         """Send ``message`` to the scheduler."""
@@ -71,6 +76,10 @@ _LOADING = threading.Lock()
 the whole process: workers that share a process (``processes=False``) unpickle one stage at a
 time, and no batch computes while one does (a re-plan preloads stages next to serving ones). Only
 the unpickling holds it, so a preload pauses a serving stage for no more than its tracing."""
+
+
+class BatchExpired(Exception):
+    """A batch reached its stage after its requests' late limit: computing it would help nobody."""
 
 
 class Stage:
@@ -140,18 +149,36 @@ class Stage:
         """Run one batch: compute, then forward the feature map or store the outputs."""
         hop, rest = batch["route"][0], batch["route"][1:]
         try:
-            output, start, end, overrun = await self._compute_held(data, None if rest else batch["sizes"], float(hop.get("hold_s") or 0.0))
+            output, start, end, overrun = await self._compute_held(data, None if rest else batch["sizes"], float(hop.get("hold_s") or 0.0), batch.get("expires"))
+        except BatchExpired:
+            _SLOTS[self.worker].report(self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])})
+            return
         except Exception as exc:  # a stage error fails this batch only, with its cause
             self._fail(batch, exc)
             return
         self.batches += 1
         self._deliver(batch, output, self.partition, (start, end), received_at, overrun)
 
-    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float) -> tuple[Any, float, float, bool]:
+    async def probe(self, token: int, hold_s: float) -> None:
+        """Compute one zero sample behind whatever the slot still runs, and report its timing:
+        the scheduler re-admits a suspect slot whose probe is in line (daskpipe/runtime/gray.py)."""
+        try:
+            _, start, end, _ = await self._compute_held(torch.zeros((1, *self._input_shape)), None, hold_s)
+        except Exception:  # a probe that cannot compute leaves the slot suspect
+            logger.exception("daskpipe: the probe of %s partition %d failed", self.model, self.partition)
+            return
+        _SLOTS[self.worker].report(self.worker, {"op": messages.PROBED, "model": self.model, "token": token, "start": start, "end": end})
+
+    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float, expires: float | None = None) -> tuple[Any, float, float, bool]:
         """(output, start, end, overrun): compute on the slot's thread, one batch at a time on the
-        slot; an emulated stage then holds the slot until ``hold`` seconds from the start."""
+        slot; an emulated stage then holds the slot until ``hold`` seconds from the start (longer
+        while it is slowed down). A batch whose turn comes after ``expires`` is not computed."""
         slot = _SLOTS[self.worker]
         async with slot.busy:
+            if expires is not None and time.time() > expires:
+                raise BatchExpired()
+            if self.emulated:
+                hold *= slot.hold_factor()
             start = time.time()
             output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, split)
             computed = time.time()
@@ -175,7 +202,7 @@ class Stage:
         timings.append([partition, "compute", *ran])
         if rest:
             nxt = rest[0]
-            forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes")}
+            forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
             forwarded.update(route=rest, sent_at=time.time())
             slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
             slot.report(worker, {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
@@ -247,6 +274,30 @@ def install(worker: Any) -> None:
     worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
     worker.stream_handlers[messages.HELLO] = _hello
     worker.stream_handlers[messages.PING] = lambda token: slot.report(worker, {"op": messages.PONG, "token": token})
+    worker.stream_handlers[messages.PROBE] = functools.partial(_probe, worker)
+
+
+def _probe(worker: Any, *, model: str, token: int, stage: str, hold_s: float) -> None:
+    """The worker's ``daskpipe-probe`` stream handler (synchronous, as :class:`_BatchHandler`)."""
+    actor = worker.state.actors.get(stage)
+    if not isinstance(actor, Stage):
+        logger.warning("daskpipe: worker %s was probed for stage %r of %s, which it does not hold", worker.address, stage, model)
+        return
+    slot = _SLOTS[worker]
+    task = asyncio.ensure_future(actor.probe(token, hold_s))
+    slot.tasks.add(task)
+    task.add_done_callback(slot.tasks.discard)
+
+
+def slow_down(factor: float, seconds: float, dask_worker: Any = None) -> None:
+    """Make this worker's emulated stages hold their batches ``factor`` x their profiled latency
+    for the next ``seconds``: an emulated GPU that throttles (``client.run(slow_down, 3, 20,
+    workers=[address])``; ``daskpipe bench chaos --fault slow``)."""
+    if not factor >= 1 or not seconds > 0:
+        raise ValueError(f"slow_down needs factor >= 1 and seconds > 0, got {factor!r} and {seconds!r}")
+    worker = dask_worker if dask_worker is not None else get_worker()
+    install(worker)
+    _SLOTS[worker].slowdown = (float(factor), time.time() + seconds)
 
 
 class _BatchHandler:

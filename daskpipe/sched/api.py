@@ -15,10 +15,11 @@ from typing import Hashable, Literal, Union
 
 Time = float  # seconds; the simulator's virtual clock or the runtime's monotonic clock
 
-DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost"]
+DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost", "slow-worker"]
 """Why a request was dropped: ``deadline`` (no batch can finish before its deadline), ``overload``
 (the queue bound was hit), ``no-capacity`` (the plan gives the model no pipeline), ``shutdown`` (the
-service stopped), ``worker-lost`` (its worker died and the deadline no longer allows a retry)."""
+service stopped), ``worker-lost`` (its worker died and the deadline no longer allows a retry), ``slow-worker`` (its
+worker stalled or slowed down, and the deadline no longer allows a retry elsewhere)."""
 
 
 @dataclass(frozen=True, slots=True)

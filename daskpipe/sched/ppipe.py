@@ -350,7 +350,7 @@ class PPipeDispatcher(Dispatcher):
         self.timeline.advance(now)
         if fb.kind == "compute":
             changed = self.timeline.correct(hop.slot, (hop.compute.start, hop.compute.end), actual, token)
-            if changed:
+            if changed and hop.slot in self._slot_entries:  # else the slot left the pools since
                 self._retail(hop.slot)
             return changed
         if hop.transfer_in is None:

@@ -6,6 +6,7 @@ import importlib.util
 import re
 import time
 
+import dask.config
 import numpy as np
 import pytest
 import torch
@@ -120,20 +121,40 @@ def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
         torch.testing.assert_close(good.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_stage_error_fails_only_its_batch_with_the_cause(emulated_inproc):
+def test_a_poisoned_input_fails_alone_and_its_batch_mates_complete(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:
         xs = frames(8)
-        poisoned = svc.map("tiny", xs[:3] + [xs[3] * 1e6])  # one batch of four; stage 2 asserts
-        wait(poisoned, timeout=30)
+        batch = svc.map("tiny", xs[:3] + [xs[3] * 1e6])  # one batch of four; stage 2 asserts on the last
+        wait(batch, timeout=30)
+        exc = batch[3].exception()
+        assert isinstance(exc, RequestFailed), exc
+        assert "stage 1 of model 'tiny'" in str(exc) and "poisoned input" in str(exc)
+        assert isinstance(exc.cause, AssertionError)
+        for out, ref in zip(client.gather(batch[:3]), reference(xs[:3])):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        status = svc.status()["tiny"]
+        assert status["failed"] == 1 and status["completed"] == 3
+        assert 2 <= status["isolated"] <= 4  # halves, then the poisoned half's halves: log2 of the batch
         healthy = svc.map("tiny", xs[4:])
-        for future in poisoned:
-            exc = future.exception()
-            assert isinstance(exc, RequestFailed), exc
-            assert "stage 1 of model 'tiny'" in str(exc) and "poisoned input" in str(exc)
-            assert isinstance(exc.cause, AssertionError)
         for out, ref in zip(client.gather(healthy), reference(xs[4:])):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_poison_isolation_is_bounded_by_its_budget(emulated_inproc):
+    cluster, client = emulated_inproc
+    with dask.config.set({"daskpipe.gray.isolation-burst": 0, "daskpipe.gray.isolation-share": 1e-9}), deploy_two_stage(client) as svc:
+        xs = frames(4)
+        batch = svc.map("tiny", xs[:3] + [xs[3] * 1e6])
+        wait(batch, timeout=30)
+        assert all(isinstance(f.exception(), RequestFailed) for f in batch), [f.exception() for f in batch]  # no retry left: the batch fails whole, with the cause
+        assert svc.status()["tiny"].get("isolated", 0) == 0
+
+
+def test_a_bad_gray_failure_knob_fails_the_deploy_naming_it(emulated_inproc):
+    cluster, client = emulated_inproc
+    with dask.config.set({"daskpipe.gray.suspect-factor": -1}), pytest.raises(DeployError, match=r"daskpipe.gray.suspect-factor must be a number > 0, got -1"):
+        deploy_two_stage(client)
 
 
 def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_one(emulated_inproc):

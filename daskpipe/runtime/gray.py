@@ -1,0 +1,126 @@
+"""Gray failures: stages that stall or slow down without dying, and inputs that fail their batch.
+
+A worker that dies is noticed by Dask (``remove_worker``). A worker that freezes (SIGSTOP, a hung
+driver) or runs slow (a throttled GPU, a noisy MPS neighbour) is not: its batches simply end late.
+The scheduler plugin knows when each batch's hops should start and how long they should take (their
+reservations), so it watches them. A slot becomes a *suspect* when a hop has not reported
+``suspect_factor`` planned latencies past its planned start, plus ``overdue_floor_slos`` of the SLO
+(at least the measured control-path margin), and still has not that long again (two strikes, so
+that a report delayed by the scheduler's own loop lag is read in between): it stalled. It also becomes one when ``slow_batches``
+batches in a row computed over ``suspect_factor`` x their planned latency while another slot of its
+pools keeps in line: it slowed down (a whole pool that runs slow is the machine, which the
+dispatcher's measured latencies follow; ``daskpipe.sched.latency``). A suspect gets no new batches; its
+batches are re-dispatched while their deadlines allow (else dropped as ``slow-worker``), and
+whatever it reports for them later is discarded. It is then probed, one batch-1 computation at a
+time: when a probe computes within ``readmit_ratio`` of the profiled latency, the slot rejoins its
+pools. A request still in flight ``late_limit_slos`` SLOs after it arrived is dropped
+(``deadline``), so no result comes later than that.
+
+A stage that raises fails its batch; the plugin then retries the batch's requests in halves
+(bisection) while their deadlines allow, so that only an input that fails on its own fails, with
+its cause. Those retries are bounded: at most ``isolation_share`` of the model's batches, plus a
+burst of ``isolation_burst``, so a stream of poisoned inputs cannot eat the cluster.
+
+The knobs are Dask config keys under ``daskpipe.gray`` (docs/operations.md), read when a model is
+served.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import dask.config
+
+CONFIG = "daskpipe.gray"
+
+
+@dataclass(frozen=True)
+class GrayPolicy:
+    """How the plugin treats stalled and slow stages and failing batches (the module docstring)."""
+
+    suspect_factor: float = 2.0
+    overdue_floor_slos: float = 0.25
+    slow_batches: int = 3
+    late_limit_slos: float = 2.0
+    readmit_ratio: float = 1.5
+    probe_interval_s: float = 0.5
+    isolation_share: float = 0.1
+    isolation_burst: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("suspect_factor", "probe_interval_s", "isolation_share", "overdue_floor_slos"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{CONFIG}.{name.replace('_', '-')} must be a number > 0, got {value!r}")
+        for name in ("late_limit_slos", "readmit_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+                raise ValueError(f"{CONFIG}.{name.replace('_', '-')} must be a number >= 1, got {value!r}")
+        if isinstance(self.isolation_burst, bool) or not isinstance(self.isolation_burst, int) or self.isolation_burst < 0:
+            raise ValueError(f"{CONFIG}.isolation-burst must be an integer >= 0, got {self.isolation_burst!r}")
+        if isinstance(self.slow_batches, bool) or not isinstance(self.slow_batches, int) or self.slow_batches < 1:
+            raise ValueError(f"{CONFIG}.slow-batches must be an integer >= 1, got {self.slow_batches!r}")
+
+    @classmethod
+    def from_config(cls) -> GrayPolicy:
+        """The policy of ``daskpipe.gray.*`` in Dask's config, defaults for keys not set."""
+        given = dask.config.get(CONFIG, default={}) or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"{CONFIG} must be a mapping of knobs, got {given!r}")
+        known = {name.replace("_", "-"): name for name in cls.__dataclass_fields__}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {CONFIG} keys {unknown}; known: {sorted(known)}")
+        return cls(**{known[key]: value for key, value in given.items()})
+
+    def hop_bound(self, planned_s: float, margin_s: float, slo_s: float) -> float:
+        """Seconds past a hop's planned start after which it is overdue."""
+        return planned_s * self.suspect_factor + max(margin_s, self.overdue_floor_slos * slo_s)
+
+    def may_isolate(self, isolated: int, batches: int) -> bool:
+        """Whether one more isolation batch fits the budget, ``isolated`` of ``batches`` so far."""
+        return isolated + 1 <= self.isolation_share * batches + self.isolation_burst
+
+
+@dataclass
+class Suspect:
+    """A slot that stopped keeping its reservations: out of its ``pools`` until a probe is in line."""
+
+    since: float
+    detail: str
+    pools: list[tuple[int, int]]
+    probe: tuple[int, float] | None = None  # (token, profiled seconds) of the probe in flight
+    probes: int = 0
+    last_ratio: float | None = None  # measured / profiled of the last probe that came back
+
+    def summary(self, now: float) -> dict[str, Any]:
+        return {"since_s": round(now - self.since, 3), "detail": self.detail, "probes": self.probes, "last_ratio": self.last_ratio}
+
+
+@dataclass
+class Watchlist:
+    """Moments at which something must have happened, earliest first; entries are checked when due
+    and are skipped by the checker if what they wait for happened meanwhile (lazy deletion)."""
+
+    heap: list[tuple[float, int, Hashable]] = field(default_factory=list)
+    order: itertools.count = field(default_factory=itertools.count)
+
+    def push(self, due: float, item: Hashable) -> None:
+        heapq.heappush(self.heap, (due, next(self.order), item))
+
+    def due(self, now: float) -> list[Hashable]:
+        """The items due by ``now``, removed."""
+        out = []
+        while self.heap and self.heap[0][0] <= now:
+            out.append(heapq.heappop(self.heap)[2])
+        return out
+
+    @property
+    def next_due(self) -> float | None:
+        return self.heap[0][0] if self.heap else None
+
+    def __len__(self) -> int:
+        return len(self.heap)

@@ -1,0 +1,119 @@
+"""Gray failures: stalled and slow slots are suspected, routed around and re-admitted; no result
+comes later than the late limit (daskpipe/runtime/gray.py and the plugin's watch)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import dask.config
+import pytest
+import torch
+from distributed import Client, wait
+
+import daskpipe
+from daskpipe.dashboard.prometheus import DaskpipeCollector
+from daskpipe.plan.schema import Plan
+from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.errors import RequestDropped
+from daskpipe.runtime.gray import GrayPolicy, Watchlist
+from daskpipe.runtime.plugin import plugin_of
+from daskpipe.runtime.stage import slow_down
+from tests.runtime.conftest import INPUT, example, tiny_model, two_stage
+
+SLO_MS = 400.0
+STAGE_MS = (20.0, 20.0)
+
+
+def test_the_policy_reads_dask_config_and_names_a_bad_knob():
+    with dask.config.set({"daskpipe.gray.readmit-ratio": 2.5, "daskpipe.gray.slow-batches": 5}):
+        policy = GrayPolicy.from_config()
+    assert policy.readmit_ratio == 2.5 and policy.slow_batches == 5 and policy.suspect_factor == GrayPolicy().suspect_factor
+    with dask.config.set({"daskpipe.gray.late-limit-slos": 0.5}), pytest.raises(ValueError, match=r"daskpipe.gray.late-limit-slos must be a number >= 1, got 0.5"):
+        GrayPolicy.from_config()
+    with dask.config.set({"daskpipe.gray.suspect-after": 3}), pytest.raises(ValueError, match=r"unknown daskpipe.gray keys \['suspect-after'\]"):
+        GrayPolicy.from_config()
+    assert GrayPolicy(suspect_factor=2, overdue_floor_slos=0.25).hop_bound(0.1, 0.002, 0.4) == pytest.approx(0.2 + 0.1)
+
+
+def test_the_watchlist_gives_what_is_due_earliest_first():
+    watch = Watchlist()
+    for due, item in ((3.0, "c"), (1.0, "a"), (2.0, "b"), (1.0, "a2")):
+        watch.push(due, item)
+    assert watch.next_due == 1.0
+    assert watch.due(2.0) == ["a", "a2", "b"] and watch.due(2.5) == [] and len(watch) == 1
+
+
+@pytest.fixture(scope="module")
+def pools_of_two():
+    """Two emulated L4 and two emulated T4 slots in this process."""
+    with EmulatedCluster({"L4": 2, "T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def deploy_pools_of_two(client):
+    """``two_stage``'s plan with two slots in each pool: one slot of a pool can fail while the other serves."""
+    profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)
+    model = plan.models[0]
+    pipeline = replace(model.pipelines[0], partitions=tuple(replace(q, vgpus=2) for q in model.pipelines[0].partitions))
+    plan = Plan(objective=plan.objective, models=(replace(model, pipelines=(pipeline,)),))
+    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile})
+
+
+def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
+    """Submit at ``rate`` per second for ``seconds``: (submitted at, future, [ended at]) each."""
+    sent = []
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        ended: list[float] = []
+        future = svc.submit("tiny", torch.randn(1, *INPUT))
+        future.add_done_callback(lambda f, ended=ended: ended.append(time.monotonic()))
+        sent.append((time.monotonic(), future, ended))
+        time.sleep(1 / rate)
+    wait([f for _, f, _ in sent], timeout=60)
+    return sent
+
+
+def first_pool_worker(cluster) -> str:
+    served = plugin_of(cluster.scheduler).served["tiny"]
+    return sorted(a for p, q, a in served.stages if q == 0)[0]
+
+
+@pytest.mark.parametrize("factor, rule", [(40.0, "twice over"), (3.0, "batches in a row")])
+def test_a_stalled_or_slow_slot_is_routed_around_and_readmitted_when_in_line(pools_of_two, factor, rule, caplog):
+    cluster, client = pools_of_two
+    plugin = plugin_of(cluster.scheduler)
+    with deploy_pools_of_two(client) as svc:
+        offer(svc, rate=40, seconds=0.5)  # warm
+        victim = first_pool_worker(cluster)
+        client.run(slow_down, factor, 4.0, workers=[victim])
+        sent = offer(svc, rate=40, seconds=2.5)
+        status = svc.status()["tiny"]
+        assert status["suspected"] >= 1 and victim in status["suspects"], status  # still slow: still suspect
+        gauges = {tuple(s.labels.values()): s.value for family in DaskpipeCollector(cluster.scheduler).collect() if family.name.endswith("daskpipe_suspect_slots") for s in family.samples}
+        assert gauges == {("tiny", victim): 1.0}
+        assert any(rule in r.getMessage() and victim in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        for _, future, _ in sent:  # every request ends: a result, or dropped saying why
+            assert future.status == "finished" or isinstance(future.exception(), RequestDropped), future.exception()
+        dropped = [f.exception().reason for _, f, _ in sent if f.status == "error"]
+        assert set(dropped) <= {"slow-worker", "deadline"} and len(dropped) <= len(sent) // 10, dropped
+        assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
+        deadline = time.monotonic() + 10  # the slowdown is over: the next probe computes in line
+        while svc.status()["tiny"]["suspects"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = svc.status()["tiny"]
+        assert not status["suspects"] and status["readmitted"] >= 1, status
+        since = time.monotonic()
+        offer(svc, rate=60, seconds=1.0)
+        assert any(slot == victim and start >= since for slot, start, _ in list(plugin.metrics.busy)), "the re-admitted slot takes batches again"
+
+
+def test_no_result_comes_later_than_the_late_limit(pools_of_two):
+    cluster, client = pools_of_two
+    with dask.config.set({"daskpipe.gray.suspect-factor": 1000.0}), deploy_pools_of_two(client) as svc:  # never suspected: the late limit alone
+        offer(svc, rate=20, seconds=0.3)
+        client.run(slow_down, 60.0, 1.5, workers=[first_pool_worker(cluster)])
+        sent = offer(svc, rate=40, seconds=1.0)
+        late = [f.exception() for _, f, _ in sent if f.status == "error"]
+        assert late and all(e.reason == "deadline" and "2x its SLO after it arrived" in str(e) for e in late), late
+        assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
