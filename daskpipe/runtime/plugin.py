@@ -310,7 +310,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
-                        action.reason, action.detail = "worker-lost", f"worker {worker} died while its batch ran; the retry: {action.detail}"
+                        action.reason, action.detail = "worker-lost", f"worker {worker} died while its batch ran; the retry was dropped ({action.reason}): {action.detail}"
                 self._act(served, model, actions)
 
     @guarded
@@ -559,6 +559,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 refusal = served.refusal(payload, size, start_block)
                 if refusal is not None:
                     served.counts["invalid"] += 1
+                    self.metrics.refuse(model, 1, now)
                     refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
                 elif len(accepted) >= room:
                     detail = f"{served.max_queued} requests queued (max_queued)"
