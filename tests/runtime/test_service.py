@@ -250,7 +250,7 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
 
     def settled(expected: tuple[int, int]) -> tuple[int, int]:
         deadline = time.monotonic() + 5
-        while held() > expected and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
+        while (held()[0] > expected[0] or held()[1] > expected[1]) and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
             time.sleep(0.02)
         return held()
 
@@ -259,7 +259,8 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
     for _ in range(3):
         with pytest.raises(DeployError, match=r"^model 'tiny' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors. This is data-dependent control flow: .*Move such checks out of forward"):
             daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, slo_ms={"tiny": 500.0}, num_blocks=2)
-        assert settled(before) == before  # the scattered model and the profiling task are gone
+        tasks, futures = settled(before)
+        assert tasks <= before[0] and futures <= before[1]  # the scattered model and the profiling task are gone (earlier tests' keys may go meanwhile)
         with pytest.raises(DeployError, match="the smallest SLO it can serve"):
             deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0)
         after_each.append(settled(before))
