@@ -199,6 +199,7 @@ class ModelMetrics:
     completed: RateSeries = field(default_factory=RateSeries)
     on_time: RateSeries = field(default_factory=RateSeries)
     failed: RateSeries = field(default_factory=RateSeries)
+    invalid: RateSeries = field(default_factory=RateSeries)  # refused on arrival by the scheduler's check of the bytes
     dropped: dict[str, RateSeries] = field(default_factory=dict)  # reason -> series
     latency_buckets: np.ndarray = field(default_factory=_latency_buckets)
     latency_sum: float = 0.0
@@ -329,6 +330,11 @@ class ServiceMetrics:
             last.detail = detail or last.detail
         elif count:
             self.drops.append(DropEvent(now, model, reason, count, detail))
+        self.last_time = now
+
+    def refuse(self, model: str, count: int, now: float) -> None:
+        """``count`` submitted requests were refused on arrival as invalid (they never queued)."""
+        self.model(model).invalid.add(now, count)
         self.last_time = now
 
     def fail(self, model: str, dispatch_id: int, count: int, now: float) -> None:

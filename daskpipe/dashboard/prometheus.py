@@ -46,7 +46,10 @@ class DaskpipeCollector(PrometheusCollector):
         if metrics is None:
             return
         name = self.build_name
-        outcomes = CounterMetricFamily(name("requests"), "Requests by outcome (submitted, completed, on_time = goodput, failed)", labels=["model", "outcome"])
+        outcomes = CounterMetricFamily(
+            name("requests"), "Requests by outcome: submitted = completed + failed + invalid + dropped (by reason, in requests_dropped) + not ended yet; on_time = goodput",
+            labels=["model", "outcome"],
+        )
         dropped = CounterMetricFamily(name("requests_dropped"), "Requests dropped, by reason", labels=["model", "reason"])
         attainment = GaugeMetricFamily(name("slo_attainment"), "Share of ended requests that finished within the SLO", labels=["model"])
         latency = HistogramMetricFamily(name("request_latency_seconds"), "End-to-end latency of completed requests", labels=["model"])
@@ -57,7 +60,10 @@ class DaskpipeCollector(PrometheusCollector):
         )
         batches = CounterMetricFamily(name("batches"), "Batches dispatched, by pipeline and requests in the batch", labels=["model", "pipeline", "batch_size"])
         for model, recorded in metrics.models.items():
-            totals = {"submitted": recorded.offered.total, "completed": recorded.completed.total, "on_time": recorded.on_time.total, "failed": recorded.failed.total}
+            totals = {
+                "submitted": recorded.offered.total, "completed": recorded.completed.total, "on_time": recorded.on_time.total,
+                "failed": recorded.failed.total, "invalid": recorded.invalid.total,
+            }
             for outcome, total in totals.items():
                 outcomes.add_metric([model, outcome], total)
             drops = 0

@@ -106,14 +106,25 @@ class _OpRecorder(FlopCounterMode):
 def op_costs(
     block: nn.Module, input_shape: Sequence[int], batches: Iterable[int], precision: Precision = "tf32"
 ) -> dict[int, OpCosts]:
-    """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op."""
+    """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op.
+
+    The block runs on the meta device (shapes, no values), so a forward that reads a tensor's
+    values (``torch._assert`` on a value, ``.item()``, ``if x.sum() > 0``) cannot be estimated:
+    :class:`ProfileError` says so and what to do."""
     on_meta = copy.deepcopy(block).to("meta").eval()
     element_bytes = 2 if precision == "fp16" else 4
     costs = {}
     for batch in batches:
         recorder = _OpRecorder()
-        with torch.inference_mode(), recorder:
-            on_meta(torch.empty((batch, *input_shape), device="meta"))
+        try:
+            with torch.inference_mode(), recorder:
+                on_meta(torch.empty((batch, *input_shape), device="meta"))
+        except Exception as exc:  # torch raises RuntimeError, NotImplementedError, ... for what meta tensors cannot do
+            raise ProfileError(
+                f"the estimator runs the model on the meta device (shapes, no values), and its forward failed there: {type(exc).__name__}: {exc}. "
+                "This is data-dependent control flow: the forward reads a tensor's values (torch._assert or an if on a tensor, .item(), .tolist()). "
+                "Move such checks out of forward (check inputs before submitting them), or measure the profile on the real GPU type instead of estimating it"
+            ) from exc
         ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
         costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * element_bytes, outputs=ops[:, 2])
     return costs

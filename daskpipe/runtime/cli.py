@@ -43,6 +43,20 @@ class SlicesParam(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+class MemoryLimitParam(click.ParamType):
+    """A host memory limit as Dask reads it: bytes, ``4GB``, a fraction, or ``auto``."""
+
+    name = "LIMIT"
+
+    def convert(self, value, param, ctx):
+        from daskpipe.runtime.worker import WorkerSpecError, check_memory_limit
+
+        try:
+            return check_memory_limit(value)
+        except WorkerSpecError as error:
+            self.fail(str(error), param, ctx)
+
+
 @click.command()
 @click.argument("scheduler_address")
 @click.option(
@@ -61,7 +75,7 @@ class SlicesParam(click.ParamType):
     "held to the type's profiled latency. Types come from the GPU catalog.",
 )
 @click.option("--server", default=None, help="This node's name in worker names (default: the host name).")
-@click.option("--nthreads", type=int, default=1, show_default=True, help="Threads per slot worker.")
+@click.option("--nthreads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per slot worker.")
 @click.option(
     "--protocol",
     type=PROTOCOL_CHOICE,
@@ -71,6 +85,7 @@ class SlicesParam(click.ParamType):
 )
 @click.option(
     "--memory-limit",
+    type=MemoryLimitParam(),
     default="auto",
     show_default=True,
     help="Host memory per slot worker: bytes, a string like 4GB, a fraction of the machine's, or auto "
@@ -149,7 +164,7 @@ def worker_security(ca_file: str | None, cert: str | None, key: str | None):
 
 @click.command()
 @click.option(
-    "--duration", type=float, default=30.0, show_default=True, help="Seconds of request stream; start-up adds 20-40 s."
+    "--duration", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds of request stream; start-up adds 20-40 s."
 )
 @click.option(
     "--dashboard-address",

@@ -14,10 +14,10 @@ from typing import Hashable
 DROP_EXPLANATIONS = {
     "deadline": "no batch could finish before its deadline",
     "overload": "the model's queue was full",
-    "no-capacity": "the plan gives the model no pipeline",
+    "no-capacity": "no pipeline of the model could take it (the detail says why: none planned, a pool empty for now, or too many samples)",
     "shutdown": "the service was closed before it ran",
-    "worker-lost": "its worker died and the deadline left no time to retry",
-    "slow-worker": "its worker stalled or slowed down and the deadline left no time to retry elsewhere",
+    "worker-lost": "a worker of its pipeline died and the retry could not serve it (the detail says why)",
+    "slow-worker": "a worker of its pipeline stalled or slowed down and the retry elsewhere could not serve it (the detail says why)",
     "released": "its client released it (cancelled, or disconnected) before it ran",
 }
 

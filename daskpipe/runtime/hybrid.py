@@ -30,10 +30,12 @@ from daskpipe.graft.fragments import Fragment
 from daskpipe.graft.planner import ServingPlan
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
+from daskpipe.profiles.fx import SegmentationError
+from daskpipe.runtime.arguments import check_example, check_module, check_positive, check_profile
 from daskpipe.runtime.elastic import stage_submit_kwargs
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory, awaitable_with_asynchronous_client
+from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory, awaitable_with_asynchronous_client, release
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -218,12 +220,22 @@ def deploy_hybrid(
     input) fixes the raw input's dtype. Raises :class:`DeployError` when the cluster cannot hold
     the plan.
     """
-    if not time_dilation > 0:
-        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+    check_module("module", module)
+    if not isinstance(serving, ServingPlan):
+        raise DeployError(f"serving must be a graft ServingPlan, got {type(serving).__name__}")
+    if isinstance(fragments, (str, bytes)) or not isinstance(fragments, Sequence) or not all(isinstance(f, Fragment) for f in fragments):
+        raise DeployError(f"fragments must be a sequence of graft Fragments, got {type(fragments).__name__}")
+    check_profile("profile", profile)
+    check_example("example_input", example_input)
+    check_positive("time_dilation", time_dilation)
+    check_positive("bw_gbps", bw_gbps, " Gbit/s")
     name = serving.model
     slots = _inventory(client)
     hybrid = hybrid_plan(serving, fragments, profile, offered_slices=[s.slices for s in slots if s.gpu == serving.gpu])
-    blocked = _cut(name, module, example_input, profile)
+    try:
+        blocked = _cut(name, module, example_input, profile)
+    except SegmentationError as exc:
+        raise DeployError(f"model {name!r} cannot be cut into the profile's blocks: {exc}") from exc
     placed = _place_stages(hybrid, slots)
     actors = _start_stage_actors(client, hybrid, placed, blocked, profile, example_input.dtype, time_dilation)
     rows = [[p, q, slot.address, actors[(index, slot.address)].key] for (p, q), index in hybrid.stage_of.items() for slot in placed[index]]
@@ -232,11 +244,15 @@ def deploy_hybrid(
         largest[pipeline.entry_block] = max(largest.get(pipeline.entry_block, 0), pipeline.batch_size)
     specs = {name: _InputSpec(tuple(blocked.input_shape), example_input.dtype, largest[0])} if 0 in largest else {}
     entries = {(name, k): EntrySpec(entry_shape(profile, k), FEATURE_MAP_DTYPE, most, start_block=k) for k, most in largest.items() if k}
-    client.sync(
-        client.scheduler.daskpipe_serve, model=name, plan=hybrid.plan.to_dict(), profile=profile.to_dict(), stages=rows,
-        time_dilation=float(time_dilation), bw_gbps=float(bw_gbps), dispatcher="hybrid",
-        sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
-    )
+    try:
+        client.sync(
+            client.scheduler.daskpipe_serve, model=name, plan=hybrid.plan.to_dict(), profile=profile.to_dict(), stages=rows,
+            time_dilation=float(time_dilation), bw_gbps=float(bw_gbps), dispatcher="hybrid",
+            sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
+        )
+    except Exception:
+        release(actors.values())
+        raise
     return Service(client, hybrid.plan, {name: profile}, specs, list(actors.values()), float(time_dilation), entries=entries)
 
 
@@ -276,18 +292,22 @@ def _start_stage_actors(client: Client, hybrid: HybridPlan, placed: Mapping[int,
             actors[(index, slot.address)] = client.submit(
                 SharedStage if index in shared else Stage, hybrid.serving.model, partition, pickle.dumps(blocked.blocks[stage.start:stage.end]), **kwargs, **extra,
             )
-    wait(list(actors.values()))
-    for future in actors.values():
-        if future.status != "finished":
-            raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
-    following: dict[int, set[int]] = defaultdict(set)
-    for (p, q), index in hybrid.stage_of.items():
-        if (p, q + 1) in hybrid.stage_of:
-            following[index].add(hybrid.stage_of[(p, q + 1)])
-    calls = [
-        future.result().connect([slot.address for nxt in following[index] for slot in placed[nxt]])
-        for (index, _), future in actors.items() if following[index]
-    ]
-    for call in calls:
-        call.result()
+    try:
+        wait(list(actors.values()))
+        for future in actors.values():
+            if future.status != "finished":
+                raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
+        following: dict[int, set[int]] = defaultdict(set)
+        for (p, q), index in hybrid.stage_of.items():
+            if (p, q + 1) in hybrid.stage_of:
+                following[index].add(hybrid.stage_of[(p, q + 1)])
+        calls = [
+            future.result().connect([slot.address for nxt in following[index] for slot in placed[nxt]])
+            for (index, _), future in actors.items() if following[index]
+        ]
+        for call in calls:
+            call.result()
+    except BaseException:
+        release(actors.values())
+        raise
     return actors

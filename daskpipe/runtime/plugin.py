@@ -348,7 +348,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
-                        action.reason, action.detail = reason, f"{why}; the retry: {action.detail}"
+                        action.reason, action.detail = reason, f"{why}; the retry was dropped ({action.reason}): {action.detail}"
                 self._act(served, model, actions)
 
     # -- gray failures (daskpipe/runtime/gray.py) ----------------------------------------------
@@ -762,6 +762,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 refusal = served.refusal(payload, size, start_block)
                 if refusal is not None:
                     served.counts["invalid"] += 1
+                    self.metrics.refuse(model, 1, now)
                     refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
                 elif len(accepted) >= room:
                     detail = f"{served.max_queued} requests queued (max_queued)"

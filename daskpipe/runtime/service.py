@@ -33,8 +33,10 @@ from distributed import Client, Future, wait
 from torch import nn
 
 from daskpipe.plan.schema import Plan
-from daskpipe.profiles.model import Profile
+from daskpipe.profiles.fx import SegmentationError
+from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.runtime import messages
+from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
@@ -66,9 +68,26 @@ class _InputSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def admit(self, model: str, x: Any) -> tuple[int, bytes]:
-        """``x``'s sample count and raw bytes (:func:`encode_input`), or :class:`InvalidRequest` naming what is wrong."""
+        """``x``'s sample count and raw bytes (:func:`encode_input`), or :class:`InvalidRequest` naming what is wrong.
+
+        Whatever ``x`` is, the answer is one of the two: a tensor torch cannot read as values (a
+        subclass's own failure, say) is refused with torch's words, never raised as they are."""
         if not isinstance(x, torch.Tensor):
             raise InvalidRequest(f"input of model {model!r} must be a torch.Tensor of shape (n, {', '.join(map(str, self.shape))}), got {type(x).__name__}")
+        try:
+            return self._admit_tensor(model, x)
+        except InvalidRequest:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(f"input of model {model!r} cannot be read as a dense tensor of values: {type(exc).__name__}: {exc}") from exc
+
+    def _admit_tensor(self, model: str, x: torch.Tensor) -> tuple[int, bytes]:
+        if x.is_nested:
+            raise InvalidRequest(f"input of model {model!r} is a nested tensor; send each of its tensors as a request of its own")
+        if x.layout is not torch.strided:
+            raise InvalidRequest(f"input of model {model!r} must be a dense tensor, got layout {x.layout}; send x.to_dense()")
+        if x.device.type == "meta":
+            raise InvalidRequest(f"input of model {model!r} is on the meta device and holds no values; send a tensor with data")
         if x.dim() != len(self.shape) + 1 or tuple(x.shape[1:]) != self.shape or x.shape[0] < 1:
             raise InvalidRequest(f"input of model {model!r} must have shape (n, {', '.join(map(str, self.shape))}) with n >= 1, got {tuple(x.shape)}")
         if x.dtype != self.dtype:
@@ -170,25 +189,36 @@ class Service:
         return self.map(model, [x], start_block=start_block)[0]
 
     def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[Future]:
-        """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order."""
-        futures, keys, inputs, sizes = [], [], [], []
+        """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order.
+
+        All or nothing: every input is checked before any is sent. If one is refused, none is sent,
+        and every future is already done: a refused input's raises its own :class:`InvalidRequest`,
+        each other's an ``InvalidRequest`` saying it was not sent and which input was refused."""
+        admitted: list[tuple[int, bytes] | InvalidRequest] = []
         for x in xs:
-            key = f"daskpipe-{model}-{self._token}-{next(self._counter)}"
+            try:
+                admitted.append(self._admit(model, x, start_block))
+            except InvalidRequest as exc:
+                admitted.append(exc)
+        keys = [f"daskpipe-{model}-{self._token}-{next(self._counter)}" for _ in admitted]
+        refused = [(i, exc) for i, exc in enumerate(admitted) if isinstance(exc, InvalidRequest)]
+        if refused:
+            first, problem = refused[0]
+            unsent = InvalidRequest(
+                f"not sent: map() sends all of its inputs or none, and {len(refused)} of its {len(keys)} inputs of model {model!r} "
+                f"were refused, the first (input {first}) as: {problem}"
+            )
+            futures = [ServedFuture(key, self.client) for key in keys]
+            for key, outcome in zip(keys, admitted):
+                self.client.futures[key].set_error(outcome if isinstance(outcome, InvalidRequest) else unsent, None)
+            return futures
+        futures = []
+        for key in keys:
             future = self._stream.pending[key] = ServedFuture(key, self.client)
             futures.append(future)
-            try:
-                size, payload = self._admit(model, x, start_block)
-            except InvalidRequest as exc:
-                self.client.futures[key].set_error(exc, None)
-                continue
-            keys.append(key)
-            inputs.append(payload)
-            sizes.append(size)
-            if len(keys) == SUBMIT_CHUNK:  # sent now: the scheduler starts on them while the rest are made
-                self._send(model, keys, inputs, sizes, start_block)
-                keys, inputs, sizes = [], [], []
-        if keys:
-            self._send(model, keys, inputs, sizes, start_block)
+        for first in range(0, len(keys), SUBMIT_CHUNK):
+            chunk = admitted[first : first + SUBMIT_CHUNK]
+            self._send(model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block)
         return futures
 
     def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0) -> None:
@@ -313,14 +343,12 @@ def deploy(
     asynchronous client, ``svc = await deploy(client, ...)`` (and ``await svc.plan``,
     ``await svc.status()``, ``await svc.close()`` or ``async with svc``).
     """
-    if not models:
-        raise DeployError("deploy needs at least one model")
+    check_deploy_arguments(
+        models, example_inputs, slo_ms=slo_ms, weights=weights, time_dilation=time_dilation, bw_gbps=bw_gbps, num_blocks=num_blocks,
+        batch_sizes=batch_sizes, margin=margin, max_parts=max_parts, strategy=strategy, dispatcher=dispatcher,
+        allow_nonfinite=allow_nonfinite, plan=plan, profiles=profiles, max_queued=max_queued, elastic=elastic,
+    )
     names = list(models)
-    missing = [m for m in names if m not in example_inputs]
-    if missing:
-        raise DeployError(f"example_inputs lacks {missing}; give a batched example tensor per model")
-    if not time_dilation > 0:
-        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
     slots = _inventory(client)
     from daskpipe.runtime.environ import warn_slow_workers
 
@@ -336,11 +364,14 @@ def deploy(
         raise DeployError(f"plan= needs the profiles= it was made from; missing for {sorted(set(names) - set(profiles))}")
     blocked = {}
     for name in names:
-        if name in profiles:
-            blocked[name] = _cut(name, models[name], example_inputs[name], profiles[name])
-        else:
-            slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
-            profiles[name], blocked[name] = _profile(client, slots, name, models[name], example_inputs[name], slo_us, num_blocks, batch_sizes)
+        try:
+            if name in profiles:
+                blocked[name] = _cut(name, models[name], example_inputs[name], profiles[name])
+            else:
+                slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
+                profiles[name], blocked[name] = _profile(client, slots, name, models[name], example_inputs[name], slo_us, num_blocks, batch_sizes)
+        except (SegmentationError, ProfileError) as exc:  # tracing or estimating the model: its own code is the cause
+            raise DeployError(f"model {name!r} cannot be profiled: {exc}") from exc
     if plan is None:
         from daskpipe.plan.milp import make_plan
 
@@ -389,37 +420,45 @@ def deploy(
                 sample_nbytes=specs[name].sample_nbytes,
             )
             served.append(name)
-    except Exception:  # e.g. an SLO the measured control path cannot meet: serve none of them
+        if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
+            client.sync(
+                client.scheduler.daskpipe_elastic,
+                group=uuid.uuid4().hex,
+                models={
+                    name: {
+                        "blocks": pickled[name],
+                        "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
+                        "output_shape": list(blocked[name].output_shape),
+                        "input_dtype": str(specs[name].dtype).removeprefix("torch."),
+                        "profile": profiles[name].to_dict(),
+                    }
+                    for name in names
+                },
+                plan=plan.to_dict(),
+                stages=stage_rows,
+                options={"bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)), "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()}, "margin": margin, "max_parts": max_parts, "strategy": strategy},
+                weights=dict(weights) if weights else None,
+                time_dilation=float(time_dilation),
+                dispatcher=dispatcher,
+                settings=elastic.to_dict(),
+            )
+    except Exception:  # e.g. an SLO the measured control path cannot meet: serve none of them, and keep no stage
         if served:
             client.sync(client.scheduler.daskpipe_close, models=served, reason="shutdown")
             client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
+        release(stage_futures)
         raise
-    if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
-        client.sync(
-            client.scheduler.daskpipe_elastic,
-            group=uuid.uuid4().hex,
-            models={
-                name: {
-                    "blocks": pickled[name],
-                    "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
-                    "output_shape": list(blocked[name].output_shape),
-                    "input_dtype": str(specs[name].dtype).removeprefix("torch."),
-                    "profile": profiles[name].to_dict(),
-                }
-                for name in names
-            },
-            plan=plan.to_dict(),
-            stages=stage_rows,
-            options={"bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)), "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()}, "margin": margin, "max_parts": max_parts, "strategy": strategy},
-            weights=dict(weights) if weights else None,
-            time_dilation=float(time_dilation),
-            dispatcher=dispatcher,
-            settings=elastic.to_dict(),
-        )
     return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
 
 
 # -- steps of deploy ---------------------------------------------------------------------------
+def release(futures: Iterable[Future]) -> None:
+    """Release what a failed deploy made (scattered data, stage actors) now: the error's traceback
+    holds the frames that hold these futures, for as long as the caller keeps the error."""
+    for future in futures:
+        future.release()
+
+
 def open_stream(client: Client) -> ClientStream:
     """The client's own stream to the scheduler, for a service's requests and their resolutions."""
     stream = ClientStream(client)
@@ -464,7 +503,15 @@ def _profile(client: Client, slots: list[WorkerSlot], name: str, module: nn.Modu
         profile_model, weights, example, name=name, num_blocks=num_blocks, batch_sizes=batch_sizes,
         device=device, gpu_type=measured_type, slices=probe.slices, slo_us=slo_us, workers=[probe.address], pure=False,
     )
-    profile, blocked = future.result()
+    try:
+        profile, blocked = future.result()
+    except (SegmentationError, ProfileError):
+        raise
+    except Exception as exc:
+        raise DeployError(f"profiling model {name!r} on worker {probe.address} failed: {type(exc).__name__}: {exc}") from exc
+    finally:  # released now, not when the error's traceback (which holds this frame) goes
+        future.release()
+        weights.release()
     kinds = {(s.gpu, s.slices) for s in slots}
     tables = {k: t for k, t in profile.latency_us.items() if k in kinds}
     to_estimate = sorted(kinds - set(tables))
@@ -527,26 +574,32 @@ def _start_stages(
     scattered once (not embedded in each stage's task, a large graph through the scheduler)."""
     started: list[tuple[str, int, int, str, Future]] = []
     scattered = {name: client.scatter(pickled[name]) for name in placed}
-    for name, placements in placed.items():
-        model_plan = plan.model(name)
-        for p, q, slot in placements:
-            start, end = model_plan.pipelines[p].partitions[q].blocks
-            input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
-            kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
-            future = client.submit(Stage, name, q, scattered[name][start:end], **kwargs)
-            started.append((name, p, q, slot.address, future))
-    futures = [row[-1] for row in started]
-    wait(futures)
-    for future in futures:
-        if future.status != "finished":
-            raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
-    connecting = []
-    peers = next_pool_peers(started)
-    for name, p, q, _, future in started:
-        if peers[(name, p, q)]:
-            connecting.append(future.result().connect(peers[(name, p, q)]))
-    for call in connecting:
-        call.result()
+    try:
+        for name, placements in placed.items():
+            model_plan = plan.model(name)
+            for p, q, slot in placements:
+                start, end = model_plan.pipelines[p].partitions[q].blocks
+                input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
+                kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
+                future = client.submit(Stage, name, q, scattered[name][start:end], **kwargs)
+                started.append((name, p, q, slot.address, future))
+        futures = [row[-1] for row in started]
+        wait(futures)
+        for future in futures:
+            if future.status != "finished":
+                raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
+        connecting = []
+        peers = next_pool_peers(started)
+        for name, p, q, _, future in started:
+            if peers[(name, p, q)]:
+                connecting.append(future.result().connect(peers[(name, p, q)]))
+        for call in connecting:
+            call.result()
+    except BaseException:
+        release([row[-1] for row in started])
+        raise
+    finally:  # the started stages hold their blocks now
+        release([block for blocks in scattered.values() for block in blocks])
     rows: dict[str, list[list]] = defaultdict(list)
     for name, p, q, address, future in started:
         rows[name].append([p, q, address, future.key])

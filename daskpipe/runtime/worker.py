@@ -141,7 +141,7 @@ def parse_pairs(text: str, separator: str, *, option: str) -> dict[str, int]:
 def parse_slices(text: str) -> int | dict[str, int]:
     """``--slices`` value: one count for every GPU (``"2"``) or per type (``"L4=2,T4=1"``)."""
     text = text.strip()
-    return int(text) if text.isdigit() else parse_pairs(text, "=", option="--slices")
+    return positive_int(int(text), "--slices") if text.isdigit() else parse_pairs(text, "=", option="--slices")
 
 
 def worker_specs(
@@ -244,6 +244,24 @@ def positive_int(value: int, what: str) -> int:
     return value
 
 
+def check_memory_limit(value: str | int | float) -> str | int | float:
+    """``value`` if Dask reads it as a memory limit ("auto", bytes, "4GB", a fraction <= 1 of the
+    machine's); otherwise a :class:`WorkerSpecError` naming ``memory_limit``."""
+    import logging
+
+    from distributed.worker_memory import parse_memory_limit
+
+    if value == "auto":
+        return value
+    try:
+        parsed = parse_memory_limit(value, 1, logger=logging.getLogger(__name__))
+    except (ValueError, TypeError) as error:
+        raise WorkerSpecError(f"memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got {value!r} ({error})") from None
+    if isinstance(value, bool) or parsed is not None and parsed < 0:
+        raise WorkerSpecError(f"memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got {value!r}")
+    return value
+
+
 def equal_memory_share(slots: int) -> int:
     """Host memory per slot worker when none is given: an equal share of this machine's."""
     from distributed.system import MEMORY_LIMIT
@@ -280,7 +298,8 @@ class DaskpipeWorker:
         from daskpipe.runtime.environ import stage_worker_environ
 
         self.slots = worker_specs(slices=slices, emulate=emulate, server=server)
-        if memory_limit == "auto":
+        positive_int(nthreads, "nthreads")
+        if check_memory_limit(memory_limit) == "auto":
             memory_limit = equal_memory_share(len(self.slots))
         protocol = resolve_protocol(protocol) if protocol else None
         with stage_worker_environ():

@@ -17,9 +17,10 @@ Time = float  # seconds; the simulator's virtual clock or the runtime's monotoni
 
 DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost", "slow-worker"]
 """Why a request was dropped: ``deadline`` (no batch can finish before its deadline), ``overload``
-(the queue bound was hit), ``no-capacity`` (the plan gives the model no pipeline), ``shutdown`` (the
-service stopped), ``worker-lost`` (its worker died and the deadline no longer allows a retry), ``slow-worker`` (its
-worker stalled or slowed down, and the deadline no longer allows a retry elsewhere)."""
+(the queue bound was hit), ``no-capacity`` (no pipeline can take it: none planned, a pool empty for
+now, or more samples than the largest batch), ``shutdown`` (the service stopped), ``worker-lost`` (a
+worker of its pipeline died, and the retry could not serve it: its detail says why), ``slow-worker``
+(a worker of its pipeline stalled or slowed down, and the retry elsewhere could not serve it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ entering at block 2 and run merged. A last test deploys what Graft's planner its
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from distributed import Client, Future, wait
@@ -15,7 +17,7 @@ from distributed import Client, Future, wait
 from daskpipe.graft import Fragment, StageCosts, plan_graft
 from daskpipe.profiles.estimator import estimate_profile
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.errors import InvalidRequest
+from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.hybrid import SharedStage, deploy_hybrid, hybrid_plan
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.service import encode_input
@@ -90,3 +92,23 @@ def test_graft_planner_output_serves_every_entry(model_and_profile) -> None:
                 for k, future in futures.items():
                     torch.testing.assert_close(future.result(timeout=60), module(images[k]), rtol=1e-2, atol=1e-2)
             assert svc.status()["tiny"]["completed"] == 3
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"module": lambda x: x}, "module must be a torch.nn.Module, got function; wrap it in an nn.Module whose forward calls it"),
+        ({"serving": "plan.json"}, "serving must be a graft ServingPlan, got str"),
+        ({"fragments": [1]}, "fragments must be a sequence of graft Fragments, got list"),
+        ({"profile": {}}, "profile must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
+        ({"example_input": torch.empty(1, 3, 16, 16, device="meta")}, "example_input must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)"),
+        ({"time_dilation": "2"}, "time_dilation must be a number, got '2' (str)"),
+        ({"bw_gbps": 0}, "bw_gbps must be a finite number > 0 Gbit/s, got 0 Gbit/s"),
+    ],
+)
+def test_deploy_hybrid_names_the_argument_that_is_wrong(model_and_profile, arguments, message) -> None:
+    module, _, profile = model_and_profile
+    serving, fragments = serving_plan()
+    given = {"module": module, "serving": serving, "fragments": fragments, "profile": profile, "example_input": torch.zeros(1, 3, 16, 16), **arguments}
+    with Client(processes=False, n_workers=0, dashboard_address=None) as client, pytest.raises(DeployError, match="^" + re.escape(message)):
+        deploy_hybrid(client, given.pop("module"), **given)

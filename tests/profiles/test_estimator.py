@@ -97,3 +97,21 @@ def test_calibrated_constants_reproduce_from_published_tables(ppipe_dir):
     assert fitted["saturation"] == CALIBRATED.saturation and fitted["launch_us"] == CALIBRATED.launch_us
     assert fitted["efficiency"] == pytest.approx(dict(CALIBRATED.efficiency), abs=1e-4)
     assert CALIBRATED.default_efficiency == pytest.approx(float(np.median(list(CALIBRATED.efficiency.values()))), abs=1e-3)
+
+
+class _AssertsOnValues(nn.Module):
+    """A forward that reads a tensor's values: fine on real tensors, impossible on meta ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        torch._assert(y.abs().max() < 1e4, "out of range")
+        return y.relu()
+
+
+def test_a_forward_that_reads_values_is_reported_as_data_dependent_control_flow():
+    with pytest.raises(ProfileError, match=r"Tensor.item\(\) cannot be called on meta tensors. This is data-dependent control flow: .*torch._assert.*measure the profile on the real GPU type"):
+        estimate_profile(_AssertsOnValues(), name="asserts", gpus=["T4"], example_input=torch.randn(1, 3, 8, 8), num_blocks=1)

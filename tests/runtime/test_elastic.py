@@ -95,6 +95,25 @@ def test_a_retry_that_cannot_meet_its_deadline_is_dropped_as_worker_lost(l4_and_
         assert status["retried"] == 1 and status["dropped"] == {"worker-lost": 1} and status["completed"] == 0
 
 
+def test_a_retry_that_finds_its_pool_empty_is_dropped_saying_so_not_blaming_the_deadline(l4_and_three_t4):
+    cluster, client = l4_and_three_t4
+    svc = deploy_pooled(client, stage_ms=(20.0, 200.0), slo_ms=5000.0, second_pool=1)  # time to spare: only the pool is missing
+    plugin = plugin_of(cluster.scheduler)
+    with svc:
+        future = svc.submit("tiny", frames(1)[0])
+        victim = kill_second_stage_mid_batch(cluster, plugin, after_s=0.1)
+        with pytest.raises(RequestDropped) as info:
+            future.result(timeout=30)
+        message = str(info.value)
+        assert info.value.reason == "worker-lost" and "deadline" not in message, message
+        assert f"worker {victim} died while its batch ran; the retry was dropped (no-capacity): no pipeline of this model has slots in every pool" in message
+        later = svc.submit("tiny", frames(1)[0])  # while the pool is empty
+        with pytest.raises(RequestDropped) as info:
+            later.result(timeout=30)
+        assert info.value.reason == "no-capacity" and "the plan gives" not in str(info.value)
+        assert "a pool empty for now" in str(info.value) and "no pipeline of this model has slots in every pool" in str(info.value)
+
+
 def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
     model, ex = small_cnn(), torch.randn(1, 3, 32, 32)
     # an SLO long against a batch: a request held through the switch's flush (at most the batches

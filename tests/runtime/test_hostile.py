@@ -78,6 +78,7 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
     cluster, client = emulated_inproc
     good = frames(4)
     raw = encode_input(good[0])
+    before = request_outcomes(cluster.scheduler)
     with deploy_two_stage(client) as svc:
         cases = {
             "samples take": (raw[:-4], 1),  # truncated: would fail the whole batch it joined
@@ -97,6 +98,19 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         with pytest.raises(InvalidRequest, match="1 keys and 2 inputs"):
             ragged.result(timeout=30)
         assert svc.status()["tiny"]["invalid"] == len(cases)
+        counted = {outcome: total - before.get(outcome, 0) for outcome, total in request_outcomes(cluster.scheduler).items()}
+        assert counted["invalid"] == len(cases) and counted["submitted"] == len(cases) + len(valid)
+        assert counted["submitted"] == counted["completed"] + counted["failed"] + counted["invalid"] + counted["dropped"], counted  # every outcome accounted for
+
+
+def request_outcomes(scheduler) -> dict[str, float]:
+    """``/metrics``' requests_total of model "tiny" by outcome, and its drops of every reason as "dropped"."""
+    from daskpipe.dashboard.prometheus import DaskpipeCollector
+
+    families = {family.name: family for family in DaskpipeCollector(scheduler).collect()}
+    outcomes = {sample.labels["outcome"]: sample.value for sample in families["dask_daskpipe_requests"].samples if sample.labels["model"] == "tiny"}
+    outcomes["dropped"] = sum(sample.value for sample in families["dask_daskpipe_requests_dropped"].samples if sample.labels["model"] == "tiny")
+    return outcomes
 
 
 MALFORMED_FIELDS = {

@@ -121,6 +121,156 @@ def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
         torch.testing.assert_close(good.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
 
 
+class _Unreadable(torch.Tensor):
+    """A tensor subclass that keeps its values to itself, as a user's odd subclass might."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.numpy, torch.isfinite):
+            raise RuntimeError("this subclass cannot do that")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: torch.randn(2, 3).to_sparse(), "must be a dense tensor, got layout torch.sparse_coo; send x.to_dense()"),
+        (lambda: torch.randn(2, 3).to_sparse_csr(), "must be a dense tensor, got layout torch.sparse_csr"),
+        (lambda: torch.randn(2, 3).to_mkldnn(), "must be a dense tensor, got layout torch._mkldnn"),
+        (lambda: torch.empty(2, 3, device="meta"), "is on the meta device and holds no values"),
+        (lambda: torch.nested.nested_tensor([torch.randn(3), torch.randn(2)]), "is a nested tensor; send each of its tensors as a request of its own"),
+        (lambda: torch.randn(2, 3, dtype=torch.complex64), "must be torch.float32, got torch.complex64"),
+        (lambda: torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8), "must be torch.float32, got torch.qint8"),
+        (lambda: torch.tensor(1.0), r"must have shape \(n, 3\) with n >= 1, got \(\)"),
+        (lambda: torch.randn(0, 3), r"must have shape \(n, 3\) with n >= 1, got \(0, 3\)"),
+        (lambda: [[1.0, 2.0, 3.0]], r"must be a torch.Tensor of shape \(n, 3\), got list"),
+        (lambda: np.zeros((1, 3), dtype=np.float32), "must be a torch.Tensor of shape .*, got ndarray"),
+        (lambda: None, "must be a torch.Tensor .*, got NoneType"),
+        (lambda: torch.randn(2, 3).as_subclass(_Unreadable), "cannot be read as a dense tensor of values: RuntimeError: this subclass cannot do that"),
+    ],
+)
+def test_an_input_torch_cannot_serve_is_refused_naming_the_problem(make, message):
+    from daskpipe.runtime.service import _InputSpec
+
+    with pytest.raises(InvalidRequest, match=f"input of model 'm' {message}"):
+        _InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", make())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 3, requires_grad=True),
+        lambda: torch.nn.Parameter(torch.randn(2, 3)),
+        lambda: torch.randn(3, 2).t(),  # not contiguous
+        lambda: torch.randn(1, 3).expand(2, 3),  # a stride of 0
+        lambda: torch.randn(2, 6)[:, ::2],
+    ],
+)
+def test_dense_tensors_in_any_layout_or_with_grad_are_served_as_their_values(make):
+    from daskpipe.runtime.service import _InputSpec
+
+    x = make()
+    assert _InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", x) == (2, x.detach().contiguous().numpy().tobytes())
+
+
+def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        for x, message in [(torch.randn(1, *INPUT).to_sparse(), "dense tensor"), (torch.empty(1, *INPUT, device="meta"), "meta device"),
+                           (torch.nested.nested_tensor([torch.randn(*INPUT)]), "nested tensor")]:
+            future = svc.submit("tiny", x)
+            assert future.done()
+            with pytest.raises(InvalidRequest, match=message):
+                future.result()
+        before = svc.status()["tiny"]["submitted"]
+        xs = frames(300)  # more than one SUBMIT_CHUNK: nothing may leave before the last input is checked
+        futures = svc.map("tiny", xs[:280] + [torch.empty(1, *INPUT, device="meta")] + xs[280:])
+        assert len(futures) == 301 and all(f.done() for f in futures)
+        assert "meta device" in str(futures[280].exception())
+        unsent = futures[0].exception()
+        assert isinstance(unsent, InvalidRequest) and "not sent: map() sends all of its inputs or none, and 1 of its 301 inputs" in str(unsent)
+        assert "(input 280)" in str(unsent) and all(str(f.exception()) == str(unsent) for f in futures[:280] + futures[281:])
+        assert svc.status()["tiny"]["submitted"] == before  # nothing reached the scheduler
+        for out, ref in zip(client.gather(svc.map("tiny", xs[:4])), reference(xs[:4])):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"models": {"tiny": lambda x: x}}, "models['tiny'] must be a torch.nn.Module, got function; wrap it in an nn.Module whose forward calls it"),
+        ({"models": tiny_model()}, "models must map model names to torch.nn.Module, e.g. {'resnet': model}, got TinyCNN"),
+        ({"models": {}}, "deploy needs at least one model"),
+        ({"models": {3: tiny_model()}}, "model names must be non-empty strings, got [3]"),
+        ({"example_inputs": {}}, "example_inputs lacks ['tiny']"),
+        ({"example_inputs": {"tiny": [[0.0]]}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got list"),
+        ({"example_inputs": {"tiny": torch.empty(1, *INPUT, device="meta")}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)"),
+        ({"example_inputs": {"tiny": torch.randn(1, *INPUT).to_sparse()}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of layout torch.sparse_coo"),
+        ({"example_inputs": {"tiny": torch.tensor(1.0)}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of shape ()"),
+        ({"slo_ms": {"tiny": "500"}}, "slo_ms['tiny'] must be a number of ms, got '500' (str)"),
+        ({"slo_ms": {"tiny": -5}}, "slo_ms['tiny'] must be a finite number > 0 ms, got -5 ms"),
+        ({"slo_ms": {"tiny": 0.0}}, "slo_ms['tiny'] must be a finite number > 0 ms, got 0.0 ms"),
+        ({"slo_ms": {"tiny": float("nan")}}, "slo_ms['tiny'] must be a finite number > 0 ms, got nan ms"),
+        ({"slo_ms": {"other": 500}}, "slo_ms names 'other', which is not a deployed model; deployed: ['tiny']"),
+        ({"slo_ms": 500}, "slo_ms must map model names to values, got int"),
+        ({"weights": {"tiny": -1}}, "weights['tiny'] must be a finite number > 0, got -1"),
+        ({"time_dilation": "2"}, "time_dilation must be a number, got '2' (str)"),
+        ({"time_dilation": 0}, "time_dilation must be a finite number > 0, got 0"),
+        ({"bw_gbps": -1.0}, "bw_gbps must be a finite number > 0 Gbit/s, got -1.0 Gbit/s"),
+        ({"num_blocks": 0}, "num_blocks must be an integer >= 1, got 0"),
+        ({"num_blocks": 2.5}, "num_blocks must be an integer >= 1, got 2.5"),
+        ({"batch_sizes": "8"}, "batch_sizes must be an integer >= 1 or a sequence of them, got '8'"),
+        ({"batch_sizes": [1, 0]}, "each of batch_sizes must be an integer >= 1, got 0"),
+        ({"margin": 1.5}, "margin must be a number in [0, 1) (the share of the SLO kept free), got 1.5"),
+        ({"max_parts": 0}, "max_parts must be an integer >= 1, got 0"),
+        ({"strategy": None}, "strategy must be a name (str), got None"),
+        ({"dispatcher": 1}, "dispatcher must be a name (str), got 1"),
+        ({"allow_nonfinite": "yes"}, "allow_nonfinite must be True or False, got 'yes'"),
+        ({"plan": 42}, "plan must be a Plan or the path of a plan.json, got int"),
+        ({"profiles": {"tiny": {"model": "tiny"}}}, "profiles['tiny'] must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
+        ({"max_queued": 0}, "max_queued must be an integer >= 1, got 0"),
+        ({"elastic": True}, "elastic must be an ElasticSettings or None, got bool"),
+    ],
+)
+def test_deploy_names_the_argument_that_is_wrong(cpu_cluster, arguments, message):
+    cluster, client = cpu_cluster
+    given = {"models": {"tiny": tiny_model()}, "example_inputs": {"tiny": example()}, **arguments}
+    with pytest.raises(DeployError, match="^" + re.escape(message)):
+        daskpipe.deploy(client, given.pop("models"), **given)
+
+
+def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_what_they_made(emulated_inproc):
+    """TinyCNN asserts on a value (``torch._assert``): estimating it for the emulated GPU types
+    runs it on the meta device, where there are no values. The profiling before made a scattered
+    model and a task; a deploy that fails at the scheduler (an SLO it cannot meet) made stage
+    actors and their scattered blocks. A failed deploy leaves none of them behind."""
+    cluster, client = emulated_inproc
+
+    def held() -> tuple[int, int]:
+        return len(cluster.scheduler.tasks), len(client.futures)
+
+    def settled(expected: tuple[int, int]) -> tuple[int, int]:
+        deadline = time.monotonic() + 5
+        while (held()[0] > expected[0] or held()[1] > expected[1]) and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
+            time.sleep(0.02)
+        return held()
+
+    before = held()
+    after_each = []
+    for _ in range(3):
+        with pytest.raises(DeployError, match=r"^model 'tiny' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors. This is data-dependent control flow: .*Move such checks out of forward"):
+            daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, slo_ms={"tiny": 500.0}, num_blocks=2)
+        tasks, futures = settled(before)
+        assert tasks <= before[0] and futures <= before[1]  # the scattered model and the profiling task are gone (earlier tests' keys may go meanwhile)
+        with pytest.raises(DeployError, match="the smallest SLO it can serve"):
+            deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0)
+        after_each.append(settled(before))
+    # Each failed deploy made two stage actors and their blocks. Now and then one stage key of the
+    # latest one is still counted by the client when this looks (an actor handle's reference, on
+    # this in-process cluster); none accumulate.
+    assert all(tasks <= before[0] + 1 and futures <= before[1] + 1 for tasks, futures in after_each), after_each
+
+
 def test_a_poisoned_input_fails_alone_and_its_batch_mates_complete(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:

@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster
 
 from daskpipe.cli import main
 from daskpipe.runtime import gpu
-from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, parse_pairs, parse_slices, worker_specs
+from daskpipe.runtime.worker import DaskpipeWorker, SlotSpec, WorkerSpecError, parse_pairs, parse_slices, worker_specs
 
 FAKE_GPUS = "NVIDIA L4=23034,Tesla T4=15360"
 DASKPIPE = [sys.executable, "-c", "from daskpipe.cli import main; main()"]  # the console script's code
@@ -229,6 +229,26 @@ def test_cli_worker_explains_missing_mps(no_mps, monkeypatch):
 def test_cli_worker_rejects_bad_emulate():
     result = CliRunner().invoke(main, ["worker", "tcp://127.0.0.1:1", "--emulate", "L4=2"])
     assert result.exit_code == 2 and "TYPE:COUNT" in result.output
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "banana"], "Invalid value for '--memory-limit': memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got 'banana'"),
+        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "-5"], "Invalid value for '--memory-limit'"),
+        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--nthreads", "0"], "Invalid value for '--nthreads'"),
+        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--slices", "0"], "Invalid value for '--slices': --slices must be an integer >= 1, got 0"),
+        (["demo", "--duration", "-1"], "Invalid value for '--duration'"),
+    ],
+)
+def test_cli_malformed_values_exit_2_naming_the_option(arguments, message):
+    result = CliRunner().invoke(main, arguments)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_bad_memory_limit_from_python_names_the_argument():
+    with pytest.raises(WorkerSpecError, match="memory_limit must be bytes, .* got 'banana'"):
+        DaskpipeWorker("tcp://127.0.0.1:1", emulate={"L4": 1}, memory_limit="banana")
 
 
 def test_slot_spec_pickles_into_the_worker():

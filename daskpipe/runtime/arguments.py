@@ -1,0 +1,129 @@
+"""Up-front checks of the arguments of ``deploy`` and ``deploy_hybrid``.
+
+A wrong argument fails at once with a :class:`~daskpipe.runtime.errors.DeployError` that names
+it, before anything is profiled, scattered or started, rather than as whatever breaks first
+deep inside ("can't multiply sequence by non-int", "'function' object has no attribute 'eval'",
+or a negative SLO reported in microseconds by a worker).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.errors import DeployError
+
+
+def check_module(what: str, value: Any) -> None:
+    """``value`` is a ``torch.nn.Module`` (what gets traced, cut into blocks and served)."""
+    if not isinstance(value, nn.Module):
+        hint = "; wrap it in an nn.Module whose forward calls it" if callable(value) else ""
+        raise DeployError(f"{what} must be a torch.nn.Module, got {type(value).__name__}{hint}")
+
+
+def check_example(what: str, value: Any) -> None:
+    """``value`` is a dense, batched tensor with values: it fixes the shape and dtype requests must have."""
+    problem = None
+    if not isinstance(value, torch.Tensor):
+        problem = type(value).__name__
+    elif value.is_nested:
+        problem = "a nested tensor"
+    elif value.layout is not torch.strided:
+        problem = f"a tensor of layout {value.layout}"
+    elif value.device.type == "meta":
+        problem = "a meta tensor (it holds no values)"
+    elif value.dim() < 1 or value.shape[0] < 1:
+        problem = f"a tensor of shape {tuple(value.shape)}"
+    if problem is not None:
+        raise DeployError(f"{what} must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got {problem}")
+
+
+def check_positive(what: str, value: Any, unit: str = "") -> None:
+    """``value`` is a finite real number > 0 (``unit`` is named in the message: the user's, e.g. " ms")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise DeployError(f"{what} must be a number{unit and ' of' + unit}, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise DeployError(f"{what} must be a finite number > 0{unit}, got {value!r}{unit}")
+
+
+def check_count(what: str, value: Any) -> None:
+    """``value`` is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise DeployError(f"{what} must be an integer >= 1, got {value!r}")
+
+
+def check_mapping(what: str, value: Any, names: list[str] | None, check: Callable[[str, Any], None]) -> None:
+    """``value`` maps names (all among ``names``, when given) to values ``check`` accepts."""
+    if not isinstance(value, Mapping):
+        raise DeployError(f"{what} must map model names to values, got {type(value).__name__}")
+    for name, item in value.items():
+        if names is not None and name not in names:
+            raise DeployError(f"{what} names {name!r}, which is not a deployed model; deployed: {names}")
+        check(f"{what}[{name!r}]", item)
+
+
+def check_deploy_arguments(
+    models: Any, example_inputs: Any, *, slo_ms: Any, weights: Any, time_dilation: Any, bw_gbps: Any, num_blocks: Any,
+    batch_sizes: Any, margin: Any, max_parts: Any, strategy: Any, dispatcher: Any, allow_nonfinite: Any, plan: Any, profiles: Any,
+    max_queued: Any, elastic: Any,
+) -> None:
+    """``deploy``'s arguments, each checked for its type and range; the first wrong one fails, named."""
+    if not isinstance(models, Mapping):
+        raise DeployError(f"models must map model names to torch.nn.Module, e.g. {{'resnet': model}}, got {type(models).__name__}")
+    if not models:
+        raise DeployError("deploy needs at least one model")
+    bad_names = [name for name in models if not isinstance(name, str) or not name]
+    if bad_names:
+        raise DeployError(f"model names must be non-empty strings, got {bad_names!r}")
+    names = list(models)
+    for name, module in models.items():
+        check_module(f"models[{name!r}]", module)
+    if not isinstance(example_inputs, Mapping):
+        raise DeployError(f"example_inputs must map each model name to a batched example tensor, got {type(example_inputs).__name__}")
+    missing = [m for m in names if m not in example_inputs]
+    if missing:
+        raise DeployError(f"example_inputs lacks {missing}; give a batched example tensor per model")
+    for name in names:
+        check_example(f"example_inputs[{name!r}]", example_inputs[name])
+    if slo_ms is not None:
+        check_mapping("slo_ms", slo_ms, names, lambda what, value: check_positive(what, value, " ms"))
+    if weights is not None:
+        check_mapping("weights", weights, names, check_positive)
+    check_positive("time_dilation", time_dilation)
+    check_positive("bw_gbps", bw_gbps, " Gbit/s")
+    check_count("num_blocks", num_blocks)
+    sizes = [batch_sizes] if isinstance(batch_sizes, numbers.Integral) else batch_sizes
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
+        raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {batch_sizes!r}")
+    for size in sizes:
+        check_count("each of batch_sizes", size)
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
+        raise DeployError(f"margin must be a number in [0, 1) (the share of the SLO kept free), got {margin!r}")
+    check_count("max_parts", max_parts)
+    for what, value in (("strategy", strategy), ("dispatcher", dispatcher)):
+        if not isinstance(value, str):
+            raise DeployError(f"{what} must be a name (str), got {value!r}")
+    if not isinstance(allow_nonfinite, bool):
+        raise DeployError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
+    if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+        raise DeployError(f"plan must be a Plan or the path of a plan.json, got {type(plan).__name__}")
+    if profiles is not None:
+        check_mapping("profiles", profiles, None, check_profile)
+    if max_queued is not None:
+        check_count("max_queued", max_queued)
+    if elastic is not None and not isinstance(elastic, ElasticSettings):
+        raise DeployError(f"elastic must be an ElasticSettings or None, got {type(elastic).__name__}")
+
+
+def check_profile(what: str, value: Any) -> None:
+    """``value`` is a :class:`Profile` (``Profile.load`` reads one from a file)."""
+    if not isinstance(value, Profile):
+        raise DeployError(f"{what} must be a daskpipe Profile (Profile.load reads a profile file), got {type(value).__name__}")
