@@ -118,7 +118,7 @@ def check_deploy_arguments(
     if profiles is not None:
         check_mapping("profiles", profiles, None, check_profile)
     if max_queued is not None:
-        check_count("max_queued", max_queued)
+        check_count("max_queued (None for the default)", max_queued)
     if elastic is not None and not isinstance(elastic, ElasticSettings):
         raise DeployError(f"elastic must be an ElasticSettings or None, got {type(elastic).__name__}")
 

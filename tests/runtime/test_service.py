@@ -228,7 +228,7 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
         ({"allow_nonfinite": "yes"}, "allow_nonfinite must be True or False, got 'yes'"),
         ({"plan": 42}, "plan must be a Plan or the path of a plan.json, got int"),
         ({"profiles": {"tiny": {"model": "tiny"}}}, "profiles['tiny'] must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
-        ({"max_queued": 0}, "max_queued must be an integer >= 1, got 0"),
+        ({"max_queued": 0}, "max_queued (None for the default) must be an integer >= 1, got 0"),
         ({"elastic": True}, "elastic must be an ElasticSettings or None, got bool"),
     ],
 )
