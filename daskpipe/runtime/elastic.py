@@ -523,7 +523,7 @@ class Elastic:
                 self._resubmit(served, model, holding.requests)
                 continue
             fresh = plugin.served[model]
-            for kept in ("inputs", "deadlines", "flights", "counts", "dropped"):
+            for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
                 setattr(fresh, kept, getattr(served, kept))
             continue_ids = getattr(fresh.dispatcher, "continue_ids", None)
             if continue_ids is not None:
