@@ -41,6 +41,8 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
@@ -86,6 +88,10 @@ class ElasticSettings:
         No scaling advice this long after the inventory or the plan changed.
     idle_grace_s
         A worker that joined is offered for closing only after this long without a stage.
+    profile_band
+        Re-plan when a stage's measured compute time (the median of its recent batches against
+        the profile) leaves [1/band, band]; the profile is scaled to what was measured first. At
+        most one such re-plan per ``load_interval_s``.
     """
 
     debounce_s: float = 1.0
@@ -98,6 +104,7 @@ class ElasticSettings:
     target_utilisation: float = 0.8
     scale_cooldown_s: float = 30.0
     idle_grace_s: float = 10.0
+    profile_band: float = 1.3
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -108,6 +115,8 @@ class ElasticSettings:
             raise ValueError(f"ElasticSettings.target_utilisation must be in (0, 1], got {self.target_utilisation!r}")
         if self.load_window_s <= 0:
             raise ValueError(f"ElasticSettings.load_window_s must be > 0, got {self.load_window_s!r}")
+        if not self.profile_band > 1:
+            raise ValueError(f"ElasticSettings.profile_band must be > 1, got {self.profile_band!r}")
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -585,6 +594,7 @@ class Elastic:
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.settings.load_window_s:
             self._samples.popleft()
         self._check_load_mix(now)
+        self._check_profiles(now)
         self._decide_scaling(now)
 
     def _rates(self, window_s: float) -> dict[str, tuple[float, float]]:
@@ -614,6 +624,35 @@ class Elastic:
                 dep.weights = {m: max(offered[m] / total_offered, 1e-3) for m in dep.models}
                 dep.replanned_at = now
                 self._schedule(f"load mix shifted by {shifted:.0%}")
+
+    def _check_profiles(self, now: float) -> None:
+        """Re-plan a deployment whose stages run outside the profile's band, on its profiles
+        scaled to what the stages measure (the plan is only as good as its latency tables)."""
+        band = self.settings.profile_band
+        for dep in self.deployments.values():
+            if now - dep.replanned_at < self.settings.load_interval_s:
+                continue
+            drifted = []
+            for model, spec in dep.models.items():
+                served = self.plugin.served.get(model)
+                if served is None or served.closing:
+                    continue
+                factors: dict[tuple[str, int], np.ndarray] = {}
+                for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items()):
+                    if 1 / band <= ratio <= band:
+                        continue
+                    part = served.model.pipelines[p].partitions[q]
+                    factors.setdefault((part.gpu, part.slices), np.ones(spec.profile.num_blocks))[part.blocks[0]:part.blocks[1]] = ratio
+                    drifted.append(f"{model} blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at {ratio:.2f}x their profile")
+                if factors:
+                    tables = dict(spec.profile.latency_us)
+                    for kind, scale in factors.items():
+                        tables[kind] = tables[kind] * scale[:, None]
+                    spec.profile = replace(spec.profile, latency_us=tables)
+            if drifted:
+                dep.replanned_at = now
+                logger.warning("daskpipe: %s; re-planning on the measured latencies", "; ".join(drifted))
+                self._schedule("; ".join(drifted))
 
     def _decide_scaling(self, now: float) -> None:
         """Symphony's rules: N·r/(1-r) more GPUs for a bad rate r; drain the surplus of idle types."""

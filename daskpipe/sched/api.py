@@ -154,6 +154,12 @@ class Dispatcher(ABC):
         """Drop everything still queued; the service is stopping or being re-planned."""
         return []
 
+    def measured_ratios(self) -> dict[tuple[int, int], float]:
+        """(pipeline, partition) -> the median measured/profiled compute time of its recent
+        batches, for the stages that measured enough of them; empty when it does not measure.
+        The elastic re-planner re-plans when one leaves the profile's band."""
+        return {}
+
     @property
     def queued(self) -> int:
         return 0

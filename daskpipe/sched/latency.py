@@ -47,6 +47,15 @@ class MeasuredLatency:
         self.refresh_every = max(1, window // 10)  # sorting the window on every sample would cost more than the probe
         self.since_refresh = self.refresh_every
 
+    @property
+    def median(self) -> float | None:
+        """The median measured/profiled ratio of the window, once ``min_samples`` are in: where the
+        stage really runs against its profile, in both directions (``typical`` never goes below 1)."""
+        ratios = self.ratios
+        if len(ratios) < self.min_samples:
+            return None
+        return float(sorted(ratios)[len(ratios) // 2])
+
     def add(self, ratio: float) -> bool:
         """Record one measured/profiled ratio; True when the factors moved (the tables need rebuilding)."""
         ratios = self.ratios

@@ -385,6 +385,9 @@ class PPipeDispatcher(Dispatcher):
     def queued(self) -> int:
         return len(self._queue)
 
+    def measured_ratios(self) -> dict[tuple[int, int], float]:
+        return {(pipe.index, stage.index): median for pipe in self._pipes for stage in pipe.stages if stage.measured is not None and (median := stage.measured.median) is not None}
+
     # -- elasticity ------------------------------------------------------------------------------
     def continue_ids(self, first: int) -> None:
         """Number the next batches from ``first`` on: a dispatcher that takes over from another (a

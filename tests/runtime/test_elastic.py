@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from distributed import Client, wait
@@ -17,6 +18,7 @@ from daskpipe.runtime.elastic import ElasticSettings
 from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.overload import small_cnn
 from daskpipe.runtime.plugin import plugin_of
+from daskpipe.runtime.stage import slow_down
 from tests.runtime.conftest import example, tiny_model, two_stage
 from tests.runtime.test_service import frames, reference
 
@@ -181,9 +183,37 @@ def test_a_shift_in_the_load_mix_re_plans_with_the_observed_rates():
             assert status["completed"] + sum(status["dropped"].values()) == status["submitted"] == len(futures)
 
 
+def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_latencies(caplog):
+    profile, _ = two_stage(stage_ms=(20.0, 20.0), slo_ms=400.0)
+    settings = ElasticSettings(load_interval_s=0.0, profile_band=1.3, debounce_s=0.1)
+    with EmulatedCluster({"L4": 2, "T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        svc = daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, profiles={"tiny": profile}, elastic=settings)
+        plugin = plugin_of(cluster.scheduler)
+        with svc:
+            (dep,) = plugin.elastic.deployments.values()
+            part = svc.plan.model("tiny").pipelines[0].partitions[0]
+            slots = sorted(a for p, q, a in plugin.served["tiny"].stages if q == 0)
+            client.run(slow_down, 1.6, 30.0, workers=slots)  # every slot of the pool: the machine, not a suspect
+            futures = []
+            deadline = time.monotonic() + 30
+            while "re-planning on the measured latencies" not in caplog.text and time.monotonic() < deadline:
+                futures.append(svc.submit("tiny", example()))
+                time.sleep(0.02)
+            assert f"tiny blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at 1.6" in caplog.text, caplog.text
+            a, b = part.blocks
+            measured = dep.models["tiny"].profile.latency_us[(part.gpu, part.slices)]
+            ratio = measured[a:b] / profile.latency_us[(part.gpu, part.slices)][a:b]
+            assert np.allclose(ratio, ratio.flat[0]) and 1.55 <= ratio.flat[0] <= 1.75, ratio
+            assert svc.status()["tiny"]["suspected"] == 0
+            wait(futures, timeout=60)
+
+
 @pytest.mark.parametrize(
     "bad, message",
-    [({"debounce_s": -1}, "debounce_s must be a finite number >= 0"), ({"target_utilisation": 0}, "target_utilisation must be in"), ({"load_window_s": 0}, "load_window_s must be > 0")],
+    [
+        ({"debounce_s": -1}, "debounce_s must be a finite number >= 0"), ({"target_utilisation": 0}, "target_utilisation must be in"),
+        ({"load_window_s": 0}, "load_window_s must be > 0"), ({"profile_band": 1.0}, "profile_band must be > 1"),
+    ],
 )
 def test_bad_elastic_settings_are_refused_naming_the_setting(bad, message):
     with pytest.raises(ValueError, match=message):

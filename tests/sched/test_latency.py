@@ -42,6 +42,12 @@ def test_a_slower_stage_lengthens_reservations_from_the_recent_window():
     assert (fed_back.typical, fed_back.high) == (1.0, 1.0)
 
 
+def test_the_median_follows_the_stage_both_ways_once_min_samples_are_in():
+    assert fed([0.6] * 19).median is None
+    assert fed([0.6] * 20).median == pytest.approx(0.6)  # faster than profiled: typical stays 1, the median says so
+    assert fed(np.concatenate([np.full(60, 1.6), np.full(40, 1.0)])).median == pytest.approx(1.6)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="quantile"):
         MeasuredLatency(1.0, 100, 20)
