@@ -106,14 +106,26 @@ class _OpRecorder(FlopCounterMode):
 def op_costs(
     block: nn.Module, input_shape: Sequence[int], batches: Iterable[int], precision: Precision = "tf32"
 ) -> dict[int, OpCosts]:
-    """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op."""
-    on_meta = copy.deepcopy(block).to("meta").eval()
+    """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op.
+
+    Shapes only, on the meta device; a block that reads its data (an assertion on a value, say)
+    cannot run there, and is run for real on a random input instead: the counts are the same."""
+    batches = list(batches)
+    try:
+        return _record_costs(copy.deepcopy(block).to("meta").eval(), input_shape, batches, precision, "meta")
+    except (RuntimeError, NotImplementedError):
+        device = next(block.parameters(), torch.empty(0)).device
+        return _record_costs(block.eval(), input_shape, batches, precision, device)
+
+
+def _record_costs(block: nn.Module, input_shape: Sequence[int], batches: list[int], precision: Precision, device) -> dict[int, OpCosts]:
     element_bytes = 2 if precision == "fp16" else 4
+    make_input = torch.empty if str(device) == "meta" else torch.randn
     costs = {}
     for batch in batches:
         recorder = _OpRecorder()
         with torch.inference_mode(), recorder:
-            on_meta(torch.empty((batch, *input_shape), device="meta"))
+            block(make_input((batch, *input_shape), device=device))
         ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
         costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * element_bytes, outputs=ops[:, 2])
     return costs
@@ -175,7 +187,7 @@ def estimate_profile(
     if not slice_counts or slice_counts[0] < 1:
         raise ProfileError(f"slice counts must be integers >= 1, got {slice_counts}")
     max_batch = normalise_batch_sizes(batch_sizes)[-1]
-    blocked = module_or_blocked if isinstance(module_or_blocked, BlockedModel) else _cut_by_estimate(
+    blocked = module_or_blocked if isinstance(module_or_blocked, BlockedModel) else cut_by_estimate(
         module_or_blocked, example_input, num_blocks, catalog[gpus[0]], constants, precision
     )
     costs = {
@@ -216,10 +228,12 @@ def _block_input(blocked: BlockedModel, block: int) -> tuple[int, ...]:
     return blocked.input_shape if block == 0 else blocked.boundary_shapes[block - 1]
 
 
-def _cut_by_estimate(
-    module: nn.Module, example_input: torch.Tensor | None, num_blocks: int, spec: GPUSpec, constants: Constants,
-    precision: Precision,
+def cut_by_estimate(
+    module: nn.Module, example_input: torch.Tensor | None, num_blocks: int, spec: GPUSpec, constants: Constants = CALIBRATED,
+    precision: Precision = "tf32",
 ) -> BlockedModel:
+    """``module`` cut into ``num_blocks`` blocks of equal estimated batch-1 latency on ``spec``: a
+    cut decided without a device, so every kind of a cluster times the same blocks."""
     if example_input is None:
         raise ProfileError("estimate_profile needs example_input to cut a plain module into blocks")
     segmented = segment_model(module.eval(), example_input[:1])
@@ -248,6 +262,34 @@ def efficiency_factors(measured_us: np.ndarray, estimated_us: np.ndarray) -> np.
     logs = np.where(usable, np.log(np.where(usable, measured_us, 1.0) / np.where(usable, estimated_us, 1.0)), 0.0)
     counts = usable.sum(axis=1)
     return np.exp(np.divide(logs.sum(axis=1), counts, out=np.zeros(len(counts)), where=counts > 0))
+
+
+def estimate_kinds(
+    blocked: BlockedModel, kinds: Iterable[tuple[str, int]], *, name: str, batch_sizes: int, slo_us: float | None = None,
+    measured: Mapping[tuple[str, int], np.ndarray] | None = None,
+) -> tuple[dict[tuple[str, int], np.ndarray], dict]:
+    """Estimated tables of the (GPU type, slices) ``kinds`` for ``blocked``, calibrated when possible.
+
+    ``measured`` holds tables of the same blocks measured on other kinds; those of catalog GPU
+    types give each block its :func:`efficiency_factors`, which scale the estimates. Returns the
+    tables and what was done, for the profile's ``meta["calibration"]``.
+    """
+    kinds = sorted(set(kinds))
+    catalog = load_catalog()
+    references = sorted(k for k in (measured or {}) if k[0] in catalog)
+    estimated = estimate_profile(
+        blocked, gpus=sorted({g for g, _ in [*kinds, *references]}), name=name, batch_sizes=batch_sizes,
+        slices=sorted({v for _, v in [*kinds, *references]}), slo_us=slo_us,
+    )
+    tables = {k: t for k, t in estimated.latency_us.items() if k in kinds}
+    references = [k for k in references if k in estimated.latency_us]  # e.g. no P4 table at v > 1
+    if not references:
+        return tables, {"calibrated_on": []}
+    pairs = [(measured[k], estimated.latency_us[k]) for k in references]
+    widths = [min(m.shape[1], e.shape[1]) for m, e in pairs]
+    factors = efficiency_factors(np.hstack([m[:, :w] for (m, _), w in zip(pairs, widths)]), np.hstack([e[:, :w] for (_, e), w in zip(pairs, widths)]))
+    calibrated = {k: t * factors[:, None] for k, t in tables.items()}
+    return calibrated, {"calibrated_on": [f"{g}/{v}" for g, v in references], "block_factors": [round(float(f), 4) for f in factors]}
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
