@@ -33,7 +33,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime.elastic import stage_submit_kwargs
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory, awaitable_with_asynchronous_client
+from daskpipe.runtime.service import Service, _cut, _InputSpec, inventory, awaitable_with_asynchronous_client
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -221,7 +221,7 @@ def deploy_hybrid(
     if not time_dilation > 0:
         raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
     name = serving.model
-    slots = _inventory(client)
+    slots = inventory(client)
     hybrid = hybrid_plan(serving, fragments, profile, offered_slices=[s.slices for s in slots if s.gpu == serving.gpu])
     blocked = _cut(name, module, example_input, profile)
     placed = _place_stages(hybrid, slots)

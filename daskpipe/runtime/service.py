@@ -333,7 +333,7 @@ def deploy(
         raise DeployError(f"example_inputs lacks {missing}; give a batched example tensor per model")
     if not time_dilation > 0:
         raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-    slots = _inventory(client)
+    slots = inventory(client)
     from daskpipe.runtime.environ import warn_slow_workers
 
     warn_slow_workers(client, [slot.address for slot in slots])  # e.g. Dask's MALLOC_TRIM_THRESHOLD_ halves torch
@@ -447,7 +447,7 @@ def open_stream(client: Client) -> ClientStream:
     return stream
 
 
-def _inventory(client: Client) -> list[WorkerSlot]:
+def inventory(client: Client) -> list[WorkerSlot]:
     """The cluster's slots, installing the scheduler plugin first unless a preload did."""
     try:  # idempotent: a no-op where ``--preload daskpipe`` installed it
         client.register_plugin(DaskpipeSchedulerPlugin())

@@ -12,7 +12,7 @@ import daskpipe
 from daskpipe.profiles.store import ProfileStore
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, profile_on_cluster
-from daskpipe.runtime.service import _inventory
+from daskpipe.runtime.service import inventory
 from tests.runtime.conftest import example, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +32,7 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
     from daskpipe.runtime.service import _physical_gpus
 
     cluster, client = fake_gpu_cluster
-    slots = _inventory(client)
+    slots = inventory(client)
     kind_of = {s.address: (s.gpu, s.slices) for s in slots}
     assert set(kind_of.values()) == {("L4", 2), ("T4", 1), ("A10", 1)}
     with get_task_stream(client) as stream:
@@ -54,7 +54,7 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
 def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
     cluster, client = emulated_inproc
     with get_task_stream(client) as stream:
-        result = profile_on_cluster(client, _inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=4)
+        result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=4)
     assert not profiling_tasks(stream) and result.profiling_tasks == 0
     assert {result.profile.origin(g, v) for g, v in result.profile.latency_us} == {"estimated"}
 
@@ -62,7 +62,7 @@ def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
 def test_the_store_serves_a_second_profile_and_a_changed_weight_or_input_shape_misses(cpu_cluster, tmp_path):
     cluster, client = cpu_cluster
     store = ProfileStore(tmp_path / "store")
-    slots = _inventory(client)
+    slots = inventory(client)
 
     def profiled(model, x):
         with get_task_stream(client) as stream:
@@ -88,7 +88,7 @@ def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_clu
     from daskpipe.runtime import gpu
 
     monkeypatch.setattr(gpu.FakeBackend, "compute_device", lambda self: "cuda:7")  # a device no worker has
-    result = profile_on_cluster(client, _inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2)
+    result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2)
     assert sorted(result.excluded) == [("L4", 2), ("T4", 1)]
     assert all(reason.startswith("profiling failed on ") for reason in result.excluded.values())
     assert sorted(result.profile.meta["excluded"]) == ["L4/2", "T4/1"] and "is excluded from the deploy" in caplog.text
@@ -99,7 +99,7 @@ def test_profiling_past_the_timeout_excludes_the_kind(cpu_cluster):
     cluster, client = cpu_cluster
     convs = torch.nn.Sequential(*(torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))).eval()  # ~0.2 s of timing: more than the limit
     with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than profile_timeout_s=0.01"):
-        profile_on_cluster(client, _inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01)
+        profile_on_cluster(client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01)
 
 
 def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_cluster, tmp_path):
@@ -120,3 +120,19 @@ def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_clus
     assert (first_tasks, second_tasks) == (1, 0)
     print(f"first deploy {first:.2f} s, second {second:.2f} s")
     assert second < first / 2, "the second deploy reads the tables instead of timing them"
+
+
+def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from daskpipe.cli import main
+
+    cluster, client = cpu_cluster
+    args = ["profile", "cluster", cluster.scheduler_address, "tests.runtime.conftest:tiny_model", "--input-shape", "3,16,16",
+            "--blocks", "2", "--batch-sizes", "1,2", "--store", str(tmp_path), "--out", str(tmp_path / "tiny.profile")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "cpu/1 measured" in result.output and "1 kind(s) profiled now" in result.output
+    with get_task_stream(client) as stream:
+        again = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), torch.randn(1, 3, 16, 16), slo_us=None, num_blocks=2, batch_sizes=(1, 2), store=ProfileStore(tmp_path))
+    assert not profiling_tasks(stream) and again.profile.origin("cpu", 1) == "measured"
