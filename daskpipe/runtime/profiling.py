@@ -102,7 +102,11 @@ def profile_on_cluster(
     num_blocks = min(num_blocks, segment_model(module, example[:1]).num_segments)
     blocked = cut_by_estimate(module, example[:1], num_blocks, catalog[reference])
     sizes = normalise_batch_sizes(batch_sizes)
-    keys = _store_keys(client, probes, module, example, blocked, sizes) if store is not None else {}
+    fingerprint = model_fingerprint(module, example) if store is not None else None
+    keys = {
+        kind: measurement_key(fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address])
+        for kind, (address, _) in probes.items()
+    } if fingerprint else {}
     tables: dict[Kind, np.ndarray] = {}
     origin: dict[str, str] = {}
     measurements: dict[str, dict] = {}
@@ -142,6 +146,8 @@ def profile_on_cluster(
         meta={
             **next((p.meta for p in measured.values()), {}),
             "segment_boundaries": blocked.segment_boundaries,
+            "batch_sizes": sizes,
+            **({"fingerprint": fingerprint} if fingerprint else {}),
             "cut": f"equal estimated batch-1 cost on {reference}",
             "tables": origin,
             "measurements": measurements,
@@ -169,28 +175,22 @@ def _probes(client: Client, slots: list[WorkerSlot]) -> dict[Kind, tuple[str, st
     taken: set[str] = set()
     probes = {}
     for kind, candidates in sorted(by_kind.items()):
-        devices = [(s.address, _device_of(s.address, names)) for s in candidates]
+        devices = [(s.address, device_of(s.address, names)) for s in candidates]
         address, device = next(((a, d) for a, d in devices if d not in taken), devices[0])
         taken.add(device)
         probes[kind] = (address, device)
     return probes
 
 
-def _device_of(address: str, names: dict[str, str]) -> str:
+def device_of(address: str, names: dict[str, str]) -> str:
     """``<server>/<TYPE>-<index>`` of a daskpipe worker (named ``.../<slice>``); a plain worker is its own device."""
     name = names.get(address, address)
     return name.rpartition("/")[0] if name.count("/") >= 2 else address
 
 
-def _store_keys(
-    client: Client, probes: dict[Kind, tuple[str, str]], module: nn.Module, example: torch.Tensor, blocked: BlockedModel, sizes: list[int],
-) -> dict[Kind, MeasurementKey]:
-    fingerprint = model_fingerprint(module, example)
-    keys = {}
-    for kind, (address, _) in probes.items():
-        described = client.run(describe_device, kind[0], workers=[address])[address]
-        keys[kind] = MeasurementKey(fingerprint, tuple(blocked.segment_boundaries), tuple(sizes), kind[0], kind[1], **described)
-    return keys
+def measurement_key(fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any]) -> MeasurementKey:
+    """The store key of ``kind``'s table, ``described`` by :func:`describe_device` on a worker of it."""
+    return MeasurementKey(fingerprint, tuple(boundaries), tuple(sizes), kind[0], kind[1], **described)
 
 
 def _measure(

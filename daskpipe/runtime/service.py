@@ -435,6 +435,7 @@ def deploy(
             time_dilation=float(time_dilation),
             dispatcher=dispatcher,
             settings=elastic.to_dict(),
+            profile_store=str(store.root) if store is not None else None,
         )
     return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
 
