@@ -114,7 +114,7 @@ def profile_on_cluster(
         found = store.get(key)
         if found is not None:
             tables[kind] = found
-            measurements[kind_label(*kind)] = {"worker": probes[kind][0], "store": str(store.path(key))}
+            measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": key.device, "cpu_threads": key.threads or None, "store": str(store.path(key))}
     to_measure = {kind: where for kind, where in probes.items() if kind not in tables}
     measured, excluded = _measure(client, to_measure, name, blocked, sizes, slo_us, timeout_s) if to_measure else ({}, {})
     for kind, profile in measured.items():
@@ -144,7 +144,7 @@ def profile_on_cluster(
         boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes), input_bytes=float(blocked.input_bytes), output_bytes=float(blocked.output_bytes),
         input_shape=blocked.input_shape, boundary_shapes=tuple(blocked.boundary_shapes),
         meta={
-            **next((p.meta for p in measured.values()), {}),
+            **next((p.meta for p in measured.values()), {"cpu_threads": next((m["cpu_threads"] for m in measurements.values() if m["cpu_threads"]), None)}),
             "segment_boundaries": blocked.segment_boundaries,
             "batch_sizes": sizes,
             **({"fingerprint": fingerprint} if fingerprint else {}),

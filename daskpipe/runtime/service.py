@@ -24,7 +24,7 @@ import pickle
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -349,6 +349,7 @@ def deploy(
     if profile_timeout_s is not None and not profile_timeout_s > 0:
         raise DeployError(f"profile_timeout_s must be > 0 seconds, got {profile_timeout_s!r}")
     store = configured_store(profile_store)
+    given = set(profiles)
     blocked = {}
     for name in names:
         if name in profiles:
@@ -361,6 +362,9 @@ def deploy(
             )
             profiles[name], blocked[name] = measured.profile, measured.blocked
             slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
+    kinds = {(s.gpu, s.slices) for s in slots}
+    for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
+        profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
     if plan is None:
         from daskpipe.plan.milp import make_plan
 
