@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from daskpipe.plan.prepartition import greedy_blocks
-from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
+from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile
 
 if TYPE_CHECKING:
