@@ -46,9 +46,9 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
     assert (profile.origin("L4", 2), profile.origin("T4", 1), profile.origin("A10", 1)) == ("measured", "measured", "estimated")
     assert profile.meta["calibration"]["calibrated_on"] == ["L4/2", "T4/1"]
     plan = make_plan({"tiny": profile}, _physical_gpus(slots), slo_us={"tiny": 500e3})
-    marks = {(q.gpu, q.slices): q.table for m in plan.models for p in m.pipelines for q in p.partitions}
-    assert marks and all(mark == profile.origin(*kind) for kind, mark in marks.items())
-    assert [q["table"] for m in plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == list(marks.values())
+    parts = [q for m in plan.models for p in m.pipelines for q in p.partitions]
+    assert parts and all(q.table == profile.origin(q.gpu, q.slices) for q in parts)
+    assert [q["table"] for m in plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [q.table for q in parts]
 
 
 def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
