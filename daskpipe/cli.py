@@ -29,7 +29,7 @@ class LazyGroup(click.Group):
     cls=LazyGroup,
     lazy={
         "plan": "daskpipe.plan.cli:plan",
-        "profile": "daskpipe.profiles.cli:profile",
+        "profile": "daskpipe.runtime.cli:profile",  # the profiles group, with `profile cluster` added
         "simulate": "daskpipe.sim.cli:simulate",
         "experiments": "daskpipe.sim.experiments:experiments",
         "worker": "daskpipe.runtime.cli:worker",

@@ -24,3 +24,19 @@ def progress_bar(description: str, total: float | None) -> Iterator[Advance]:
             progress.update(task, advance=steps, description=f"{description}: {note}" if note else description)
 
         yield advance
+
+
+@contextmanager
+def progress_rows(description: str, rows: list[str]) -> Iterator[Callable[[str, str, bool], None]]:
+    """One transient rich row per item of work done at once (e.g. per GPU kind), each with its own
+    state and time: ``update(row, note, finished)``."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+        tasks = {row: progress.add_task(f"{description} {row}: waiting", total=1) for row in rows}
+
+        def update(row: str, note: str, finished: bool = False) -> None:
+            progress.update(tasks[row], description=f"{description} {row}: {note}", completed=1 if finished else 0)
+
+        yield update

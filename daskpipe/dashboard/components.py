@@ -187,7 +187,7 @@ class PlanView(DashboardComponent):
     @log_errors
     def __init__(self, read: Reader) -> None:
         self.read = read
-        self.source = ColumnDataSource({k: [] for k in ("model", "pipeline", "partition", "gpu", "slices", "vgpus", "blocks", "batch", "throughput", "x", "y", "label")})
+        self.source = ColumnDataSource({k: [] for k in ("model", "pipeline", "partition", "gpu", "slices", "vgpus", "blocks", "batch", "throughput", "table", "x", "y", "label")})
         self.flow = ColumnDataSource({"x0": [], "x1": [], "y": []})
         self.figure = figure(
             title="Plan: pools of each pipeline, first partition to last", height=210, sizing_mode="stretch_width",
@@ -196,9 +196,9 @@ class PlanView(DashboardComponent):
         self.figure.segment("x0", "y", "x1", "y", source=self.flow, line_width=3, color="#888888")
         self.figure.rect("x", "y", width=0.8, height=0.8, source=self.source, fill_color="#9ecae1", line_color="#3182bd")
         self.figure.text("x", "y", text="label", source=self.source, text_align="center", text_baseline="middle", text_font_size="9pt")
-        self.figure.add_tools(HoverTool(tooltips=[("pool", "@gpu 1/@slices x @vgpus slices"), ("blocks", "@blocks"), ("batch", "@batch"), ("planned req/s", "@throughput{0.0}")]))
+        self.figure.add_tools(HoverTool(tooltips=[("pool", "@gpu 1/@slices x @vgpus slices"), ("blocks", "@blocks"), ("batch", "@batch"), ("planned req/s", "@throughput{0.0}"), ("latency table", "@table")]))
         self.figure.xaxis.ticker = list(range(8))
-        columns = [("model", "model"), ("pipeline", "pipeline"), ("partition", "partition"), ("gpu", "GPU"), ("slices", "slices/GPU"), ("vgpus", "slices in pool"), ("blocks", "blocks"), ("batch", "batch"), ("throughput", "planned req/s")]
+        columns = [("model", "model"), ("pipeline", "pipeline"), ("partition", "partition"), ("gpu", "GPU"), ("slices", "slices/GPU"), ("vgpus", "slices in pool"), ("blocks", "blocks"), ("batch", "batch"), ("throughput", "planned req/s"), ("table", "latency table")]
         formats = {"throughput": NumberFormatter(format="0.0")}
         self.table = DataTable(source=self.source, columns=[TableColumn(field=f, title=t, **({"formatter": formats[f]} if f in formats else {})) for f, t in columns], height=240, sizing_mode="stretch_width", index_position=None)
         self.root = column(self.figure, self.table, sizing_mode="stretch_width")
@@ -219,7 +219,7 @@ class PlanView(DashboardComponent):
                 for q, part in enumerate(pipeline.partitions):
                     for key, value in (
                         ("model", name), ("pipeline", p), ("partition", q), ("gpu", part.gpu), ("slices", part.slices), ("vgpus", part.vgpus),
-                        ("blocks", f"{part.blocks[0]}-{part.blocks[1]}"), ("batch", pipeline.batch_size), ("throughput", pipeline.throughput), ("x", q), ("y", y),
+                        ("blocks", f"{part.blocks[0]}-{part.blocks[1]}"), ("batch", pipeline.batch_size), ("throughput", pipeline.throughput), ("table", part.table or "not recorded"), ("x", q), ("y", y),
                         ("label", f"{part.gpu} 1/{part.slices} x{part.vgpus} [{part.blocks[0]},{part.blocks[1]})"),
                     ):
                         rows[key].append(value)

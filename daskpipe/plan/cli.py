@@ -139,14 +139,15 @@ def _print_plan(result) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result.strategy} plan: objective {result.objective:.1f} req/s (min throughput / weight)")
-    for column in ("model", "req/s", "batch", "partitions (blocks GPU/v x vGPUs)", "latency ms"):
+    for column in ("model", "req/s", "batch", "partitions (blocks GPU/v x vGPUs)", "latency ms", "tables"):
         table.add_column(column)
     for m in result.models:
         for i, p in enumerate(m.pipelines):
             route = " -> ".join(f"[{a},{b}) {_where(q)}" for q in p.partitions for a, b in [q.blocks])
-            table.add_row(m.name if i == 0 else "", f"{p.throughput:.1f}", str(p.batch_size), route, f"{p.latency_us / 1e3:.2f}")
+            origins = " -> ".join(q.table or "not recorded" for q in p.partitions)
+            table.add_row(m.name if i == 0 else "", f"{p.throughput:.1f}", str(p.batch_size), route, f"{p.latency_us / 1e3:.2f}", origins)
         if not m.pipelines:
-            table.add_row(m.name, "0", "-", "(no GPUs)", "-")
+            table.add_row(m.name, "0", "-", "(no GPUs)", "-", "-")
     console = Console()
     console.print(table)
     used = ", ".join(f"{g} {n:g}/{result.cluster['gpus'][g]}" for g, n in sorted(result.gpus_used().items()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from daskpipe.colocation.policy import Strategy as ColocationStrategy
@@ -63,10 +63,11 @@ def make_plan(
     if strategy in COLOCATION_STRATEGIES:
         from daskpipe.colocation.planner import plan_colocation
 
-        return plan_colocation(
+        colocated = plan_colocation(
             spec.profiles, spec.gpus, strategy=strategy, weights=spec.weights, slo_us=spec.slo_us, margin=spec.margin,
             gpus_per_server=spec.gpus_per_server, bw_gbps=spec.bw_gbps, time_limit=spec.time_limit,
         )
+        return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
     rates = _batch_build_rates(spec) if batch_build_estimate else None
     if strategy == "np":
@@ -85,11 +86,22 @@ def make_plan(
     }
     return Plan(
         objective=plan.objective,
-        models=plan.models,
+        models=_with_table_origins(plan.models, profiles),
         strategy=strategy,
         cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": bw_gbps},
         solver={**plan.solver, "seconds": time.perf_counter() - started},
         settings=settings,
+    )
+
+
+def _with_table_origins(models: tuple[ModelPlan, ...], profiles: Mapping[str, Profile]) -> tuple[ModelPlan, ...]:
+    """Each partition marked with whether its latency table was measured or estimated (``Profile.origin``)."""
+    return tuple(
+        replace(m, pipelines=tuple(
+            replace(p, partitions=tuple(replace(q, table=profiles[m.name].origin(q.gpu, q.slices) or "") for q in p.partitions))
+            for p in m.pipelines
+        ))
+        for m in models
     )
 
 

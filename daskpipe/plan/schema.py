@@ -36,6 +36,7 @@ class Partition:
     # physical GPU ``device`` (a plan-wide id), which other models' partitions may share; "" = none.
     device: str = ""
     share: float = 0.0
+    table: str = ""  # where the pool's latency table came from: "measured", "estimated", or "" (not recorded)
 
     @property
     def num_gpus(self) -> float:
@@ -113,6 +114,8 @@ class Plan:
             d["num_gpus"] = p.num_gpus
             if not p.device:  # plans without co-location keep their old form
                 del d["device"], d["share"]
+            if not p.table:
+                del d["table"]
             return d
 
         return {
@@ -206,6 +209,7 @@ class Plan:
                             transfer_us=num(q.get("transfer_us", 0.0), f"{qw}transfer_us"),
                             device=device,
                             share=share if device else 0.0,
+                            table=str(q.get("table", "")),
                         )
                     )
                 if not parts:

@@ -6,6 +6,10 @@ compute efficiency per GPU type are fitted by grid search on the mean absolute l
 launch overhead and the memory efficiency stay fixed, as the data cannot tell them apart from the
 compute efficiency. The reported error is leave-one-model-out: each model is predicted with
 constants fitted on the other models only.
+
+With ``calibrate``, the estimator is also calibrated the way ``deploy`` does it when it measured
+a kind: on one GPU type's measured tables of a model (``estimator.efficiency_factors``), and the
+error is taken on the model's other GPU types, leaving each type out as the measured one in turn.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from daskpipe.profiles.catalog import GPUSpec, load_catalog
-from daskpipe.profiles.estimator import LAUNCH_US, Constants, OpCosts, mape, op_costs, op_latency_us, roofline_terms
+from daskpipe.profiles.estimator import LAUNCH_US, Constants, OpCosts, efficiency_factors, mape, op_costs, op_latency_us, roofline_terms
 from daskpipe.profiles.loader import load_profiles
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.zoo import REFERENCE_MODELS, build_reference_model
@@ -93,8 +97,10 @@ def estimator_error(
     models: Sequence[str] | None = None,
     gpus: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    calibrate: bool = False,
 ) -> dict:
-    """Leave-one-model-out error of the estimator against measured tables, per GPU type and model."""
+    """Leave-one-model-out error of the estimator against measured tables, per GPU type and model;
+    with ``calibrate``, also the error after calibrating on one measured GPU type (module docstring)."""
     names = list(models) if models is not None else [m for m in REFERENCE_MODELS]
     profiles = load_profiles(profiles_dir, names)
     missing = [m for m in profiles if m not in REFERENCE_MODELS]
@@ -124,7 +130,7 @@ def estimator_error(
         held_out += [(e, predict(e, constants, catalog)) for e in entries if e.model == name]
     in_sample_constants = fit_constants(entries, catalog)
     in_sample = [(e, predict(e, in_sample_constants, catalog)) for e in entries]
-    return {
+    report = {
         "comparison": "whole-model latency (sum of blocks) per (GPU, slices, batch); measured = published TensorRT TF32 tables",
         "models": list(profiles),
         "gpus": gpus,
@@ -141,6 +147,42 @@ def estimator_error(
             "all": _summary(in_sample),
             "constants": _constants_json(in_sample_constants),
         },
+    }
+    if calibrate:
+        report.update(calibration_error(held_out, gpus))
+    return report
+
+
+def calibration_error(predicted: Sequence[tuple[Entry, float]], gpus: Sequence[str]) -> dict:
+    """Leave-one-GPU-type-out: for each measured type and each model, the estimates of the model's
+    other types, as they are (``uncalibrated``) and scaled by the model's efficiency factor on the
+    measured type (``calibrated``); ``median_ape`` and ``mean_ape`` in percent over all those rows."""
+    uncalibrated: list[tuple[Entry, float]] = []
+    calibrated: list[tuple[Entry, float]] = []
+    per_reference = {}
+    for reference in gpus:
+        rows_before, rows_after = [], []
+        for model in sorted({e.model for e, _ in predicted}):
+            measured = [(e, p) for e, p in predicted if e.model == model and e.gpu == reference]
+            if not measured:
+                continue
+            factor = float(efficiency_factors(np.array([[e.measured_us for e, _ in measured]]), np.array([[p for _, p in measured]]))[0])
+            others = [(e, p) for e, p in predicted if e.model == model and e.gpu != reference]
+            rows_before += others
+            rows_after += [(e, p * factor) for e, p in others]
+        per_reference[reference] = {"uncalibrated": _summary(rows_before), "calibrated": _summary(rows_after)}
+        uncalibrated += rows_before
+        calibrated += rows_after
+    before, after = _summary(uncalibrated), _summary(calibrated)
+    return {
+        "calibration": {
+            "method": "leave-one-GPU-type-out: per model, one efficiency factor (geometric mean of measured/estimated) "
+                      "on the measured type scales the estimates of its other types; estimates use the leave-one-model-out constants",
+            "per_measured_gpu": per_reference,
+            "rows": after["n"],
+        },
+        "median_ape": {"uncalibrated": before["median_ape_pct"], "calibrated": after["median_ape_pct"]},
+        "mean_ape": {"uncalibrated": before["mean_ape_pct"], "calibrated": after["mean_ape_pct"]},
     }
 
 

@@ -133,9 +133,11 @@ def torchvision_command(
               help="Folder of measured tables (the ../shared/ppipe layout).")
 @click.option("--models", default=None, help="Comma-separated models (names or prefixes) [default: all with a torchvision build].")
 @click.option("--gpus", default=None, help="Comma-separated GPU types [default: all the models share].")
+@click.option("--calibrate", is_flag=True, help="Also calibrate on one measured GPU type and test on the others, leaving each type out in turn.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the report here.")
-def estimator_error_command(profiles_dir: Path, models: str | None, gpus: str | None, json_out: Path | None) -> None:
-    """Print the estimator's error against measured tables as JSON (leave-one-model-out and in-sample)."""
+def estimator_error_command(profiles_dir: Path, models: str | None, gpus: str | None, calibrate: bool, json_out: Path | None) -> None:
+    """Print the estimator's error against measured tables as JSON (leave-one-model-out and in-sample;
+    with --calibrate, median_ape and mean_ape before and after calibrating on one measured GPU type)."""
     from rich.console import Console
 
     from daskpipe.profiles.accuracy import estimator_error
@@ -146,7 +148,7 @@ def estimator_error_command(profiles_dir: Path, models: str | None, gpus: str | 
         names = list(load_profiles(profiles_dir, names))
     console = Console(stderr=True)
     with console.status("measuring FLOPs and bytes") as status:
-        report = estimator_error(profiles_dir, names, parse_names(gpus), progress=lambda m: status.update(f"costing {m}"))
+        report = estimator_error(profiles_dir, names, parse_names(gpus), progress=lambda m: status.update(f"costing {m}"), calibrate=calibrate)
     text = json.dumps(report, indent=1)
     click.echo(text)
     if json_out:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.model import MEASURED, Profile, ProfileError, kind_label
 
 TIMING_DIR = "block-timing"
 BOUNDARY_DIR = "boundary-bytes"
@@ -132,7 +132,7 @@ def _ppipe_profile(
         latency_us=tables,
         boundary_bytes=tuple(boundary),
         source=str(folder),
-        meta={"format": "ppipe-csv", "precision": "TensorRT TF32 (as published)"},
+        meta={"format": "ppipe-csv", "precision": "TensorRT TF32 (as published)", "tables": {kind_label(g, v): MEASURED for g, v in sorted(tables)}},
     )
 
 

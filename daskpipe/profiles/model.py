@@ -17,6 +17,13 @@ from daskpipe.jsonfile import read_json_object
 import numpy as np
 
 FORMAT = "daskpipe-profile/1"
+MEASURED, ESTIMATED = "measured", "estimated"
+"""Where a table came from (``Profile.origin``): timed on a device of its kind, or the analytic estimator."""
+
+
+def kind_label(gpu: str, slices: int) -> str:
+    """``"L4/2"``: how a (GPU type, slices) kind is named in files and tables."""
+    return f"{gpu}/{slices}"
 
 
 class ProfileError(ValueError):
@@ -66,6 +73,10 @@ class Profile:
         except KeyError:
             have = ", ".join(f"{g}/v{s}" for g, s in sorted(self.latency_us))
             raise KeyError(f"profile of {self.model!r} has no table for GPU {gpu!r} with v={v} (has: {have})") from None
+
+    def origin(self, gpu: str, v: int = 1) -> str | None:
+        """``"measured"`` or ``"estimated"`` where the profile records it (``meta["tables"]``), else ``None``."""
+        return self.meta.get("tables", {}).get(kind_label(gpu, v))
 
     def latency(self, gpu: str, v: int, batch: int, start: int = 0, end: int | None = None) -> float:
         """Latency in µs of blocks ``[start, end)`` at ``batch`` on one 1/v slice of ``gpu``."""

@@ -11,14 +11,15 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from daskpipe.plan.prepartition import greedy_blocks
-from daskpipe.profiles.fx import BlockedModel, SegmentedModel, segment_model
+from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile
 
 if TYPE_CHECKING:
@@ -103,15 +104,8 @@ def profile_model(
     machine the spinning OpenMP threads of a multi-threaded run inflate timings by 10x and more, so
     1 is the stable choice there. The blocks share their parameters with ``module`` and come back on the CPU.
     """
-    if slices < 1:
-        raise ValueError(f"slices must be >= 1, got {slices}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if cpu_threads is not None and cpu_threads < 1:
-        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
-    measured = sorted(set(normalise_batch_sizes(batch_sizes)) | {1})
+    _check_settings(slices, repeats, cpu_threads)
     device = torch.device(device)
-    gpu_type = gpu_type or device_gpu_type(device)
     module = module.eval()
     home = next(module.parameters(), example_input).device
     segmented = segment_model(module, example_input[:1].to(home))
@@ -121,8 +115,48 @@ def profile_model(
         )
     report = progress or (lambda stage, done, total: None)
     with _intra_op_threads(cpu_threads or worker_threads() or torch.get_num_threads()):
-        profile, blocked = _measure(segmented, name, num_blocks, measured, device, gpu_type, slices, slo_us, repeats, warmup, report)
-    return profile, blocked.to("cpu")
+        segments = segmented.segments().to(device)
+        segment_us = [
+            time_module(block, _input(segments, i, 1, device), repeats=repeats, warmup=warmup)
+            for i, block in _reported(segments.blocks, "segments", report)
+        ]
+        blocked = segmented.cut(greedy_blocks(np.asarray(segment_us), num_blocks))
+        profile = _time_blocks(blocked.to(device), name, batch_sizes, device, gpu_type, slices, slo_us, repeats, warmup, report)
+    return replace(profile, meta={**profile.meta, "segment_latency_us": segment_us}), blocked.to("cpu")
+
+
+def profile_blocks(
+    blocked: BlockedModel,
+    *,
+    name: str,
+    batch_sizes: int | Sequence[int] = (1, 2, 4, 8),
+    device: str | torch.device = "cpu",
+    gpu_type: str | None = None,
+    slices: int = 1,
+    slo_us: float | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    cpu_threads: int | None = None,
+    progress: Progress | None = None,
+) -> Profile:
+    """Time the given blocks at each batch size, as :func:`profile_model` does after cutting.
+
+    What ``deploy`` runs on one worker of each (GPU type, slices) kind: every kind times the same
+    blocks, so that their tables line up in one profile. Leaves the blocks on ``device``.
+    """
+    _check_settings(slices, repeats, cpu_threads)
+    device = torch.device(device)
+    with _intra_op_threads(cpu_threads or worker_threads() or torch.get_num_threads()):
+        return _time_blocks(blocked.to(device), name, batch_sizes, device, gpu_type, slices, slo_us, repeats, warmup, progress or (lambda stage, done, total: None))
+
+
+def _check_settings(slices: int, repeats: int, cpu_threads: int | None) -> None:
+    if slices < 1:
+        raise ValueError(f"slices must be >= 1, got {slices}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
 
 
 @contextmanager
@@ -136,25 +170,23 @@ def _intra_op_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _measure(
-    segmented: SegmentedModel, name: str, num_blocks: int, measured: list[int], device: torch.device, gpu_type: str,
-    slices: int, slo_us: float | None, repeats: int, warmup: int, report: Progress,
-) -> tuple[Profile, BlockedModel]:
-    segments = segmented.segments().to(device)
-    segment_us = []
-    for i, block in enumerate(segments.blocks):
-        report("segments", i, segments.num_blocks)
-        segment_us.append(time_module(block, _input(segments, i, 1, device), repeats=repeats, warmup=warmup))
-    report("segments", segments.num_blocks, segments.num_blocks)
+def _reported(items: Sequence, stage: str, report: Progress) -> Iterator[tuple[int, Any]]:
+    for i, item in enumerate(items):
+        report(stage, i, len(items))
+        yield i, item
+    report(stage, len(items), len(items))
 
-    blocked = segmented.cut(greedy_blocks(np.asarray(segment_us), num_blocks)).to(device)
+
+def _time_blocks(
+    blocked: BlockedModel, name: str, batch_sizes: int | Sequence[int], device: torch.device, gpu_type: str | None,
+    slices: int, slo_us: float | None, repeats: int, warmup: int, report: Progress,
+) -> Profile:
+    measured = sorted(set(normalise_batch_sizes(batch_sizes)) | {1})
+    gpu_type = gpu_type or device_gpu_type(device)
+    cells = [(i, j) for i in range(blocked.num_blocks) for j in range(len(measured))]
     table = np.zeros((blocked.num_blocks, len(measured)))
-    total = blocked.num_blocks * len(measured)
-    for i, block in enumerate(blocked.blocks):
-        for j, batch in enumerate(measured):
-            report("blocks", i * len(measured) + j, total)
-            table[i, j] = time_module(block, _input(blocked, i, batch, device), repeats=repeats, warmup=warmup)
-    report("blocks", total, total)
+    for _, (i, j) in _reported(cells, "blocks", report):
+        table[i, j] = time_module(blocked.blocks[i], _input(blocked, i, measured[j], device), repeats=repeats, warmup=warmup)
 
     full_range = np.arange(1, measured[-1] + 1)
     latency = np.stack([np.interp(full_range, measured, row) for row in table])
@@ -166,11 +198,10 @@ def _measure(
         "cpu_threads": torch.get_num_threads(),
         "measured_batch_sizes": measured,
         "segment_boundaries": blocked.segment_boundaries,
-        "segment_latency_us": segment_us,
     }
     if interpolated:
         meta["interpolated_batch_sizes"] = interpolated
-    profile = Profile(
+    return Profile(
         model=name,
         slo_us=slo_us if slo_us is not None else SLO_FACTOR * float(latency[:, 0].sum()),
         num_blocks=blocked.num_blocks,
@@ -182,7 +213,6 @@ def _measure(
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta=meta,
     )
-    return profile, blocked
 
 
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device) -> torch.Tensor:

@@ -1,12 +1,16 @@
-"""``daskpipe worker`` and ``daskpipe demo``: option parsing only; the work happens in
-:mod:`daskpipe.runtime.worker` and :mod:`daskpipe.runtime.demo`, whose Python arguments these
-options mirror name for name. Heavy imports stay inside the commands."""
+"""``daskpipe worker``, ``daskpipe demo`` and ``daskpipe profile cluster``: option parsing only; the
+work happens in :mod:`daskpipe.runtime.worker`, :mod:`daskpipe.runtime.demo` and
+:mod:`daskpipe.runtime.profiling`, whose Python arguments these options mirror name for name.
+Heavy imports stay inside the commands. ``daskpipe profile`` is the profiles layer's group with
+the one command that needs a cluster added here (the profiles layer never imports the runtime)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
+
+from daskpipe.profiles.cli import DEFAULT_INPUT_SHAPES, NO_AUX_MODELS, parse_batch_sizes, parse_shape, profile
 
 PROTOCOL_CHOICE = click.Choice(["tcp", "ucx"])
 
@@ -191,3 +195,66 @@ def demo(duration: float, dashboard_address: str, protocol: str, json_path: Path
     from daskpipe.runtime.demo import run_demo
 
     run_demo(duration=duration, dashboard_address=dashboard_address, protocol=protocol, json_path=json_path)
+
+
+@profile.command("cluster")
+@click.argument("scheduler")
+@click.argument("model")
+@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Profile store folder to fill (deploy(profile_store=...) reads it).")
+@click.option("--name", default=None, help="Model name in the profile [default: MODEL].")
+@click.option("--blocks", default=10, show_default=True, help="Number of blocks to cut the model into (as deploy's num_blocks).")
+@click.option("--batch-sizes", default="1,2,4,8", show_default=True, help="Batch sizes to time (as deploy's batch_sizes).")
+@click.option("--input-shape", default=None, help="Per-sample input shape [default: 3,224,224; 3,299,299 for inception_v3].")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Most seconds profiling may take; kinds not done by then are left out.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the profile JSON here.")
+def cluster_command(scheduler: str, model: str, store_dir: Path, name: str | None, blocks: int, batch_sizes: str, input_shape: str | None,
+                    timeout_s: float | None, out: Path | None) -> None:
+    """Profile MODEL on every (GPU type, slices) kind of the cluster at SCHEDULER, as deploy does, and
+    keep the tables in the store. MODEL is ``package.module:factory`` (a callable returning the
+    nn.Module that will be deployed: the store key hashes its weights) or a torchvision name
+    (random weights from seed 0)."""
+    import torch
+    from distributed import Client
+
+    from daskpipe.profiles.store import ProfileStore
+    from daskpipe.runtime.errors import DeployError
+    from daskpipe.runtime.profiling import profile_on_cluster
+    from daskpipe.runtime.service import inventory
+
+    module = _build_model(model)
+    shape = parse_shape(input_shape or DEFAULT_INPUT_SHAPES.get(model, "3,224,224"))
+    store = ProfileStore(store_dir)
+    with Client(scheduler) as client:
+        try:
+            result = profile_on_cluster(
+                client, inventory(client), name or model, module, torch.randn(1, *shape), slo_us=None, num_blocks=blocks,
+                batch_sizes=parse_batch_sizes(batch_sizes), store=store, timeout_s=timeout_s,
+            )
+        except DeployError as exc:
+            raise click.ClickException(str(exc)) from None
+    if out:
+        result.profile.save(out)
+    tables = ", ".join(f"{kind} {origin}" for kind, origin in sorted(result.profile.meta["tables"].items()))
+    click.echo(f"{store_dir}: {len(store)} measured table(s); {name or model}: {tables}; {result.profiling_tasks} kind(s) profiled now")
+
+
+def _build_model(model: str):
+    """``package.module:factory()`` or torchvision's ``model`` with seeded random weights, in eval mode."""
+    import importlib
+
+    import torch
+    import torchvision
+
+    if ":" in model:
+        module_name, _, attribute = model.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise click.BadParameter(f"{model!r}: cannot load {attribute} from {module_name} ({exc})") from None
+        return factory().eval()
+    available = torchvision.models.list_models(module=torchvision.models)
+    if model not in available:
+        raise click.BadParameter(f"{model!r} is neither package.module:factory nor a torchvision classification model ({', '.join(available)})")
+    torch.manual_seed(0)
+    extra = {"aux_logits": False, "init_weights": False} if model in NO_AUX_MODELS else {}
+    return torchvision.models.get_model(model, weights=None, **extra).eval()

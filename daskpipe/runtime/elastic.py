@@ -5,7 +5,8 @@
 scheduler never unpickles), the input spec, the planner's options. From then on:
 
 * **Workers join or leave** (any GPU type, any number): after ``debounce_s`` without further
-  changes, the tables of GPU kinds the profiles lack are estimated on a worker of that kind, and
+  changes, the tables of GPU kinds the profiles lack are measured on a worker of that kind (as
+  ``deploy`` does, :mod:`daskpipe.runtime.profiling`; emulated kinds estimated), and
   the MILP re-plans for the inventory in a thread (never on the event loop); when the plan
   or its slots changed, the new stage actors are started and connected on their workers while the
   old ones keep serving (preload), then every model of the deployment switches at once as PPipe
@@ -39,12 +40,13 @@ import time
 import uuid
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from daskpipe.plan.schema import Plan
-from daskpipe.profiles.model import Profile
+from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.messages import WorkerSlot
@@ -137,7 +139,7 @@ class ModelSpec:
     input_shapes: list[tuple[int, ...]]  # the per-sample shape block i takes
     output_shape: tuple[int, ...]  # the per-sample shape the last block gives
     input_dtype: str  # the requests' torch dtype name
-    profile: Profile  # undilated; tables of GPU types that join later are estimated into it
+    profile: Profile  # undilated; tables of GPU kinds that join later are measured or estimated into it
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Deployment:
     weights: dict[str, float]
     time_dilation: float
     dispatcher: str
+    profile_store: str | None = None  # deploy's store folder: used where this scheduler sees it
     epoch: int = 0
     replanned_at: float = field(default_factory=time.monotonic)
 
@@ -201,15 +204,17 @@ def next_pool_peers(started: Iterable[tuple[str, int, int, str, Any]]) -> dict[t
     return {(m, p, q): [a for mm, pp, qq, a, *_ in rows if (mm, pp, qq) == (m, p, q + 1)] for m, p, q, *_ in rows}
 
 
-def estimate_tables(
-    name: str, blocks: list[bytes], input_shapes: list[tuple[int, ...]], output_shape: tuple[int, ...], profile: Profile, kinds: list[tuple[str, int]]
+def kind_tables(
+    name: str, blocks: list[bytes], input_shapes: list[tuple[int, ...]], output_shape: tuple[int, ...], profile: Profile, kinds: list[tuple[str, int]], measure: bool,
 ) -> dict[tuple[str, int], Any]:
-    """On a worker: the analytic estimator's latency tables of ``kinds`` for the model whose blocks
-    (pickled one by one) ``profile`` describes, up to the batch size its tables reach."""
+    """On a worker: the latency tables of ``kinds`` for the model whose blocks (pickled one by one)
+    ``profile`` describes: timed here (``measure``: the one kind of this worker, as ``deploy`` does),
+    or estimated, calibrated on the profile's measured tables."""
     import pickle
 
-    from daskpipe.profiles.estimator import estimate_profile
+    from daskpipe.profiles.estimator import estimate_kinds
     from daskpipe.profiles.fx import BlockedModel
+    from daskpipe.runtime.profiling import measure_kind
     from daskpipe.runtime.stage import _LOADING
 
     with _LOADING:  # unpickling re-traces: no stage of this process may compute meanwhile
@@ -218,11 +223,13 @@ def estimate_tables(
         modules, tuple(input_shapes[0]), tuple(output_shape), [tuple(s) for s in input_shapes[1:]],
         [int(b) for b in profile.boundary_bytes], list(profile.meta.get("segment_boundaries", [])),
     )
-    estimated = estimate_profile(
-        blocked, gpus=sorted({gpu for gpu, _ in kinds}), name=name, slices=sorted({v for _, v in kinds}),
-        batch_sizes=max(profile.max_batch(*kind) for kind in profile.latency_us), slo_us=profile.slo_us,
-    )
-    return {kind: table for kind, table in estimated.latency_us.items() if kind in kinds}
+    top = max(profile.max_batch(*kind) for kind in profile.latency_us)
+    if measure:
+        ((gpu, slices),) = kinds
+        sizes = profile.meta.get("batch_sizes") or list(range(1, top + 1))
+        return {(gpu, slices): measure_kind(blocked, name=name, batch_sizes=sizes, gpu=gpu, slices=slices, slo_us=profile.slo_us).table(gpu, slices)}
+    measured = {kind: table for kind, table in profile.latency_us.items() if profile.origin(*kind) == MEASURED}
+    return estimate_kinds(blocked, kinds, name=name, batch_sizes=top, slo_us=profile.slo_us, measured=measured)[0]
 
 
 async def _connect_stage(key: str, peers: list[str], dask_worker: Any) -> None:
@@ -269,7 +276,7 @@ class Elastic:
     # -- rpc handlers ----------------------------------------------------------------------------
     def register(
         self, group: str, models: dict, plan: dict, stages: dict, options: dict, weights: dict | None = None,
-        time_dilation: float = 1.0, dispatcher: str = "ppipe", settings: dict | None = None,
+        time_dilation: float = 1.0, dispatcher: str = "ppipe", settings: dict | None = None, profile_store: str | None = None,
     ) -> str:
         """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
         to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``."""
@@ -290,6 +297,7 @@ class Elastic:
         self.deployments[group] = Deployment(
             models=specs, plan=Plan.from_dict(plan), rows={m: [list(r) for r in rows] for m, rows in stages.items()}, options=dict(options),
             weights=dict(weights or {m: 1.0 for m in specs}), time_dilation=float(time_dilation), dispatcher=dispatcher,
+            profile_store=profile_store,
         )
         if self._ticker is None:
             self._ticker = asyncio.ensure_future(self._tick_forever())
@@ -388,7 +396,7 @@ class Elastic:
             logger.warning("daskpipe: no slot left to plan %s on (%s)", sorted(dep.models), "; ".join(reasons))
             return
         started = time.perf_counter()
-        await self._estimate_missing(dep, slots)
+        await self._profile_missing(dep, slots)
         profiles = {m: spec.profile for m, spec in dep.models.items()}
         plan_call = functools.partial(
             make_plan, profiles, _physical_gpus(slots), weights=dep.weights, gpus_per_server=_gpus_per_server(slots),
@@ -423,28 +431,71 @@ class Elastic:
         )
         logger.info("daskpipe: %s now served by a new plan (%s) after %.2fs", sorted(dep.models), "; ".join(reasons), time.perf_counter() - started)
 
-    async def _estimate_missing(self, dep: Deployment, slots: list[WorkerSlot]) -> None:
-        """Estimate the tables of the (GPU type, slices) kinds that joined and a model's profile
-        lacks, on a worker of that kind (it serves nothing yet), so that the MILP can use them."""
+    async def _profile_missing(self, dep: Deployment, slots: list[WorkerSlot]) -> None:
+        """Tables of the (GPU type, slices) kinds that joined and a model's profile lacks, so that
+        the MILP can use them: a real kind measured on a worker of it (it serves nothing yet; kinds
+        of different GPUs at once, of one GPU one after another), or read from the deployment's
+        profile store where this scheduler sees that folder; an emulated kind estimated."""
         from daskpipe.profiles.catalog import load_catalog
+        from daskpipe.runtime.profiling import device_of  # torch stays out of the scheduler until a kind joins
 
         catalog = load_catalog()
+        real = {(s.gpu, s.slices) for s in slots if not s.emulated}
+        names = {a: str(ws.name) for a, ws in self.plugin.scheduler.workers.items()}
         for name, spec in dep.models.items():
             profile = spec.profile
-            missing = sorted({(s.gpu, s.slices) for s in slots if s.gpu in catalog} - set(profile.latency_us))
+            missing = sorted({(s.gpu, s.slices) for s in slots if s.gpu in catalog or (s.gpu, s.slices) in real} - set(profile.latency_us))
             if not missing:
                 continue
-            host = next(s.address for s in slots if (s.gpu, s.slices) in missing)
             client = await self._get_client()
+            chains: dict[str, list[tuple[tuple[str, int], str]]] = {}
+            for kind in (k for k in missing if k in real):
+                address = next(s.address for s in slots if (s.gpu, s.slices) == kind and not s.emulated)
+                chains.setdefault(device_of(address, names), []).append((kind, address))
+            results = await asyncio.gather(*(self._measure_chain(client, dep, name, spec, chain) for chain in chains.values()))
+            tables = {kind: table for measured in results for kind, table in measured.items()}
+            origins = {kind_label(*k): MEASURED for k in tables}
+            estimate = [k for k in missing if k not in real]
+            if estimate:
+                host = next(s.address for s in slots if (s.gpu, s.slices) in estimate)
+                try:
+                    estimated = await client.submit(kind_tables, name, spec.blocks, spec.input_shapes, spec.output_shape, profile, estimate, False, workers=[host], pure=False)
+                    tables.update(estimated)
+                    origins.update({kind_label(*k): ESTIMATED for k in estimated})
+                except Exception as exc:
+                    logger.warning("daskpipe: could not estimate %s for %s on %s (%r); the re-plan leaves them out", estimate, name, host, exc)
+            meta = {**profile.meta, "tables": {**profile.meta.get("tables", {}), **origins}}
+            spec.profile = replace(profile, latency_us={**profile.latency_us, **tables}, meta=meta)
+            logger.info("daskpipe: profiled %s for %s", origins, name)
+
+    async def _measure_chain(self, client: Client, dep: Deployment, name: str, spec: ModelSpec, chain: list[tuple[tuple[str, int], str]]) -> dict:
+        """Measure the kinds of one physical GPU one after another; a kind that fails is left out (logged)."""
+        from daskpipe.profiles.store import ProfileStore
+        from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, describe_device, measurement_key
+
+        profile = spec.profile
+        store = ProfileStore(dep.profile_store) if dep.profile_store and Path(dep.profile_store).expanduser().is_dir() and profile.meta.get("fingerprint") else None
+        tables = {}
+        for kind, address in chain:
             try:
-                tables = await client.submit(
-                    estimate_tables, name, spec.blocks, spec.input_shapes, spec.output_shape, profile, missing, workers=[host], pure=False,
+                key = None
+                if store is not None:
+                    described = (await client.run(describe_device, kind[0], workers=[address]))[address]
+                    key = measurement_key(profile.meta["fingerprint"], profile.meta["segment_boundaries"], profile.meta["batch_sizes"], kind, described)
+                    found = store.get(key)
+                    if found is not None:
+                        tables[kind] = found
+                        continue
+                measured = await client.submit(
+                    kind_tables, name, spec.blocks, spec.input_shapes, spec.output_shape, profile, [kind], True, workers=[address], allow_other_workers=False,
+                    pure=False, key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
                 )
+                tables.update(measured)
+                if key is not None:
+                    store.put(key, measured[kind], {"model": name, "measured_at": time.time()})
             except Exception as exc:
-                logger.warning("daskpipe: could not estimate %s for %s on %s (%r); the re-plan leaves them out", missing, name, host, exc)
-                continue
-            spec.profile = replace(profile, latency_us={**profile.latency_us, **tables})
-            logger.info("daskpipe: estimated %s for %s", missing, name)
+                logger.warning("daskpipe: could not profile %s on %s for %s (%r); the re-plan leaves it out", kind_label(*kind), address, name, exc)
+        return tables
 
     def _carries_load(self, dep: Deployment, plan: Plan) -> bool:
         """Whether ``plan`` serves every model's observed rate at the target utilisation."""

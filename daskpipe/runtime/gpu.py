@@ -62,6 +62,12 @@ class GPUBackend(Protocol):
     def init_device(self) -> str:
         """Create the CUDA context on the one visible device and return its name (workers only)."""
 
+    def compute_device(self) -> str:
+        """The torch device a slot of this backend computes on, e.g. when it is profiled."""
+
+    def describe(self, gpu_type: str) -> tuple[str, str]:
+        """The device name and driver version of this worker's ``gpu_type`` GPU (a profile store key)."""
+
 
 class NvmlBackend:
     """The real hardware: pynvml for discovery, torch for the CUDA context."""
@@ -108,6 +114,20 @@ class NvmlBackend:
         torch.empty(1, device="cuda")  # create the context now, not on the first batch
         return torch.cuda.get_device_name(0)
 
+    def compute_device(self) -> str:
+        return "cuda"
+
+    def describe(self, gpu_type: str) -> tuple[str, str]:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        finally:
+            pynvml.nvmlShutdown()
+        return torch.cuda.get_device_name(0), driver
+
 
 class FakeBackend:
     """GPUs described by ``DASKPIPE_FAKE_GPUS="NVIDIA L4=23034,Tesla T4=15360"`` (NVML name=MiB).
@@ -127,6 +147,15 @@ class FakeBackend:
         if len(matches) != 1:
             raise RuntimeError(f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU of {FAKE_GPUS_ENV}")
         return matches[0].name
+
+    def compute_device(self) -> str:
+        return "cpu"  # a fake GPU computes on the host
+
+    def describe(self, gpu_type: str) -> tuple[str, str]:
+        names = [gpu.name for gpu in self.gpus if gpu.type == gpu_type]
+        if not names:
+            raise RuntimeError(f"{FAKE_GPUS_ENV} lists no {gpu_type} GPU")
+        return names[0], "fake"
 
 
 def _parse_fake_gpu(index: int, item: str) -> GPU:

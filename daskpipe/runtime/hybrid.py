@@ -35,7 +35,7 @@ from daskpipe.runtime.arguments import check_example, check_module, check_positi
 from daskpipe.runtime.elastic import stage_submit_kwargs
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, _cut, _InputSpec, _inventory, awaitable_with_asynchronous_client, release
+from daskpipe.runtime.service import Service, _cut, _InputSpec, awaitable_with_asynchronous_client, inventory, release
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -230,7 +230,7 @@ def deploy_hybrid(
     check_positive("time_dilation", time_dilation)
     check_positive("bw_gbps", bw_gbps, " Gbit/s")
     name = serving.model
-    slots = _inventory(client)
+    slots = inventory(client)
     hybrid = hybrid_plan(serving, fragments, profile, offered_slices=[s.slices for s in slots if s.gpu == serving.gpu])
     try:
         blocked = _cut(name, module, example_input, profile)

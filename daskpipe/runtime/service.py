@@ -1,7 +1,8 @@
 """The client half of daskpipe's runtime: ``deploy`` a set of models, then submit requests as futures.
 
-``deploy`` asks the scheduler plugin which slots the cluster has, profiles each model (measured
-on a worker's real device; estimated for emulated or unmeasured GPU types), plans with the MILP,
+``deploy`` asks the scheduler plugin which slots the cluster has, profiles each model (every
+(GPU type, slices) kind measured on a worker of that kind, all at once, or read from the profile
+store; emulated kinds estimated, see :mod:`daskpipe.runtime.profiling`), plans with the MILP,
 places one stage actor per (pool, slot) and tells the plugin to start serving. A
 :class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
 validates the input on the client (the profile knows its shape), creates the futures, and sends
@@ -35,6 +36,7 @@ from torch import nn
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.fx import SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.store import configured_store
 from daskpipe.runtime import messages
 from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
@@ -42,6 +44,7 @@ from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
+from daskpipe.runtime.profiling import profile_on_cluster
 from daskpipe.runtime.stage import Stage
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -315,6 +318,8 @@ def deploy(
     max_queued: int | None = None,
     allow_nonfinite: bool = False,
     elastic: ElasticSettings | None = ElasticSettings(),
+    profile_store: str | os.PathLike | None = None,
+    profile_timeout_s: float | None = None,
 ) -> Service:
     """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
 
@@ -324,7 +329,7 @@ def deploy(
         A batched example per model, e.g. ``torch.randn(1, 3, 224, 224)``: it fixes the input
         shape and dtype that requests must have.
     slo_ms
-        The latency SLO per model, in milliseconds (default: 5x the model's batch-1 latency).
+        The latency SLO per model, in milliseconds (default: 5x the model's batch-1 latency on its slowest measured whole-GPU kind).
     plan, profiles
         A plan (``Plan`` or a plan.json path) and the profiles it was made from, instead of
         profiling and planning here. ``profiles`` alone skips profiling only.
@@ -335,6 +340,13 @@ def deploy(
         "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).
     allow_nonfinite
         Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
+    profile_store
+        A folder of measured tables (docs/profiles.md): each kind found there is not profiled
+        again, each kind measured is added. Default: the Dask config key ``daskpipe.profile-store``;
+        neither: nothing is kept. Only this process reads it.
+    profile_timeout_s
+        Most seconds profiling one model may take; a kind not measured by then is left out of the
+        deploy, as is a kind whose profiling fails (both logged and shown with the reason).
     elastic
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
         ``Adaptive`` (:class:`~daskpipe.runtime.elastic.ElasticSettings`); ``None``: the plan stays.
@@ -349,7 +361,7 @@ def deploy(
         allow_nonfinite=allow_nonfinite, plan=plan, profiles=profiles, max_queued=max_queued, elastic=elastic,
     )
     names = list(models)
-    slots = _inventory(client)
+    slots = inventory(client)
     from daskpipe.runtime.environ import warn_slow_workers
 
     warn_slow_workers(client, [slot.address for slot in slots])  # e.g. Dask's MALLOC_TRIM_THRESHOLD_ halves torch
@@ -362,6 +374,10 @@ def deploy(
     profiles = dict(profiles or {})
     if plan is not None and set(names) - set(profiles):
         raise DeployError(f"plan= needs the profiles= it was made from; missing for {sorted(set(names) - set(profiles))}")
+    if profile_timeout_s is not None and not profile_timeout_s > 0:
+        raise DeployError(f"profile_timeout_s must be > 0 seconds, got {profile_timeout_s!r}")
+    store = configured_store(profile_store)
+    given = set(profiles)
     blocked = {}
     for name in names:
         try:
@@ -369,9 +385,17 @@ def deploy(
                 blocked[name] = _cut(name, models[name], example_inputs[name], profiles[name])
             else:
                 slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
-                profiles[name], blocked[name] = _profile(client, slots, name, models[name], example_inputs[name], slo_us, num_blocks, batch_sizes)
+                measured = profile_on_cluster(
+                    client, slots, name, models[name], example_inputs[name], slo_us=slo_us, num_blocks=num_blocks, batch_sizes=batch_sizes,
+                    store=store, timeout_s=profile_timeout_s,
+                )
+                profiles[name], blocked[name] = measured.profile, measured.blocked
+                slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
         except (SegmentationError, ProfileError) as exc:  # tracing or estimating the model: its own code is the cause
             raise DeployError(f"model {name!r} cannot be profiled: {exc}") from exc
+    kinds = {(s.gpu, s.slices) for s in slots}
+    for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
+        profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
     if plan is None:
         from daskpipe.plan.milp import make_plan
 
@@ -441,6 +465,7 @@ def deploy(
                 time_dilation=float(time_dilation),
                 dispatcher=dispatcher,
                 settings=elastic.to_dict(),
+                profile_store=str(store.root) if store is not None else None,
             )
     except Exception:  # e.g. an SLO the measured control path cannot meet: serve none of them, and keep no stage
         if served:
@@ -466,7 +491,7 @@ def open_stream(client: Client) -> ClientStream:
     return stream
 
 
-def _inventory(client: Client) -> list[WorkerSlot]:
+def inventory(client: Client) -> list[WorkerSlot]:
     """The cluster's slots, installing the scheduler plugin first unless a preload did."""
     try:  # idempotent: a no-op where ``--preload daskpipe`` installed it
         client.register_plugin(DaskpipeSchedulerPlugin())
@@ -485,44 +510,6 @@ def _cut(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
     if not bounds:
         raise DeployError(f"profile of {name!r} has no meta.segment_boundaries, so its blocks cannot be rebuilt; profile it with daskpipe")
     return cut_model(module, example, bounds)
-
-
-def _profile(client: Client, slots: list[WorkerSlot], name: str, module: nn.Module, example: torch.Tensor, slo_us: float | None, num_blocks: int, batch_sizes):
-    """Measure on one worker's real device; estimate the (GPU type, slices) kinds it is not."""
-    from daskpipe.profiles.estimator import estimate_profile
-    from daskpipe.profiles.fx import segment_model
-    from daskpipe.profiles.profiler import profile_model
-
-    num_blocks = min(num_blocks, segment_model(module.eval(), example[:1]).num_segments)
-    real = [s for s in slots if not s.emulated]
-    probe = real[0] if real else slots[0]
-    device = "cpu" if probe.gpu == messages.CPU or probe.emulated else "cuda"
-    measured_type = probe.gpu if device == "cuda" else messages.CPU
-    weights = client.scatter(module, workers=[probe.address], hash=False)  # sent once, not embedded in the task (a large graph)
-    future = client.submit(
-        profile_model, weights, example, name=name, num_blocks=num_blocks, batch_sizes=batch_sizes,
-        device=device, gpu_type=measured_type, slices=probe.slices, slo_us=slo_us, workers=[probe.address], pure=False,
-    )
-    try:
-        profile, blocked = future.result()
-    except (SegmentationError, ProfileError):
-        raise
-    except Exception as exc:
-        raise DeployError(f"profiling model {name!r} on worker {probe.address} failed: {type(exc).__name__}: {exc}") from exc
-    finally:  # released now, not when the error's traceback (which holds this frame) goes
-        future.release()
-        weights.release()
-    kinds = {(s.gpu, s.slices) for s in slots}
-    tables = {k: t for k, t in profile.latency_us.items() if k in kinds}
-    to_estimate = sorted(kinds - set(tables))
-    if to_estimate:
-        max_batch = max(profile.max_batch(*k) for k in profile.latency_us)
-        estimated = estimate_profile(
-            blocked, gpus=sorted({g for g, _ in to_estimate}), name=name, batch_sizes=max_batch,
-            slices=sorted({v for _, v in to_estimate}), slo_us=profile.slo_us,
-        )
-        tables.update({k: t for k, t in estimated.latency_us.items() if k in to_estimate})
-    return replace(profile, latency_us=tables), blocked
 
 
 def _physical_gpus(slots: list[WorkerSlot]) -> dict[str, int]:

@@ -73,6 +73,7 @@ def test_each_view_holds_data_from_the_service(serving):
     plan = PlanView(read)
     plan.update()
     assert plan.source.data["gpu"] == ["L4", "T4"]
+    assert plan.source.data["table"] == ["not recorded"] * 2, "a hand-made plan says where its tables came from: nowhere"
     assert list(plan.figure.y_range.factors) and plan.flow.data["x1"] == [1]
     slos = SLOView(read)
     slos.update()

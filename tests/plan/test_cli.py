@@ -80,3 +80,19 @@ def test_bench_plan_reports_ratios_and_times(ppipe_dir):
     assert case["objective"]["ppipe"] >= case["objective"]["dart-r"] >= case["objective"]["np"]
     assert figures["per_cluster"]["HC3"]["ppipe/np"]["paper"] == 1.43
     assert figures["solve_seconds"]["median"] > 0
+
+
+def test_the_plan_marks_each_partition_measured_or_estimated_as_its_profile_does(tmp_path):
+    from dataclasses import replace
+
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    profile = synthetic_profile("mixed", {("A", 1): [1000, 1000], ("B", 1): [1200, 1500]})
+    replace(profile, meta={**profile.meta, "tables": {"A/1": "measured", "B/1": "estimated"}}).save(folder / "mixed.json")
+    out = tmp_path / "plan.json"
+    result = run("plan", "--profiles", str(folder), "--models", "mixed", "--gpus", "A=1,B=1", "--slo-us", "mixed=100000", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    marks = {(q["gpu"], q["table"]) for m in json.loads(out.read_text())["models"] for p in m["pipelines"] for q in p["partitions"]}
+    assert marks and marks <= {("A", "measured"), ("B", "estimated")}
+    assert "tables" in result.output and ("measured" in result.output or "estimated" in result.output)
+    assert all(q.table for m in Plan.load(out).models for p in m.pipelines for q in p.partitions), "plan.json keeps the marks"

@@ -12,7 +12,7 @@ from torch import nn
 
 from daskpipe.profiles import ProfileError, estimate_profile, load_catalog, profile_model
 from daskpipe.profiles.accuracy import estimator_error
-from daskpipe.profiles.estimator import CALIBRATED, Constants, op_costs, op_latency_us
+from daskpipe.profiles.estimator import CALIBRATED, Constants, efficiency_factors, estimate_kinds, op_costs, op_latency_us
 
 
 def conv_net(width: int = 16) -> nn.Module:
@@ -83,6 +83,31 @@ def test_error_report_against_published_tables(ppipe_dir, tmp_path):
             assert summary["n"] == 2 * 16 and 0 < summary["median_ape_pct"] < 1000
     assert set(report["in_sample"]["constants"]["efficiency"]) == {"L4", "T4"}
     assert set(report["out_of_sample"]["fold_constants"]) == {"googlenet-v3-pytorch", "repvgg-b3"}
+
+
+def test_calibrating_on_one_measured_gpu_type_cuts_the_error_on_the_others(ppipe_dir, tmp_path):
+    from daskpipe.profiles.cli import profile
+
+    out = tmp_path / "calibrated.json"
+    args = ["estimator-error", "--profiles", str(ppipe_dir), "--gpus", "L4,T4", "--calibrate", "--json", str(out)]  # all four models
+    result = CliRunner().invoke(profile, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["calibration"]["per_measured_gpu"]) == {"L4", "T4"}
+    assert report["calibration"]["rows"] == 4 * 2 * 16, "each model's other type, held out once per measured type"
+    for figure in ("median_ape", "mean_ape"):
+        assert report[figure]["calibrated"] <= report[figure]["uncalibrated"] / 2
+
+
+def test_efficiency_factors_scale_estimates_of_other_types_from_one_measured_type():
+    blocked = profile_model(conv_net(), torch.randn(1, 3, 16, 16), name="conv", num_blocks=2, batch_sizes=2, repeats=1, warmup=0)[1]
+    plain, _ = estimate_kinds(blocked, [("A10", 1)], name="conv", batch_sizes=2)
+    reference, _ = estimate_kinds(blocked, [("L4", 1)], name="conv", batch_sizes=2)
+    slower = {("L4", 1): reference[("L4", 1)] * np.array([[3.0], [1.5]])}  # block 0 runs 3x, block 1 1.5x the estimate
+    calibrated, meta = estimate_kinds(blocked, [("A10", 1)], name="conv", batch_sizes=2, measured=slower)
+    assert meta["calibrated_on"] == ["L4/1"] and meta["block_factors"] == pytest.approx([3.0, 1.5])
+    np.testing.assert_allclose(calibrated[("A10", 1)], plain[("A10", 1)] * np.array([[3.0], [1.5]]))
+    assert efficiency_factors(np.array([[2.0, 8.0]]), np.array([[1.0, 2.0]])) == pytest.approx([np.sqrt(8.0)])
 
 
 def test_error_report_refuses_models_without_a_build(ppipe_dir):

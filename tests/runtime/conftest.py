@@ -112,3 +112,31 @@ def emulated_inproc(request, tmp_path_factory):
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None, protocol=request.param, security=security) as cluster, Client(cluster) as client:
         with_test_dispatcher(client, cluster.scheduler)
         yield cluster, client
+
+
+@pytest.fixture
+def fake_gpu_cluster(monkeypatch, tmp_path):
+    """Real (not emulated) daskpipe slots in this process, their GPUs faked at the ``DASKPIPE_FAKE_GPUS``
+    seam: an L4 cut into two MPS slices and a whole T4, on one server: two GPU types, two slice sizes;
+    and one emulated A10 on another server.
+
+    The workers carry the names and resources ``daskpipe worker`` gives them; the CUDA set-up
+    (per-process variables) is what an in-process worker cannot have, and the fake GPUs compute on the host."""
+    import os
+
+    from distributed import Worker
+
+    from daskpipe.runtime import gpu
+    from daskpipe.runtime.worker import worker_specs
+
+    monkeypatch.setenv(gpu.FAKE_GPUS_ENV, "NVIDIA L4=23034,Tesla T4=15360")
+    os.mkfifo(tmp_path / "control")  # the MPS daemon's control pipe: slices > 1 need it
+    monkeypatch.setenv(gpu.MPS_PIPE_ENV, str(tmp_path))
+    slots = worker_specs(slices={"L4": 2}, server="gpu-a") + worker_specs(emulate={"A10": 1}, server="laptop")
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        for slot in slots:
+            cluster.worker_spec[slot.name] = {"cls": Worker, "options": {"nthreads": 1, "name": slot.name, "resources": slot.resources}}
+        cluster.scale(len(slots))
+        with Client(cluster) as client:
+            client.wait_for_workers(len(slots))
+            yield cluster, client

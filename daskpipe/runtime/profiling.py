@@ -1,0 +1,244 @@
+"""Deploy-time profiling: every (GPU type, slices) kind measured where it lives, all kinds at once.
+
+For each model, ``deploy`` cuts the blocks once on the client (where the estimator's per-segment
+costs balance, so no device is needed and every kind times the same blocks), then runs one
+profiling task per kind among the real slots, on a worker of that kind. Kinds on different
+physical GPUs run at once; kinds on the same GPU (slots of one ``<server>/<TYPE>-<index>``) run
+one after another, so that they do not disturb each other. Kinds that no real worker has
+(emulated GPUs) are estimated, calibrated on the measured GPU kinds
+(:func:`~daskpipe.profiles.estimator.estimate_kinds`). A kind whose profiling fails or runs past
+the timeout is excluded, with its reason. Measured tables are looked up in, and written to, the
+client's profile store (:mod:`daskpipe.profiles.store`); workers never see the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from distributed import Client
+from torch import nn
+
+from daskpipe.profiles.fx import BlockedModel
+from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
+from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes, profile_blocks
+from daskpipe.profiles.store import MeasurementKey, ProfileStore, model_fingerprint
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.messages import WorkerSlot
+
+logger = logging.getLogger(__name__)
+
+Kind = tuple[str, int]
+PROFILE_KEY_PREFIX = "daskpipe-profile-"
+"""Every profiling task's key starts with this (then the model and the kind)."""
+CUT_REFERENCE_GPU = "L4"
+"""Blocks are cut by estimated cost on the cluster's first catalog GPU type, or this one (PPipe's SLO reference) on CPU-only clusters."""
+
+
+@dataclass
+class ClusterProfile:
+    """One model's profile on a cluster, the blocks it describes, and the kinds that failed (kind -> reason)."""
+
+    profile: Profile
+    blocked: BlockedModel
+    excluded: dict[Kind, str] = field(default_factory=dict)
+    profiling_tasks: int = 0
+
+
+def describe_device(gpu: str, dask_worker: Any = None) -> dict[str, Any]:
+    """On a worker (``client.run``): what its ``gpu`` kind's timings depend on, for the store key."""
+    if gpu == messages.CPU:
+        name = platform.processor() or platform.machine()
+        return {"device": name, "driver": "", "torch": torch.__version__, "threads": int(dask_worker.state.nthreads)}
+    from daskpipe.runtime.gpu import gpu_backend
+
+    name, driver = gpu_backend().describe(gpu)
+    return {"device": name, "driver": driver, "torch": torch.__version__, "threads": 0}
+
+
+def measure_kind(blocked: BlockedModel, *, name: str, batch_sizes: Sequence[int], gpu: str, slices: int, slo_us: float | None) -> Profile:
+    """On a worker of kind (``gpu``, ``slices``): time ``blocked`` on the device the slot computes on."""
+    if gpu == messages.CPU:
+        device = "cpu"
+    else:
+        from daskpipe.runtime.gpu import gpu_backend
+
+        device = gpu_backend().compute_device()
+    return profile_blocks(blocked, name=name, batch_sizes=batch_sizes, device=device, gpu_type=gpu, slices=slices, slo_us=slo_us)
+
+
+def profile_on_cluster(
+    client: Client,
+    slots: list[WorkerSlot],
+    name: str,
+    module: nn.Module,
+    example: torch.Tensor,
+    *,
+    slo_us: float | None,
+    num_blocks: int,
+    batch_sizes: int | Sequence[int],
+    store: ProfileStore | None = None,
+    timeout_s: float | None = None,
+) -> ClusterProfile:
+    """``name``'s profile on every kind of ``slots``: measured (or read from ``store``) where a real
+    worker has the kind, estimated where none has; see the module docstring."""
+    from daskpipe.profiles.catalog import load_catalog
+    from daskpipe.profiles.estimator import cut_by_estimate, estimate_kinds
+    from daskpipe.profiles.fx import segment_model
+
+    module = module.eval()
+    catalog = load_catalog()
+    probes = _probes(client, slots)
+    reference = next((g for g, _ in probes if g in catalog), next((s.gpu for s in slots if s.gpu in catalog), CUT_REFERENCE_GPU))
+    num_blocks = min(num_blocks, segment_model(module, example[:1]).num_segments)
+    blocked = cut_by_estimate(module, example[:1], num_blocks, catalog[reference])
+    sizes = normalise_batch_sizes(batch_sizes)
+    fingerprint = model_fingerprint(module, example) if store is not None else None
+    keys = {
+        kind: measurement_key(fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address])
+        for kind, (address, _) in probes.items()
+    } if fingerprint else {}
+    tables: dict[Kind, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    measurements: dict[str, dict] = {}
+    for kind, key in keys.items():
+        found = store.get(key)
+        if found is not None:
+            tables[kind] = found
+            measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": key.device, "cpu_threads": key.threads or None, "store": str(store.path(key))}
+    to_measure = {kind: where for kind, where in probes.items() if kind not in tables}
+    measured, excluded = _measure(client, to_measure, name, blocked, sizes, slo_us, timeout_s) if to_measure else ({}, {})
+    for kind, profile in measured.items():
+        tables[kind] = profile.table(*kind)
+        measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": profile.meta["device"], "cpu_threads": profile.meta["cpu_threads"]}
+        if kind in keys:
+            measurements[kind_label(*kind)]["store"] = str(store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()}))
+    origin.update({kind_label(*k): MEASURED for k in tables})
+    for kind, reason in excluded.items():
+        logger.warning("daskpipe: %s on %s is excluded from the deploy: %s", name, kind_label(*kind), reason)
+    real = {(s.gpu, s.slices) for s in slots if not s.emulated}
+    unmeasured = sorted({(s.gpu, s.slices) for s in slots} - real)
+    if not tables and not unmeasured:
+        raise DeployError(f"profiling {name!r} failed on every kind of the cluster: " + "; ".join(f"{kind_label(*k)}: {r}" for k, r in sorted(excluded.items())))
+    slo = slo_us if slo_us is not None else _default_slo(tables)
+    calibration: dict = {}
+    if unmeasured:
+        unknown = [kind_label(*k) for k in unmeasured if k[0] not in catalog]
+        if unknown:
+            raise DeployError(f"emulated kinds {unknown} are not in the GPU catalog, so {name!r} cannot be estimated for them")
+        estimated, calibration = estimate_kinds(blocked, unmeasured, name=name, batch_sizes=sizes[-1], slo_us=slo, measured=tables)
+        tables.update(estimated)
+        origin.update({kind_label(*k): ESTIMATED for k in estimated})
+        slo = slo if slo is not None else _default_slo(estimated)
+    profile = Profile(
+        model=name, slo_us=slo, num_blocks=blocked.num_blocks, latency_us=tables,
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes), input_bytes=float(blocked.input_bytes), output_bytes=float(blocked.output_bytes),
+        input_shape=blocked.input_shape, boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={
+            **next((p.meta for p in measured.values()), {"cpu_threads": next((m["cpu_threads"] for m in measurements.values() if m["cpu_threads"]), None)}),
+            "segment_boundaries": blocked.segment_boundaries,
+            "batch_sizes": sizes,
+            **({"fingerprint": fingerprint} if fingerprint else {}),
+            "cut": f"equal estimated batch-1 cost on {reference}",
+            "tables": origin,
+            "measurements": measurements,
+            **({"calibration": calibration} if unmeasured else {}),
+            **({"excluded": {kind_label(*k): r for k, r in excluded.items()}} if excluded else {}),
+        },
+    )
+    return ClusterProfile(profile, blocked, excluded, profiling_tasks=len(to_measure))
+
+
+def _default_slo(tables: dict[Kind, np.ndarray]) -> float | None:
+    """PPipe's rule, on the slowest whole-GPU kind (any kind where none is whole): every type can serve alone."""
+    whole = [t for (_, v), t in tables.items() if v == 1] or list(tables.values())
+    return SLO_FACTOR * max(float(t[:, 0].sum()) for t in whole) if whole else None
+
+
+def _probes(client: Client, slots: list[WorkerSlot]) -> dict[Kind, tuple[str, str]]:
+    """Per kind of the real slots: the worker that profiles it and the physical device it runs on.
+
+    Workers are picked so that kinds sit on different devices where the cluster allows it."""
+    names = {a: str(info.get("name", a)) for a, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+    by_kind: dict[Kind, list[WorkerSlot]] = {}
+    for slot in sorted((s for s in slots if not s.emulated), key=lambda s: s.address):
+        by_kind.setdefault((slot.gpu, slot.slices), []).append(slot)
+    taken: set[str] = set()
+    probes = {}
+    for kind, candidates in sorted(by_kind.items()):
+        devices = [(s.address, device_of(s.address, names)) for s in candidates]
+        address, device = next(((a, d) for a, d in devices if d not in taken), devices[0])
+        taken.add(device)
+        probes[kind] = (address, device)
+    return probes
+
+
+def device_of(address: str, names: dict[str, str]) -> str:
+    """``<server>/<TYPE>-<index>`` of a daskpipe worker (named ``.../<slice>``); a plain worker is its own device."""
+    name = names.get(address, address)
+    return name.rpartition("/")[0] if name.count("/") >= 2 else address
+
+
+def measurement_key(fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any]) -> MeasurementKey:
+    """The store key of ``kind``'s table, ``described`` by :func:`describe_device` on a worker of it."""
+    return MeasurementKey(fingerprint, tuple(boundaries), tuple(sizes), kind[0], kind[1], **described)
+
+
+def _measure(
+    client: Client, probes: dict[Kind, tuple[str, str]], name: str, blocked: BlockedModel, sizes: list[int], slo_us: float | None, timeout_s: float | None,
+) -> tuple[dict[Kind, Profile], dict[Kind, str]]:
+    """One task per kind on its worker; per physical device one after another, devices at once."""
+    from daskpipe.progress import progress_rows
+
+    chains: dict[str, list[Kind]] = {}
+    for kind, (_, device) in sorted(probes.items()):
+        chains.setdefault(device, []).append(kind)
+    scattered = client.scatter(blocked, workers=sorted({a for a, _ in probes.values()}), broadcast=True, hash=False)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    measured: dict[Kind, Profile] = {}
+    excluded: dict[Kind, str] = {}
+
+    def run_chain(kinds: list[Kind], update) -> None:
+        for kind in kinds:
+            label = kind_label(*kind)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                excluded[kind] = f"not profiled within profile_timeout_s={timeout_s:g}"
+                update(label, f"excluded: {excluded[kind]}", True)
+                continue
+            update(label, f"profiling on {probes[kind][0]}")
+            future = client.submit(
+                measure_kind, scattered, name=name, batch_sizes=sizes, gpu=kind[0], slices=kind[1], slo_us=slo_us,
+                workers=[probes[kind][0]], allow_other_workers=False, pure=False,
+                key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
+            )
+            try:
+                measured[kind] = future.result(timeout=left)
+                update(label, "measured", True)
+            except (TimeoutError, FutureTimeout):
+                future.cancel()
+                excluded[kind] = f"profiling took longer than profile_timeout_s={timeout_s:g}"
+                update(label, f"excluded: {excluded[kind]}", True)
+            except Exception as exc:  # the kind's worker could not run the model: exclude the kind, keep the deploy
+                excluded[kind] = f"profiling failed on {probes[kind][0]}: {type(exc).__name__}: {exc}"
+                update(label, f"excluded: {excluded[kind]}", True)
+
+    with progress_rows(f"profiling {name}", [kind_label(*k) for k in sorted(probes)]) as update:
+        with ThreadPoolExecutor(max_workers=len(chains), thread_name_prefix="daskpipe-profile") as pool:
+            for done in [pool.submit(run_chain, kinds, update) for kinds in chains.values()]:
+                done.result()
+    if excluded:
+        from rich.console import Console
+
+        for kind, reason in sorted(excluded.items()):
+            Console(stderr=True).print(f"daskpipe: {name} on {kind_label(*kind)} is excluded from the deploy: {reason}")
+    return measured, excluded

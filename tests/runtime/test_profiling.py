@@ -1,0 +1,138 @@
+"""Deploy-time profiling: one task per kind on a worker of that kind, all at once, and the profile store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from distributed import get_task_stream
+
+import daskpipe
+from daskpipe.profiles.store import ProfileStore
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, profile_on_cluster
+from daskpipe.runtime.service import inventory
+from tests.runtime.conftest import example, tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def profiling_tasks(stream) -> list[dict]:
+    return [t for t in stream.data if str(t["key"]).startswith(PROFILE_KEY_PREFIX)]
+
+
+def compute_window(task: dict) -> tuple[float, float]:
+    (window,) = [s for s in task["startstops"] if s["action"] == "compute"]
+    return window["start"], window["stop"]
+
+
+def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_says_measured(fake_gpu_cluster):
+    from daskpipe.plan.milp import make_plan
+    from daskpipe.runtime.service import _physical_gpus
+
+    cluster, client = fake_gpu_cluster
+    slots = inventory(client)
+    kind_of = {s.address: (s.gpu, s.slices) for s in slots}
+    assert set(kind_of.values()) == {("L4", 2), ("T4", 1), ("A10", 1)}
+    with get_task_stream(client) as stream:
+        result = profile_on_cluster(client, slots, "tiny", tiny_model(), example(), slo_us=500e3, num_blocks=2, batch_sizes=(1, 32, 64, 128))
+    tasks = profiling_tasks(stream)
+    ran_on = sorted((kind_of[t["worker"]], str(t["key"]).split("-v")[0].rsplit("-", 1)[1]) for t in tasks)
+    assert ran_on == [(("L4", 2), "L4"), (("T4", 1), "T4")], "one task per real kind, on a worker of that kind"
+    (a_start, a_stop), (b_start, b_stop) = (compute_window(t) for t in tasks)
+    assert a_start < b_stop and b_start < a_stop, "kinds on different GPUs are profiled at the same time"
+    profile = result.profile
+    assert (profile.origin("L4", 2), profile.origin("T4", 1), profile.origin("A10", 1)) == ("measured", "measured", "estimated")
+    assert profile.meta["calibration"]["calibrated_on"] == ["L4/2", "T4/1"]
+    plan = make_plan({"tiny": profile}, _physical_gpus(slots), slo_us={"tiny": 500e3})
+    parts = [q for m in plan.models for p in m.pipelines for q in p.partitions]
+    assert parts and all(q.table == profile.origin(q.gpu, q.slices) for q in parts)
+    assert [q["table"] for m in plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [q.table for q in parts]
+
+
+def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
+    cluster, client = emulated_inproc
+    with get_task_stream(client) as stream:
+        result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=4)
+    assert not profiling_tasks(stream) and result.profiling_tasks == 0
+    assert {result.profile.origin(g, v) for g, v in result.profile.latency_us} == {"estimated"}
+
+
+def test_the_store_serves_a_second_profile_and_a_changed_weight_or_input_shape_misses(cpu_cluster, tmp_path):
+    cluster, client = cpu_cluster
+    store = ProfileStore(tmp_path / "store")
+    slots = inventory(client)
+
+    def profiled(model, x):
+        with get_task_stream(client) as stream:
+            result = profile_on_cluster(client, slots, "tiny", model, x, slo_us=None, num_blocks=2, batch_sizes=2, store=store)
+        assert result.profiling_tasks == len(profiling_tasks(stream))
+        return result
+
+    first = profiled(tiny_model(), example())
+    assert first.profiling_tasks == 1 and len(store) == 1
+    again = profiled(tiny_model(), example())
+    assert again.profiling_tasks == 0, "the same model, input and cluster: no profiling"
+    assert (again.profile.table("cpu", 1) == first.profile.table("cpu", 1)).all() and again.profile.origin("cpu", 1) == "measured"
+    changed = tiny_model()
+    with torch.no_grad():
+        changed.head[0].weight[0, 0, 0, 0] += 1.0
+    assert profiled(changed, example()).profiling_tasks == 1, "a changed weight misses"
+    assert profiled(tiny_model(), torch.randn(1, 3, 20, 20)).profiling_tasks == 1, "a changed input shape misses"
+    assert len(store) == 3
+
+
+def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_cluster, monkeypatch, caplog):
+    cluster, client = fake_gpu_cluster
+    from daskpipe.runtime import gpu
+
+    monkeypatch.setattr(gpu.FakeBackend, "compute_device", lambda self: "cuda:7")  # a device no worker has
+    result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2)
+    assert sorted(result.excluded) == [("L4", 2), ("T4", 1)]
+    assert all(reason.startswith("profiling failed on ") for reason in result.excluded.values())
+    assert sorted(result.profile.meta["excluded"]) == ["L4/2", "T4/1"] and "is excluded from the deploy" in caplog.text
+    assert list(result.profile.latency_us) == [("A10", 1)] and result.profile.origin("A10", 1) == "estimated"
+
+
+def test_profiling_past_the_timeout_excludes_the_kind(cpu_cluster):
+    cluster, client = cpu_cluster
+    convs = torch.nn.Sequential(*(torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))).eval()  # ~0.2 s of timing: more than the limit
+    with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than profile_timeout_s=0.01"):
+        profile_on_cluster(client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01)
+
+
+def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_cluster, tmp_path):
+    cluster, client = cpu_cluster
+    model = torch.nn.Sequential(*(layer for _ in range(4) for layer in (torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU()))).eval()
+    x = torch.randn(1, 16, 64, 64)
+
+    def deploy() -> tuple[float, int]:
+        started = time.perf_counter()
+        with get_task_stream(client) as stream:
+            svc = daskpipe.deploy(client, {"convs": model}, example_inputs={"convs": x}, slo_ms={"convs": 5000}, num_blocks=2, batch_sizes=(1, 8, 16), profile_store=tmp_path)
+        seconds = time.perf_counter() - started
+        svc.close()
+        return seconds, len(profiling_tasks(stream))
+
+    first, first_tasks = deploy()
+    second, second_tasks = deploy()
+    assert (first_tasks, second_tasks) == (1, 0)
+    print(f"first deploy {first:.2f} s, second {second:.2f} s")
+    assert second < first / 2, "the second deploy reads the tables instead of timing them"
+
+
+def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from daskpipe.cli import main
+
+    cluster, client = cpu_cluster
+    args = ["profile", "cluster", cluster.scheduler_address, "tests.runtime.conftest:tiny_model", "--input-shape", "3,16,16",
+            "--blocks", "2", "--batch-sizes", "1,2", "--store", str(tmp_path), "--out", str(tmp_path / "tiny.profile")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "cpu/1 measured" in result.output and "1 kind(s) profiled now" in result.output
+    with get_task_stream(client) as stream:
+        again = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), torch.randn(1, 3, 16, 16), slo_us=None, num_blocks=2, batch_sizes=(1, 2), store=ProfileStore(tmp_path))
+    assert not profiling_tasks(stream) and again.profile.origin("cpu", 1) == "measured"
