@@ -232,10 +232,13 @@ def _measure(
                 excluded[kind] = f"profiling failed on {probes[kind][0]}: {type(exc).__name__}: {exc}"
                 update(label, f"excluded: {excluded[kind]}", True)
 
-    with progress_rows(f"profiling {name}", [kind_label(*k) for k in sorted(probes)]) as update:
-        with ThreadPoolExecutor(max_workers=len(chains), thread_name_prefix="daskpipe-profile") as pool:
-            for done in [pool.submit(run_chain, kinds, update) for kinds in chains.values()]:
-                done.result()
+    try:
+        with progress_rows(f"profiling {name}", [kind_label(*k) for k in sorted(probes)]) as update:
+            with ThreadPoolExecutor(max_workers=len(chains), thread_name_prefix="daskpipe-profile") as pool:
+                for done in [pool.submit(run_chain, kinds, update) for kinds in chains.values()]:
+                    done.result()
+    finally:  # released now, not when an error's traceback (which holds this frame) goes
+        scattered.release()
     if excluded:
         from rich.console import Console
 

@@ -137,6 +137,22 @@ class _AssertsOnValues(nn.Module):
         return y.relu()
 
 
-def test_a_forward_that_reads_values_is_reported_as_data_dependent_control_flow():
-    with pytest.raises(ProfileError, match=r"Tensor.item\(\) cannot be called on meta tensors. This is data-dependent control flow: .*torch._assert.*measure the profile on the real GPU type"):
-        estimate_profile(_AssertsOnValues(), name="asserts", gpus=["T4"], example_input=torch.randn(1, 3, 8, 8), num_blocks=1)
+def test_a_forward_that_reads_values_is_estimated_on_a_random_input():
+    example = torch.randn(1, 3, 8, 8)
+    reading = estimate_profile(_AssertsOnValues(), name="asserts", gpus=["T4"], example_input=example, num_blocks=1)
+    plain = estimate_profile(_AssertsOnValues().conv, name="plain", gpus=["T4"], example_input=example, num_blocks=1)
+    assert reading.latency("T4", 1, 1) >= plain.latency("T4", 1, 1) > 0  # the same conv, and the assertion's few ops
+
+
+class _RefusesRandomInputs(_AssertsOnValues):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert(x.abs().max() < 1e-6, "expects zeros")
+        return self.conv(x)
+
+
+def test_a_forward_that_fails_on_random_values_too_is_reported_as_data_dependent_control_flow():
+    with pytest.raises(
+        ProfileError,
+        match=r"Tensor.item\(\) cannot be called on meta tensors\), then on a random input \(AssertionError: expects zeros\). This is data-dependent control flow: .*torch._assert.*measure the profile on the real GPU type",
+    ):
+        estimate_profile(_RefusesRandomInputs(), name="asserts", gpus=["T4"], example_input=torch.zeros(1, 3, 8, 8), num_blocks=1)

@@ -239,9 +239,22 @@ def test_deploy_names_the_argument_that_is_wrong(cpu_cluster, arguments, message
         daskpipe.deploy(client, given.pop("models"), **given)
 
 
+class RefusesRandomInputs(torch.nn.Module):
+    """Asserts on its input's values (``torch._assert``), which neither the meta device (no values)
+    nor a random input passes: the estimator cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert(x.abs().max() < 1e-6, "expects zeros")
+        return self.conv(x)
+
+
 def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_what_they_made(emulated_inproc):
-    """TinyCNN asserts on a value (``torch._assert``): estimating it for the emulated GPU types
-    runs it on the meta device, where there are no values. The profiling before made a scattered
+    """Estimating a model for the emulated GPU types runs it on the meta device, then on a random
+    input; one that asserts on its values fails both. The profiling before made a scattered
     model and a task; a deploy that fails at the scheduler (an SLO it cannot meet) made stage
     actors and their scattered blocks. A failed deploy leaves none of them behind."""
     cluster, client = emulated_inproc
@@ -258,8 +271,8 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
     before = held()
     after_each = []
     for _ in range(3):
-        with pytest.raises(DeployError, match=r"^model 'tiny' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors. This is data-dependent control flow: .*Move such checks out of forward"):
-            daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, slo_ms={"tiny": 500.0}, num_blocks=2)
+        with pytest.raises(DeployError, match=r"^model 'zeros' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors.*expects zeros.*This is data-dependent control flow: .*Move such checks out of forward"):
+            daskpipe.deploy(client, {"zeros": RefusesRandomInputs()}, example_inputs={"zeros": torch.zeros(1, *INPUT)}, slo_ms={"zeros": 500.0}, num_blocks=2)
         tasks, futures = settled(before)
         assert tasks <= before[0] and futures <= before[1]  # the scattered model and the profiling task are gone (earlier tests' keys may go meanwhile)
         with pytest.raises(DeployError, match="the smallest SLO it can serve"):
