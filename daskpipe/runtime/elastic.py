@@ -191,7 +191,7 @@ def stage_submit_kwargs(name: str, pipeline: int, partition: int, slot: WorkerSl
     """The ``client.submit(Stage, name, partition, modules, **kwargs)`` keywords that pin a stage
     actor of ``name``'s (pipeline, partition) on ``slot``; shared by ``deploy`` and re-plans."""
     return dict(
-        input_shape=tuple(input_shape), input_dtype=input_dtype, device="cpu" if slot.gpu == messages.CPU or slot.emulated else "cuda",
+        input_shape=tuple(input_shape), input_dtype=input_dtype, device="cpu" if slot.gpu == messages.CPU or slot.emulated else messages.GPU_DEVICE,
         emulated=slot.emulated, actor=True, workers=[slot.address], allow_other_workers=False, pure=False,
         key=f"daskpipe-stage-{name}-{pipeline}-{partition}-{uuid.uuid4().hex[:8]}",
     )

@@ -57,6 +57,9 @@ GPU_RESOURCE_PREFIX = "daskpipe.gpu."
 SLICES_RESOURCE_PREFIX = "daskpipe.slices."
 EMULATED_RESOURCE = "daskpipe.emulated"
 CPU = "cpu"
+GPU_DEVICE = "gpu"
+"""A stage's ``device`` for "this worker's GPU": the worker's backend says which torch device that
+is (``cuda``, or the host for a fake GPU; daskpipe/runtime/gpu.py)."""
 
 
 @dataclass(frozen=True)

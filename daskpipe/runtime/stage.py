@@ -38,6 +38,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup
 from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
 
@@ -105,7 +106,7 @@ class Stage:
     ):
         self.model = model
         self.partition = partition
-        self.device = torch.device(device)
+        self.device = torch.device(gpu_backend().compute_device() if device == messages.GPU_DEVICE else device)
         self.emulated = emulated
         self.batches = 0
         self.overruns = 0

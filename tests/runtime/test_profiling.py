@@ -28,27 +28,27 @@ def compute_window(task: dict) -> tuple[float, float]:
 
 
 def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_says_measured(fake_gpu_cluster):
-    from daskpipe.plan.milp import make_plan
-    from daskpipe.runtime.service import _physical_gpus
-
     cluster, client = fake_gpu_cluster
     slots = inventory(client)
     kind_of = {s.address: (s.gpu, s.slices) for s in slots}
     assert set(kind_of.values()) == {("L4", 2), ("T4", 1), ("A10", 1)}
     with get_task_stream(client) as stream:
-        result = profile_on_cluster(client, slots, "tiny", tiny_model(), example(), slo_us=500e3, num_blocks=2, batch_sizes=(1, 32, 64, 128))
-    tasks = profiling_tasks(stream)
-    ran_on = sorted((kind_of[t["worker"]], str(t["key"]).split("-v")[0].rsplit("-", 1)[1]) for t in tasks)
-    assert ran_on == [(("L4", 2), "L4"), (("T4", 1), "T4")], "one task per real kind, on a worker of that kind"
-    (a_start, a_stop), (b_start, b_stop) = (compute_window(t) for t in tasks)
-    assert a_start < b_stop and b_start < a_stop, "kinds on different GPUs are profiled at the same time"
-    profile = result.profile
-    assert (profile.origin("L4", 2), profile.origin("T4", 1), profile.origin("A10", 1)) == ("measured", "measured", "estimated")
-    assert profile.meta["calibration"]["calibrated_on"] == ["L4/2", "T4/1"]
-    plan = make_plan({"tiny": profile}, _physical_gpus(slots), slo_us={"tiny": 500e3})
-    parts = [q for m in plan.models for p in m.pipelines for q in p.partitions]
-    assert parts and all(q.table == profile.origin(q.gpu, q.slices) for q in parts)
-    assert [q["table"] for m in plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [q.table for q in parts]
+        svc = daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, slo_ms={"tiny": 500.0}, num_blocks=2, batch_sizes=(1, 32, 64, 128))
+    with svc:
+        tasks = profiling_tasks(stream)
+        ran_on = sorted((kind_of[t["worker"]], str(t["key"]).split("-v")[0].rsplit("-", 1)[1]) for t in tasks)
+        assert ran_on == [(("L4", 2), "L4"), (("T4", 1), "T4")], "one task per real kind, on a worker of that kind"
+        (a_start, a_stop), (b_start, b_stop) = (compute_window(t) for t in tasks)
+        assert a_start < b_stop and b_start < a_stop, "kinds on different GPUs are profiled at the same time"
+        profile = svc.profiles["tiny"]
+        assert (profile.origin("L4", 2), profile.origin("T4", 1), profile.origin("A10", 1)) == ("measured", "measured", "estimated")
+        assert profile.meta["calibration"]["calibrated_on"] == ["L4/2", "T4/1"]
+        parts = [q for m in svc.plan.models for p in m.pipelines for q in p.partitions]
+        assert parts and all(q.table == profile.origin(q.gpu, q.slices) for q in parts)
+        assert [q["table"] for m in svc.plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [q.table for q in parts]
+        x = example()
+        with torch.inference_mode():
+            torch.testing.assert_close(svc.submit("tiny", x).result(timeout=30), tiny_model()(x), atol=1e-4, rtol=1e-4)  # and it serves, the fake GPUs computing on the host
 
 
 def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
