@@ -48,7 +48,7 @@ def test_find_max_load_is_the_edge_of_the_grid(toy):
 
 def test_bad_arguments(toy):
     plan, profiles = toy
-    with pytest.raises(ValueError, match="dataplane"):
+    with pytest.raises(ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
         simulate(plan, profiles, dataplane="magic")
     with pytest.raises(ValueError, match="load_factor"):
         simulate(plan, profiles, load_factor=-1)
