@@ -17,7 +17,8 @@ from torch import nn
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.sched.registry import register
 from tests.runtime.fifo import FifoDispatcher
 
 INPUT = (3, 16, 16)
@@ -75,9 +76,10 @@ def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0),
 
 
 def with_test_dispatcher(client: Client, scheduler) -> None:
-    """Install the plugin from the client and give it the tests' FIFO dispatcher as "fifo"."""
+    """Install the plugin from the client, and register the tests' FIFO dispatcher as "fifo" (the
+    scheduler runs in this process)."""
     client.register_plugin(DaskpipeSchedulerPlugin())
-    plugin_of(scheduler).dispatchers["fifo"] = FifoDispatcher
+    register("fifo", FifoDispatcher)
 
 
 @pytest.fixture(scope="module")
