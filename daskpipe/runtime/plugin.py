@@ -48,7 +48,7 @@ from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.registry import check_name, known, make_dispatcher
+from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -656,7 +656,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.served[model] = _Served(
             model=model_plan,
             profile=model_profile,
-            dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k),
+            dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
             durations=BatchDurations(model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)),

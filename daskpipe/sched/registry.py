@@ -53,6 +53,9 @@ class DataPlane(str, Enum):
 
 DATAPLANES: tuple[str, ...] = tuple(plane.value for plane in DataPlane)
 
+TIMEOUT_S = 0.002
+"""The timeout policy's default wait (Triton's and Ray Serve's order of magnitude)."""
+
 DispatcherFactory = Callable[..., Dispatcher]
 """``factory(model_plan, placement, profile, *, bw_gbps) -> Dispatcher`` (a registered extra)."""
 
@@ -86,7 +89,7 @@ def make_dispatcher(
     profile: Profile,
     *,
     bw_gbps: float,
-    timeout_s: float = 0.002,
+    timeout_s: float = TIMEOUT_S,
     max_batch: int | None = None,
     settings: Any = None,
 ) -> Dispatcher:

@@ -6,7 +6,9 @@ batch 4) and its capacity exactly; one test goes through the real profiler and p
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -73,6 +75,18 @@ def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0),
     pipeline = Pipeline(batch_size=BATCH, throughput=throughput, partitions=partitions)
     plan = Plan(objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),))
     return profile, plan
+
+
+def open_loop(submit: Callable[[], Any], rate: float, seconds: float, seed: int = 0) -> list:
+    """Call ``submit`` at Poisson times of ``rate`` per second for ``seconds`` (open loop: no call
+    waits for an earlier one to end); what the calls returned."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
+    due = time.monotonic() + np.cumsum(gaps)
+    out = []
+    for at in due[due < due[0] - gaps[0] + seconds]:
+        time.sleep(max(0.0, at - time.monotonic()))
+        out.append(submit())
+    return out
 
 
 def with_test_dispatcher(client: Client, scheduler) -> None:
