@@ -288,6 +288,13 @@ class ServiceMetrics:
         """``resource`` (a slot, or a ``<server>/ul|dl`` NIC direction) was busy over [start, end)."""
         self.busy.append((resource, start, end))
 
+    def forward(self, model: str, dispatch_id: int) -> None:
+        """A staged batch ended before the pipeline's last partition: its requests go on in later
+        batches (the one that runs their last partition completes them)."""
+        metrics = self.models.get(model)
+        if metrics is not None:
+            metrics.pending.pop(dispatch_id, None)
+
     def done(self, model: str, dispatch_id: int, now: float) -> None:
         """The last stage of dispatch ``dispatch_id`` finished: its requests completed, each with
         its latency split into :data:`PHASES`."""

@@ -3,8 +3,10 @@
 ``fragments`` models devices and their Neurosurgeon splits, ``costs`` sizes a stage on MPS shares,
 ``planner`` is Graft's scheduler (merge, group, re-align), ``baselines`` gives per-fragment
 serving and the exhaustive optimum, ``simulate`` checks a plan's SLO attainment, ``bench``
-is ``daskpipe bench graft``, ``execute`` is the in-process reference data plane and ``dispatch``
-the runtime's dispatcher for hybrid plans (served by ``daskpipe.runtime.hybrid``). See docs/hybrid.md.
+is ``daskpipe bench graft`` and ``execute`` the in-process reference data plane. The data plane
+of hybrid plans, a scheduling policy like the others, is ``daskpipe.sched.hybrid`` (the
+``"hybrid"`` data plane of ``daskpipe.sched.registry``; served by ``daskpipe.runtime.hybrid``).
+See docs/hybrid.md.
 """
 
 from __future__ import annotations

@@ -585,9 +585,7 @@ class Elastic:
             fresh = plugin.served[model]
             for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
                 setattr(fresh, kept, getattr(served, kept))
-            continue_ids = getattr(fresh.dispatcher, "continue_ids", None)
-            if continue_ids is not None:
-                continue_ids(dep.epoch * DISPATCH_ID_STRIDE)
+            fresh.dispatcher.continue_ids(dep.epoch * DISPATCH_ID_STRIDE)
             self._resubmit(fresh, model, holding.requests)
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at

@@ -4,7 +4,7 @@
 ``Plan`` with one pipeline per fragment route (``Pipeline.entry_block`` = the fragment's start
 block, ``Pipeline.slo_us`` = its budget), places one stage actor per (plan stage, slot) and tells
 the scheduler plugin to serve the model with the ``"hybrid"`` dispatcher
-(:class:`~daskpipe.graft.dispatch.FragmentDispatcher`). A private stage is an ordinary
+(:class:`~daskpipe.sched.hybrid.FragmentDispatcher`). A private stage is an ordinary
 :class:`~daskpipe.runtime.stage.Stage`; a stage that several routes go through is a
 :class:`SharedStage`, whose batches from different private stages run as one compute call. The
 returned :class:`~daskpipe.runtime.service.Service` takes ``submit(model, fm, start_block=k)``.

@@ -11,6 +11,8 @@ Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskp
     client   --SUBMIT-->              scheduler   (keys, inputs, sizes)
     scheduler --BATCH-->              worker of partition 0
     worker   --BATCH-->               worker of the next partition (fp16 feature map)
+    scheduler --FORWARD-->            worker holding parked data (a staged data plane's next stage):
+    worker   --BATCH-->               worker of that stage, which gathers the parts
     worker   --FEEDBACK-->            scheduler   (compute and transfer timings)
     worker   --DONE / FAILED-->       scheduler   (outputs stored under the keys, small ones inline / the cause)
     scheduler --RESOLVED-->           client      (the futures finish; small outputs ride along)
@@ -25,6 +27,8 @@ from typing import Mapping
 SUBMIT = "daskpipe-submit"
 # scheduler -> worker, over the worker's batched stream
 BATCH = "daskpipe-batch"
+FORWARD = "daskpipe-forward"  # send parked intermediate data on to a staged batch's first stage
+DISCARD = "daskpipe-discard"  # drop parked intermediate data (its request ended)
 # worker -> scheduler, over the worker's batched stream
 FEEDBACK = "daskpipe-feedback"
 DONE = "daskpipe-done"

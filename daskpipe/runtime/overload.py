@@ -11,8 +11,8 @@ Goodput is the requests that finished within their SLO per second of stream. The
 (issue 6): goodput at 3x >= 90% of goodput at 1x (a flat top, not a collapse), ``lost`` (futures
 that never ended) 0 at every level, and what the scheduler holds bounded by the queue bound.
 
-:func:`ppipe_two_pass` is the dispatcher to serve with when overload is expected
-(``deploy(..., dispatcher="ppipe-two-pass")``): see its docstring for why.
+The data plane to serve with when overload is expected is ``deploy(...,
+dispatcher="ppipe-two-pass")``: see :func:`daskpipe.sched.registry.ppipe_two_pass` for why.
 """
 
 from __future__ import annotations
@@ -118,21 +118,6 @@ class QueueSampler:
         while True:
             self._take()
             await asyncio.sleep(self.interval_s)
-
-
-def ppipe_two_pass(model, placement, profile, *, bw_gbps: float):
-    """PPipe's dispatcher with two-pass admission (``PPipeSettings.two_pass_admission``, the
-    published artifact's choice): the first look at a request tries only near-planned batch sizes,
-    and drops it at once if none meets its deadline.
-
-    Under overload the paper's rule admits requests at the very edge of their deadline, whose last
-    moment has come by the time they are admitted, so they leave in small batches: the batches
-    shrink as the load grows (7.2 -> 5.3 requests per batch of a planned 8 at 3x in ``bench
-    overload``) and goodput falls with them. Two-pass admission keeps batches full at any load.
-    """
-    from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
-
-    return PPipeDispatcher(model, placement, profile, bw_gbps=bw_gbps, settings=PPipeSettings(two_pass_admission=True))
 
 
 def small_cnn():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import itertools
 import logging
 import math
@@ -34,7 +33,7 @@ from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
-from daskpipe.colocation.execute import ColocatedLatency, colocated_latency, colocated_profile
+from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.dashboard import attach_dashboard
 from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
@@ -48,13 +47,10 @@ from daskpipe.runtime.gray import GrayPolicy, Suspect, Watchlist
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
+from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 logger = logging.getLogger(__name__)
-
-DispatcherFactory = Callable[..., Dispatcher]
-"""``factory(model_plan, placement, profile, *, bw_gbps) -> Dispatcher``."""
-
-DISPATCHERS: dict[str, str] = {"ppipe": "daskpipe.sched.ppipe:PPipeDispatcher", "hybrid": "daskpipe.graft.dispatch:FragmentDispatcher", "ppipe-two-pass": "daskpipe.runtime.overload:ppipe_two_pass"}
 
 PINGS = 20
 """Round trips to each stage's worker when a model is deployed: they seed its control-path margin
@@ -103,6 +99,12 @@ class _Flight:
     route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
+    sources: list[str] = field(default_factory=list)  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
+
+    @property
+    def staged(self) -> bool:
+        """Covers part of its pipeline: it takes parked data, or parks its own (it cannot be sent again)."""
+        return bool(self.sources) or bool(self.route and self.route[-1].get("park"))
 
     def control_delays(self) -> tuple[float, list[float]] | None:
         """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
@@ -132,7 +134,8 @@ class _Served:
     counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0, "isolated": 0, "suspected": 0, "readmitted": 0})
     dropped: dict[str, int] = field(default_factory=dict)
     closing: bool = False
-    colocated: ColocatedLatency | None = None  # co-located stages' latencies (time-dilated); None: none
+    durations: BatchDurations | None = None  # what an emulated slot holds a batch for (time-dilated); the simulator's model
+    parked: dict[Any, str] = field(default_factory=dict)  # key -> the worker holding its intermediate data between two stages of a staged data plane
     max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
     sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
     budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
@@ -194,6 +197,13 @@ def _lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool)
     return profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6 + transfer
 
 
+def _check_dataplane(name: Any) -> None:
+    try:
+        check_name(name)
+    except ValueError:
+        raise DeployError(f"unknown dispatcher {name!r}; known: {', '.join(known())}") from None
+
+
 def _is_key(key: Any) -> bool:
     """What a daskpipe client sends as a request key (``Service``: strings); Dask takes a few more."""
     return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
@@ -231,11 +241,6 @@ def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, P
     )
 
 
-def _load_factory(path: str) -> DispatcherFactory:
-    module, attr = path.split(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 class DaskpipeSchedulerPlugin(SchedulerPlugin):
     """Serves daskpipe models from the scheduler (see the module docstring)."""
 
@@ -246,7 +251,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.served: dict[str, _Served] = {}
         self.slots: dict[str, WorkerSlot] = {}
-        self.dispatchers: dict[str, DispatcherFactory | str] = dict(DISPATCHERS)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
@@ -322,6 +326,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         lost = [flight for _, flight in self._take_flights(served, worker)]
         if served.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
             self._remove_slot(served, model, worker, now, "worker-lost")
+        for key in [key for key, address in served.parked.items() if address == worker]:
+            self._drop(served, model, key, "worker-lost", f"worker {worker} died holding its data between two stages")
         self._retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
 
     @staticmethod
@@ -330,9 +336,12 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         return [(d, served.flights.pop(d)) for d in [d for d, flight in served.flights.items() if address in flight.addresses]]
 
     def _remove_slot(self, served: _Served, model: str, address: str, now: float, reason: DropReason) -> None:
-        remove_slot = getattr(served.dispatcher, "remove_slot", None)
-        if remove_slot is not None and any(a == address for _, _, a in served.stages):
-            self._act(served, model, self._step(served, model, lambda: remove_slot(address, now, reason)))
+        """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
+        (``supports_pools`` false) keeps it, and what it still sends there is dropped as
+        "worker-lost" (:meth:`_dispatch`) until a re-plan."""
+        dispatcher = served.dispatcher
+        if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
+            self._act(served, model, self._step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
 
     def _retry(self, served: _Served, model: str, flights: list[_Flight], now: float, reason: DropReason, why: str) -> None:
         """Queue the requests of ``flights`` again, with their original deadlines; one the retry
@@ -355,8 +364,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def _suspect(self, served: _Served, model: str, address: str, detail: str, now: float) -> None:
         """``address`` stopped keeping its reservations: it gets no new batches, its batches are
         re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
-        and it is probed until it computes in line again."""
-        if address not in self.slots:  # gone: remove_worker retries its batches
+        and it is probed until it computes in line again. A dispatcher whose pools are fixed
+        (``supports_pools`` false) has nowhere else to send its batches: no slot is suspected
+        there, and the late limit still ends what a stalled slot holds."""
+        if address not in self.slots or not served.dispatcher.supports_pools:  # gone: remove_worker retries its batches
             return
         taken = self._take_flights(served, address)
         for dispatch, _ in taken:
@@ -393,8 +404,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if suspect is None or suspect.probe is not None or address not in self.slots or self.served.get(model) is not served:
             return
         p, q = suspect.pools[0]
-        part = served.model.pipelines[p].partitions[q]
-        profiled = served.profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6
+        profiled = served.durations.compute_s(p, q, 1)
         token = next(self._ping_tokens)
         suspect.probe = (token, profiled)
         suspect.probes += 1
@@ -417,18 +427,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
 
     def _readmit(self, served: _Served, model: str, address: str) -> None:
-        """The suspect ``address`` rejoins its pools (a dispatcher that cannot grow a pool keeps
-        it out until the next re-plan)."""
+        """The suspect ``address`` rejoins its pools."""
         slot = self.slots.get(address)
-        add_slot = getattr(served.dispatcher, "add_slot", None)
-        if slot is None or add_slot is None:
+        if slot is None:
             return
         suspect = served.suspects.pop(address)
         served.counts["readmitted"] += 1
         now = time.monotonic()
         for p, q in suspect.pools:
             try:
-                actions = add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
+                actions = served.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
             except ValueError:  # a re-plan has put it back already
                 continue
             self._act(served, model, actions)
@@ -586,7 +594,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         request on an idle pipeline, with that margin, is refused here with the smallest SLO it
         could serve. ``options`` are :meth:`start_serving`'s.
         """
-        self._factory(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        _check_dataplane(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
         addresses = sorted({str(row[2]) for row in stages})
         for address in addresses:
             if address not in self.slots:
@@ -621,7 +629,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
         if not time_dilation > 0:
             raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-        factory = self._factory(dispatcher)
+        _check_dataplane(dispatcher)
         try:
             gray = GrayPolicy.from_config()
         except (TypeError, ValueError) as exc:
@@ -648,10 +656,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.served[model] = _Served(
             model=model_plan,
             profile=model_profile,
-            dispatcher=factory(model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k),
+            dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
-            colocated=colocated_latency(whole_plan, model, scale=k),
+            durations=BatchDurations(model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)),
             max_queued=queue_bound(model_plan, max_queued),
             sample_nbytes=int(sample_nbytes),
             budgets=budgets,
@@ -660,12 +668,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         )
         self.metrics.serve(model, model_plan, placement, control=control.summary, suspects=functools.partial(self.suspects, model))
         logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms", model, len(stage_keys), len(model_plan.pipelines), k, control.margin_s * 1e3)
-
-    def _factory(self, dispatcher: str) -> DispatcherFactory:
-        factory = self.dispatchers.get(dispatcher)
-        if factory is None:
-            raise DeployError(f"unknown dispatcher {dispatcher!r}; known: {sorted(self.dispatchers)}")
-        return _load_factory(factory) if isinstance(factory, str) else factory
 
     def close_models(self, models: Iterable[str] | None = None, reason: str = "shutdown") -> dict[str, int]:
         """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
@@ -878,7 +880,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         flight = served.flights.pop(dispatch, None)
         now = time.monotonic()
         live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
-        failing = self._isolate(served, model, flight, live, now) if len(live) > 1 else [key for key in keys if key in served.deadlines]
+        failing = self._isolate(served, model, flight, live, now) if len(live) > 1 and not flight.staged else [key for key in keys if key in served.deadlines]
         served.counts["failed"] += len(failing)
         self.metrics.fail(model, dispatch, len(failing), now)
         for key in failing:
@@ -929,6 +931,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
                     self._watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
+                elif flight.staged and flight.route[-1].get("park"):  # before the dispatcher hears of it: it may send the next stage at once
+                    self._park(served, model, dispatch, flight, now)
                 self._pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
             self.metrics.feedback(model, fb)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
@@ -949,6 +953,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
     def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
+        """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
+        pipeline, :class:`~daskpipe.sched.api.Dispatch`) that ends before the last partition
+        leaves its requests' intermediate data parked on its last slot; one that starts past
+        partition 0 takes each request's data from the slot where it is parked."""
         keys, payloads, sizes = [], [], []
         tasks = self.scheduler.tasks
         for request in action.requests:
@@ -964,17 +972,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if not keys:
             return
         pipeline = served.model.pipelines[action.pipeline]
+        first, last = action.hops[0].partition, action.hops[-1].partition
+        sources = [served.parked.pop(key, None) for key in keys] if first > 0 else []
         samples = sum(sizes)
-        route = []
-        for hop in action.hops:
-            part = pipeline.partitions[hop.partition]
-            hold = 0.0
-            if hop.slot in served.emulated:
-                batch = min(samples, served.profile.max_batch(part.gpu, part.slices))
-                colocated_us = served.colocated.latency_us(action.pipeline, hop.partition, batch) if served.colocated else None
-                hold = (colocated_us if colocated_us is not None else served.profile.latency(part.gpu, part.slices, batch, *part.blocks)) * 1e-6
-            route.append({"address": hop.slot, "stage": served.stages[(action.pipeline, hop.partition, hop.slot)], "partition": hop.partition, "hold_s": hold})
-        addresses = frozenset(r["address"] for r in route)
+        try:
+            holds = [served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0 for hop in action.hops]
+            if None in sources:
+                raise ValueError(f"partition {first} for requests that ran no partition {first - 1}")
+        except ValueError as exc:  # a dispatcher bug: the batch fails, with the cause
+            self._err(served, model, keys, lambda key: RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc))
+            served.counts["failed"] += len(keys)
+            return
+        route = [
+            {"address": hop.slot, "stage": served.stages[(action.pipeline, hop.partition, hop.slot)], "partition": hop.partition, "hold_s": hold}
+            for hop, hold in zip(action.hops, holds)
+        ]
+        if last < len(pipeline.partitions) - 1:
+            route[-1]["park"] = True
+        addresses = frozenset(r["address"] for r in route).union(sources)
         missing = [a for a in addresses if a not in self.scheduler.workers]
         if missing:
             for key in keys:
@@ -985,7 +1000,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         spans = [h.compute.end - h.compute.start for h in action.hops]
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
-        self._send(served, model, action.id, _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans))
+        flight = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans, sources=sources)
+        self._send(served, model, action.id, flight)
+
+    def _park(self, served: _Served, model: str, dispatch: int, flight: _Flight, now: float) -> None:
+        """A staged batch ended before the pipeline's last partition: its requests queue again (in
+        the dispatcher, for their next stage), their data parked on its last slot."""
+        served.flights.pop(dispatch, None)
+        address = flight.route[-1]["address"]
+        for request, payload, size in flight.retries:
+            if request.id in served.deadlines:
+                served.inputs[request.id] = (payload, size)
+                served.parked[request.id] = address
+        delays = flight.control_delays()
+        if delays is not None:
+            served.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
+        self.metrics.forward(model, dispatch)
 
     def _send(self, served: _Served, model: str, dispatch: int, flight: _Flight) -> None:
         """Send ``flight`` to its first stage, and watch it: its first hop must report within
@@ -997,13 +1027,15 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
         self._arm_watch()
         retries = flight.retries
-        self.to_workers.send(
-            flight.route[0]["address"],
-            {
-                "op": messages.BATCH, "model": model, "dispatch": dispatch, "keys": flight.keys, "sizes": [n for _, _, n in retries],
-                "inputs": [p for _, p, _ in retries], "route": flight.route, "expires": max(limits) + time.time() - time.monotonic(),
-            },
-        )
+        batch = {"model": model, "dispatch": dispatch, "keys": flight.keys, "sizes": [n for _, _, n in retries], "route": flight.route, "expires": max(limits) + time.time() - time.monotonic()}
+        if not flight.sources:
+            self.to_workers.send(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
+            return
+        parts: dict[str, list] = {}
+        for key, source in zip(flight.keys, flight.sources):
+            parts.setdefault(source, []).append(key)
+        for source, take in parts.items():  # each sends its part to the first stage, which gathers them
+            self.to_workers.send(source, {"op": messages.FORWARD, **batch, "take": take})
 
     # -- ending requests -----------------------------------------------------------------------
     def _resolve(self, keys: list, outputs: dict[Any, Any] | None) -> None:
@@ -1025,10 +1057,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 pass
 
     def _err(self, served: _Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+        discard: dict[str, list] = {}
         for key in keys:
             served.inputs.pop(key, None)
             served.deadlines.pop(key, None)
+            parked = served.parked.pop(key, None)
+            if parked is not None and parked in self.slots:
+                discard.setdefault(parked, []).append(key)
             self._err_key(key, error(key))
+        for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
+            self.to_workers.send(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
 
     def _err_key(self, key: Any, exc: Exception) -> None:
         self._err_keys([key], Serialized(*serialize(exc)))

@@ -335,6 +335,11 @@ def deploy(
         profiling and planning here. ``profiles`` alone skips profiling only.
     time_dilation
         k: every latency and SLO is scaled by k, so emulated GPUs on a slow machine keep up.
+    dispatcher
+        The data plane that batches and routes the requests, by name: ``ppipe`` (default),
+        ``ppipe-two-pass``, ``deferred`` (Symphony), ``eager``, ``timeout``, ``reactive`` or
+        ``hybrid`` (:mod:`daskpipe.sched.registry`; the same names as ``daskpipe simulate
+        --dataplane``). An unknown name fails the deploy, listing the known ones.
     max_queued
         Most requests a model queues on the scheduler; one more is dropped with reason
         "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).

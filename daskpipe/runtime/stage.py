@@ -10,6 +10,11 @@ sent straight to the next stage's worker over Dask's worker-to-worker stream (UC
 cluster runs ``protocol="ucx"``), and the last stage stores each request's output in
 ``worker.data`` under the request's key, where the client's future fetches it.
 
+A staged data plane (``reactive``) sends a batch through part of a pipeline: its last stage
+*parks* each request's fp16 feature map in the slot runtime and reports its timings; the
+scheduler later sends FORWARD to each worker holding part of a next batch, which sends its part
+on to that batch's first stage, where the parts are gathered in the batch's key order.
+
 An *emulated* stage (its worker carries the ``daskpipe.emulated`` resource) computes on the CPU
 for real outputs and holds the batch until the latency its GPU type was profiled at (sent with
 the batch, already time-dilated) has passed; it reports when real compute overran that latency.
@@ -61,6 +66,8 @@ class _SlotRuntime:
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task] = field(default_factory=set)
     slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
+    parked: dict[tuple[str, Any], torch.Tensor] = field(default_factory=dict)  # (model, key) -> its feature map between two staged batches
+    gathering: dict[tuple[str, int], dict[Any, torch.Tensor]] = field(default_factory=dict)  # (model, dispatch) -> the parts of it arrived so far
 
     def hold_factor(self) -> float:
         factor, until = self.slowdown
@@ -149,8 +156,9 @@ class Stage:
     async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         """Run one batch: compute, then forward the feature map or store the outputs."""
         hop, rest = batch["route"][0], batch["route"][1:]
+        split = None if rest or hop.get("park") else batch["sizes"]
         try:
-            output, start, end, overrun = await self._compute_held(data, None if rest else batch["sizes"], float(hop.get("hold_s") or 0.0), batch.get("expires"))
+            output, start, end, overrun = await self._compute_held(data, split, float(hop.get("hold_s") or 0.0), batch.get("expires"))
         except BatchExpired:
             _SLOTS[self.worker].report(self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])})
             return
@@ -201,6 +209,11 @@ class Stage:
         if received_at is not None:  # the feature map's trip from the previous stage
             timings.append([partition, "transfer", batch["sent_at"], received_at])
         timings.append([partition, "compute", *ran])
+        if not rest and batch["route"][0].get("park"):  # a staged batch's last stage: the data waits here for the next one
+            for key, rows in zip(batch["keys"], torch.split(output, list(batch["sizes"]))):
+                slot.parked[(self.model, key)] = rows
+            slot.report(worker, {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
+            return
         if rest:
             nxt = rest[0]
             forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
@@ -276,6 +289,28 @@ def install(worker: Any) -> None:
     worker.stream_handlers[messages.HELLO] = _hello
     worker.stream_handlers[messages.PING] = lambda token: slot.report(worker, {"op": messages.PONG, "token": token})
     worker.stream_handlers[messages.PROBE] = functools.partial(_probe, worker)
+    worker.stream_handlers[messages.FORWARD] = functools.partial(_forward, worker)
+    worker.stream_handlers[messages.DISCARD] = functools.partial(_discard, worker)
+
+
+def _forward(worker: Any, *, take: list, **batch: Any) -> None:
+    """The worker's ``daskpipe-forward`` handler: send the parked data of ``take`` (keys of
+    ``batch``) on to ``batch``'s first stage, as one part of its input."""
+    slot = _SLOTS[worker]
+    model = batch["model"]
+    missing = [key for key in take if (model, key) not in slot.parked]
+    if missing:
+        report_failure(worker, batch, RequestFailed(f"the data of {len(missing)} requests of {model!r} between two stages is not on worker {worker.address} (was it discarded?)"))
+        return
+    data = torch.cat([slot.parked.pop((model, key)) for key in take])
+    slot.to_peers.send(batch["route"][0]["address"], {"op": messages.BATCH, **batch, "part": take, "sent_at": time.time(), "data": wire_tensor(data)})
+
+
+def _discard(worker: Any, *, model: str, keys: list) -> None:
+    """The worker's ``daskpipe-discard`` handler: parked data whose requests ended."""
+    parked = _SLOTS[worker].parked
+    for key in keys:
+        parked.pop((model, key), None)
 
 
 def _probe(worker: Any, *, model: str, token: int, stage: str, hold_s: float) -> None:
@@ -311,10 +346,14 @@ class _BatchHandler:
     def __init__(self, worker: Any):
         self.worker = worker
 
-    def __call__(self, *, route: list[dict[str, Any]], data: Any = None, inputs: Any = None, sent_at: float | None = None, **batch: Any) -> None:
+    def __call__(self, *, route: list[dict[str, Any]], data: Any = None, inputs: Any = None, sent_at: float | None = None, part: list | None = None, **batch: Any) -> None:
         received_at = time.time() if sent_at is not None else None
         batch.update(route=route, sent_at=sent_at)
         worker = self.worker
+        if part is not None:  # one part of a staged batch's input: run once every part is here
+            data = self._gather(batch, part, from_wire(data))
+            if data is None:
+                return
         try:
             stage = worker.state.actors.get(route[0]["stage"])
             if not isinstance(stage, Stage):
@@ -326,6 +365,17 @@ class _BatchHandler:
         except Exception as exc:  # never let a bad batch close the worker's stream
             logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
             report_failure(worker, batch, RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)))
+
+
+    def _gather(self, batch: dict[str, Any], part: list, data: torch.Tensor) -> torch.Tensor | None:
+        """Keep ``part``'s rows of ``data``; the whole input, in the batch's key order, once the last part came."""
+        keys, sizes = batch["keys"], dict(zip(batch["keys"], batch["sizes"]))
+        parts = _SLOTS[self.worker].gathering.setdefault((batch["model"], batch["dispatch"]), {})
+        parts.update(zip(part, torch.split(data, [sizes[key] for key in part])))
+        if len(parts) < len(keys):
+            return None
+        del _SLOTS[self.worker].gathering[(batch["model"], batch["dispatch"])]
+        return torch.cat([parts[key] for key in keys])
 
 
 def feature_map_peers(worker: Any) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Union
+from typing import ClassVar, Hashable, Literal, Union
 
 Time = float  # seconds; the simulator's virtual clock or the runtime's monotonic clock
 
@@ -131,8 +131,24 @@ class Feedback:
     end: Time
 
 
+class PoolsFixed(NotImplementedError):
+    """The dispatcher plans on the pools it was built with; it cannot take a slot out or in."""
+
+
 class Dispatcher(ABC):
-    """A data plane policy. Every method returns the actions it decided, in order."""
+    """A data plane policy. Every method returns the actions it decided, in order.
+
+    These are all the calls an executor (the simulator's engine, the runtime's scheduler plugin
+    and its elastic re-planner) makes. Beyond the abstract ones, each has a default: ``feedback``
+    and ``drain`` do nothing, ``remove_slot`` and ``add_slot`` raise :class:`PoolsFixed` unless
+    ``supports_pools`` says the dispatcher overrides them, and ``continue_ids`` raises
+    ``NotImplementedError`` (a dispatcher that can take over from another must override it).
+    """
+
+    supports_pools: ClassVar[bool] = False
+    """Whether ``remove_slot`` and ``add_slot`` work. An executor never calls them otherwise: it
+    leaves a lost worker's slot in the pools (its batches are dropped as "worker-lost" until a
+    re-plan) and never suspects a slow one (gray failures need a pool to route around it)."""
 
     @abstractmethod
     def submit(self, request: Request, now: Time) -> list[Action]:
@@ -163,6 +179,22 @@ class Dispatcher(ABC):
     @property
     def queued(self) -> int:
         return 0
+
+    def continue_ids(self, first: int) -> None:
+        """Number the next dispatches from ``first`` on (at least): a dispatcher that takes over
+        from another (a re-plan) must not reuse the ids of batches the old one still has reporting."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take over from another dispatcher (no continue_ids)")
+
+    def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
+        """``slot_id`` is gone (worker lost, or suspect): plan nothing more on it. Batches already
+        dispatched through it are the executor's to retry; queued requests that no pipeline can
+        hold any more are dropped with ``reason``. Only when ``supports_pools``."""
+        raise PoolsFixed(f"{type(self).__name__} cannot take slot {slot_id!r} out of its pools")
+
+    def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
+        """Grow pool (``pipeline``, ``partition``) by ``slot`` (a new or returning worker); a
+        ``ValueError`` if it is there already. Only when ``supports_pools``."""
+        raise PoolsFixed(f"{type(self).__name__} cannot add slot {slot.id!r} to its pools")
 
 
 @dataclass

@@ -228,6 +228,8 @@ class PPipeDispatcher(Dispatcher):
     feedback by ``Dispatch.model``.
     """
 
+    supports_pools = True
+
     def __init__(
         self,
         model: ModelPlan,

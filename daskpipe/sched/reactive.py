@@ -180,6 +180,9 @@ class ReactiveDispatcher(Dispatcher):
     def queued(self) -> int:
         return self._queued
 
+    def continue_ids(self, first: int) -> None:
+        self._dispatch_ids = count(first)
+
     def _share_after(self, pipeline: int) -> float:
         """How far over its weight ``pipeline`` would be with one more request."""
         weight = self._weights[pipeline]

@@ -334,6 +334,9 @@ class DeferredDispatcher(Dispatcher):
     def queued(self) -> int:
         return sum(len(m.queue) for m in self._models.values())
 
+    def continue_ids(self, first: int) -> None:
+        self._dispatch_ids = itertools.count(first)
+
     # -- candidates (the paper's ModelThread) ------------------------------------------------
     def _meter(self, model: _Model, arrival: Time, now: Time) -> None:
         if self.settings.drop_policy == "window" and self.settings.target_batch is None:

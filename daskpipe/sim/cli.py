@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from daskpipe.sim.simulate import DATAPLANES, SimResult, find_max_load, load_grid
+from daskpipe.sched.registry import DATAPLANES
+from daskpipe.sim.simulate import SimResult, find_max_load, load_grid
 from daskpipe.sim.simulate import simulate as run_simulation
 
 
@@ -81,7 +82,7 @@ def write_report(plan: Any, result: SimResult, path: str) -> None:
 @click.command("simulate")
 @click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Plan JSON (daskpipe plan).")
 @click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True), help="Profiles: a PPipe-layout folder, a folder of JSON profiles or one file.")
-@click.option("--dataplane", type=click.Choice(DATAPLANES), default="ppipe", show_default=True, help="Data plane that dispatches the requests.")
+@click.option("--dataplane", type=click.Choice(DATAPLANES), default="ppipe", show_default=True, help="Data plane that dispatches the requests (the names deploy(dispatcher=...) takes; docs/dataplane.md).")
 @click.option("--arrivals", default="poisson", show_default=True, help="poisson, bursty (gamma gaps, see --bursty-cv) or a trace FILE (docs/simulator.md).")
 @click.option("--load-factor", type=float, default=0.9, show_default=True, help="Offered rate as a multiple of each model's plan throughput.")
 @click.option("--find-max-load", "search_max_load", is_flag=True, help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.")

@@ -21,55 +21,39 @@ import numpy as np
 from daskpipe.colocation.execute import colocated_latency, colocated_placements, colocated_profile, is_colocated
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
-from daskpipe.sched.api import Dispatch, Dispatcher, Placement, Request, Slot
+from daskpipe.sched.api import Dispatch, Placement, Request, Slot
+from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.registry import check_name, make_dispatcher
 from daskpipe.sim.engine import Engine, Trace, check_ratios, on_time
 from daskpipe.sim.workload import Trace as ArrivalTrace
 from daskpipe.sim.workload import arrivals as make_arrivals
 
-DATAPLANES = ("ppipe", "reactive", "deferred", "eager", "timeout")
-
-
 class ProfileDurations:
-    """Ground truth from the profiles: a partition's blocks on the slot's (GPU, v) at the batch
-    size, and ``batch * boundary bytes * 8 / bw`` for a feature map crossing a link. A co-located
-    partition takes what the plan's interference model says next to its co-runners."""
+    """The engine's ground truth for a whole plan: each model's
+    :class:`~daskpipe.sched.durations.BatchDurations` (the emulated runtime holds its batches by
+    the same model), on the slot's (GPU, v) that the dispatch names."""
 
     def __init__(self, plan: Plan, profiles: Mapping[str, Profile], bw_gbps: float) -> None:
-        if not (bw_gbps > 0 and math.isfinite(bw_gbps)):
-            raise ValueError(f"bw_gbps must be a positive number, got {bw_gbps!r}")
-        self.plans = {m.name: m for m in plan.models}
-        missing = [m for m in self.plans if m not in profiles]
+        missing = [m.name for m in plan.models if m.name not in profiles]
         if missing:
             raise ValueError(f"no profile for model(s) {missing} of the plan (have {sorted(profiles)})")
-        self.profiles = profiles
-        self.bw_gbps = bw_gbps
-        self._cache: dict[tuple, float] = {}
-        self._colocated = {m: latency for m in self.plans if (latency := colocated_latency(plan, m)) is not None} if is_colocated(plan) else {}
-
-    def _partition(self, model: str, pipeline: int, partition: int):
-        return self.plans[model].pipelines[pipeline].partitions[partition]
+        colocated = is_colocated(plan)
+        self.models = {
+            m.name: BatchDurations(m, profiles[m.name], bw_gbps=bw_gbps, colocated=colocated_latency(plan, m.name) if colocated else None)
+            for m in plan.models
+        }
 
     def compute(self, dispatch: Dispatch, partition: int, slot: Slot) -> float:
-        key = (dispatch.model, dispatch.pipeline, partition, slot.gpu, slot.slices, dispatch.batch_size)
-        value = self._cache.get(key)
-        if value is None:
-            part = self._partition(dispatch.model, dispatch.pipeline, partition)
-            profile = self.profiles[dispatch.model]
-            limit = profile.max_batch(slot.gpu, slot.slices)
-            if dispatch.batch_size > limit:
-                raise ValueError(f"dispatch {dispatch.id} of {dispatch.model!r} has batch {dispatch.batch_size}; {slot.gpu}/v{slot.slices} is profiled up to {limit}")
-            latency_us = self._colocated[dispatch.model].latency_us(dispatch.pipeline, partition, dispatch.batch_size) if dispatch.model in self._colocated else None
-            if latency_us is None:
-                latency_us = profile.latency(slot.gpu, slot.slices, dispatch.batch_size, *part.blocks)
-            value = self._cache[key] = latency_us / 1e6
-        return value
+        try:
+            return self.models[dispatch.model].compute_s(dispatch.pipeline, partition, dispatch.batch_size, slot.gpu, slot.slices)
+        except ValueError as exc:
+            raise ValueError(f"dispatch {dispatch.id} asks for {exc}") from None
 
     def transfer(self, dispatch: Dispatch, partition: int) -> float:
-        boundary = self._partition(dispatch.model, dispatch.pipeline, partition).blocks[0]
-        return dispatch.batch_size * self.profiles[dispatch.model].cut_bytes(boundary) * 8 / (self.bw_gbps * 1e9)
+        return self.models[dispatch.model].transfer_s(dispatch.pipeline, partition, dispatch.batch_size)
 
     def partitions(self, model: str, pipeline: int) -> int:
-        return len(self.plans[model].pipelines[pipeline].partitions)
+        return self.models[model].partitions(pipeline)
 
 
 @dataclass
@@ -147,39 +131,6 @@ def model_result(trace: Trace, model: str, load_factor: float, offered_rate: flo
     return ModelResult(model, load_factor, offered_rate, len(records), good, late, dropped, p50, p99, float(np.mean(first)) if first else None)
 
 
-def make_dispatcher(
-    dataplane: str,
-    model_plan: ModelPlan,
-    placement: Placement,
-    profile: Profile,
-    *,
-    bw_gbps: float,
-    timeout_s: float = 0.002,
-    max_batch: int | None = None,
-    settings: Any = None,
-) -> Dispatcher:
-    """The data plane ``dataplane`` for one model of a plan."""
-    if dataplane == "ppipe":
-        from daskpipe.sched.ppipe import PPipeDispatcher
-
-        return PPipeDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings)
-    if dataplane == "reactive":
-        from daskpipe.sched.reactive import ReactiveDispatcher
-
-        return ReactiveDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings)
-    from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
-    from daskpipe.sched.symphony import DeferredDispatcher
-
-    caps = {} if max_batch is None else {"max_batch": max_batch}
-    if dataplane == "deferred":
-        return DeferredDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, **caps)
-    if dataplane == "eager":
-        return EagerDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, **caps)
-    if dataplane == "timeout":
-        return TimeoutDispatcher.for_plan(model_plan, placement, profile, bw_gbps=bw_gbps, settings=settings, max_wait_s=timeout_s, **caps)
-    raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
-
-
 @dataclass
 class _Setup:
     """Everything a run needs that does not depend on the load factor."""
@@ -219,8 +170,7 @@ def _prepare(
     settings: Any = None,
 ) -> _Setup:
     """Validate :func:`simulate`'s arguments (all but the load factor) once."""
-    if dataplane not in DATAPLANES:
-        raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
+    check_name(dataplane)
     if not (duration > 0 and math.isfinite(duration)):
         raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
     if not (timeout_s >= 0 and math.isfinite(timeout_s)):
@@ -253,11 +203,7 @@ def _prepare(
     for name, rate in rates.items():
         if not (rate >= 0 and math.isfinite(rate)):
             raise ValueError(f"model {name!r}: reference rate must be a non-negative number, got {rate!r}")
-    kwargs: dict[str, Any] = {"settings": settings}
-    if dataplane in ("deferred", "eager", "timeout"):
-        kwargs["max_batch"] = max_batch
-    if dataplane == "timeout":
-        kwargs["timeout_s"] = timeout_s
+    kwargs: dict[str, Any] = {"settings": settings, "max_batch": max_batch, "timeout_s": timeout_s}
     return _Setup(plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, latency_ratios, bursty_cv, kwargs)
 
 

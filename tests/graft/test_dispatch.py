@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.graft import Fragment
-from daskpipe.graft.dispatch import FragmentDispatcher
+from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.hybrid import hybrid_plan

@@ -6,7 +6,9 @@ batch 4) and its capacity exactly; one test goes through the real profiler and p
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ from torch import nn
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.sched.registry import register
 from tests.runtime.fifo import FifoDispatcher
 
 INPUT = (3, 16, 16)
@@ -74,10 +77,23 @@ def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0),
     return profile, plan
 
 
+def open_loop(submit: Callable[[], Any], rate: float, seconds: float, seed: int = 0) -> list:
+    """Call ``submit`` at Poisson times of ``rate`` per second for ``seconds`` (open loop: no call
+    waits for an earlier one to end); what the calls returned."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
+    due = time.monotonic() + np.cumsum(gaps)
+    out = []
+    for at in due[due < due[0] - gaps[0] + seconds]:
+        time.sleep(max(0.0, at - time.monotonic()))
+        out.append(submit())
+    return out
+
+
 def with_test_dispatcher(client: Client, scheduler) -> None:
-    """Install the plugin from the client and give it the tests' FIFO dispatcher as "fifo"."""
+    """Install the plugin from the client, and register the tests' FIFO dispatcher as "fifo" (the
+    scheduler runs in this process)."""
     client.register_plugin(DaskpipeSchedulerPlugin())
-    plugin_of(scheduler).dispatchers["fifo"] = FifoDispatcher
+    register("fifo", FifoDispatcher)
 
 
 @pytest.fixture(scope="module")

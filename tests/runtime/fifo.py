@@ -69,6 +69,9 @@ class FifoDispatcher(Dispatcher):
             hops.append(Hop(q, slot, Reservation(slot, start, end)))
         return Dispatch(next(self.ids), self.model.name, 0, samples, batch, tuple(hops))
 
+    def continue_ids(self, first: int) -> None:
+        self.ids = count(first)
+
     def next_wake(self) -> Time | None:
         return self._due(self.queue[0]) if self.queue else None
 

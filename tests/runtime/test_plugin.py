@@ -1,4 +1,5 @@
-"""The scheduler plugin on its own: installation by preload, and hooks that log instead of raising."""
+"""The scheduler plugin: installation by preload, hooks that log instead of raising, and every
+data plane of the registry served on a real cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.messages import worker_slot
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.sched.registry import DATAPLANES
 
 
 async def _preloaded_scheduler_has_handlers() -> None:
@@ -61,3 +63,61 @@ def test_drop_errors_name_the_reason_and_survive_pickling():
 
     exc = pickle.loads(pickle.dumps(RequestDropped("overload", "1000 queued", "resnet50", "k1")))
     assert exc.reason == "overload" and "dropped (overload): the model's queue was full; 1000 queued" in str(exc)
+
+
+@pytest.fixture(scope="module")
+def two_slots():
+    """One emulated L4 and one emulated T4 slot in this process (TCP)."""
+    from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
+
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+DILATION = 10.0  # the plan's 457 requests/s become 46: two cores carry 70% of it with room to spare
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dataplane", DATAPLANES)
+def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_slots, dataplane):
+    """Each registered data plane, staged ones (reactive: one partition per batch, the data parked
+    between them) included, serves an open-loop stream at 70% of the plan's capacity with at least
+    99% of the requests on time, and the outputs are the model's. Balanced stages: the eager and
+    timeout policies decide on the first stage only and fall behind a slower second one (so does
+    the simulator, tests/sim/test_simulate.py)."""
+    import torch
+    from distributed import wait
+
+    from tests.runtime.conftest import example, open_loop, tiny_model, two_stage
+
+    cluster, client = two_slots
+    profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
+    capacity = plan.model("tiny").throughput / DILATION
+    model = tiny_model()
+    with daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, time_dilation=DILATION, dispatcher=dataplane) as svc:
+        generator = torch.Generator().manual_seed(2)
+        xs = [torch.randn(1, *example().shape[1:], generator=generator) for _ in range(8)]
+        sent = iter(range(1_000_000))
+        futures = open_loop(lambda: svc.submit("tiny", xs[next(sent) % len(xs)]), 0.7 * capacity, 2.5)
+        _, pending = wait(futures, timeout=30)
+        status = svc.status()["tiny"]
+        assert not pending and all(f.status == "finished" for f in futures), [f.exception() for f in futures if f.status == "error"][:3]
+        assert status["submitted"] == len(futures) >= 0.7 * capacity * 2.5 * 0.7
+        assert status["on_time"] / status["submitted"] >= 0.99, status
+        assert status["queued"] == status["in_flight"] == 0
+        with torch.inference_mode():
+            for i, future in enumerate(futures[: len(xs)]):
+                torch.testing.assert_close(future.result(), model.tail(model.head(xs[i]).half().float()), atol=1e-4, rtol=1e-4)
+    if dataplane == "reactive":  # a batch per partition
+        assert status["batches"] > 1.5 * len(futures) / 4
+
+
+def test_deploying_an_unknown_data_plane_names_the_known_ones(two_slots):
+    from tests.runtime.conftest import example, tiny_model, two_stage
+
+    cluster, client = two_slots
+    profile, plan = two_stage()
+    with pytest.raises(DeployError, match="unknown dispatcher 'fastest'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
+        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, dispatcher="fastest")

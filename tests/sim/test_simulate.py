@@ -7,6 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from daskpipe.sched.registry import DATAPLANES
 from daskpipe.sim.cli import simulate as simulate_cli
 from daskpipe.sim.simulate import find_max_load, simulate
 
@@ -48,7 +49,7 @@ def test_find_max_load_is_the_edge_of_the_grid(toy):
 
 def test_bad_arguments(toy):
     plan, profiles = toy
-    with pytest.raises(ValueError, match="dataplane"):
+    with pytest.raises(ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
         simulate(plan, profiles, dataplane="magic")
     with pytest.raises(ValueError, match="load_factor"):
         simulate(plan, profiles, load_factor=-1)
@@ -137,3 +138,15 @@ def test_cli_latency_noise_and_dispatch_policy(tmp_path):
     (tmp_path / "ratios.txt").write_text("# nothing measured\n")
     result = CliRunner().invoke(simulate_cli, base)
     assert result.exit_code == 1 and "latency_ratios is empty" in result.output
+
+
+@pytest.mark.parametrize("dataplane", DATAPLANES)
+def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
+    """The runtime's test plan (tests/runtime/test_plugin.py), simulated with each registered data plane."""
+    from tests.runtime.conftest import two_stage
+
+    profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
+    result = simulate(plan, {"tiny": profile}, dataplane=dataplane, load_factor=0.7, duration=5.0, bw_gbps=10.0)
+    tiny = result.models["tiny"]
+    assert result.dataplane == dataplane and tiny.submitted > 0.7 * plan.model("tiny").throughput * 5.0 * 0.9
+    assert tiny.attainment >= 0.99, tiny

@@ -28,7 +28,7 @@ from itertools import count
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
-from daskpipe.sched.api import Action, Dispatch, Dispatcher, DropReason, Feedback, Placement, Request, Time
+from daskpipe.sched.api import Action, Dispatch, Dispatcher, DropReason, Feedback, Placement, Request, Slot, Time
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline
 
@@ -38,15 +38,21 @@ class _EntryDispatcher(PPipeDispatcher):
 
     def __init__(self, *args: object, first_id: int, stride: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._dispatch_ids = count(first_id, stride)
+        self._stride = stride
+        self.continue_ids(first_id)
+
+    def continue_ids(self, first: int) -> None:
+        self._dispatch_ids = count(first, self._stride)
 
 
 class FragmentDispatcher(Dispatcher):
     """Routes each request by its ``start_block`` to that entry's PPipe dispatcher (module docstring).
 
-    ``factory(model_plan, placement, profile, *, bw_gbps)``, as the scheduler plugin builds
-    dispatchers; ``model_plan.pipelines`` carry their ``entry_block`` and ``slo_us`` budgets.
+    Built as every data plane is (:func:`daskpipe.sched.registry.make_dispatcher`);
+    ``model_plan.pipelines`` carry their ``entry_block`` and ``slo_us`` budgets.
     """
+
+    supports_pools = True
 
     def __init__(self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: PPipeSettings | None = None) -> None:
         if not model.pipelines:
@@ -115,6 +121,23 @@ class FragmentDispatcher(Dispatcher):
             self._slots[index].discard(slot_id)
             actions.extend(self._global(index, self._entries[index].remove_slot(slot_id, now, reason)))
         return actions
+
+    def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
+        """Grow the plan's pool (``pipeline``, ``partition``) by ``slot``, in the entry that owns it."""
+        index = next((i for i, indices in enumerate(self._pipelines) if pipeline in indices), None)
+        if index is None:
+            raise ValueError(f"model {self.model.name!r} has no pipeline {pipeline}")
+        actions = self._entries[index].add_slot(slot, self._pipelines[index].index(pipeline), partition, now)
+        self._slots[index].add(slot.id)
+        return self._global(index, actions)
+
+    def continue_ids(self, first: int) -> None:
+        """Number from the first multiple of the entry count at or past ``first``, so that
+        ``dispatch % entries`` still names the entry."""
+        stride = len(self._entries)
+        base = first + (-first) % stride
+        for index, entry in enumerate(self._entries):
+            entry.continue_ids(base + index)
 
     def _global(self, index: int, actions: list[Action]) -> list[Action]:
         """Entry ``index``'s actions as the plan sees them: its pipeline indices, and requests

@@ -1,0 +1,66 @@
+"""The data-plane registry: every name builds a dispatcher, each with the Dispatcher calls executors make."""
+
+from __future__ import annotations
+
+import pytest
+
+from daskpipe.sched.api import Dispatch, Dispatcher, Placement, PoolsFixed, Request, Slot
+from daskpipe.sched.registry import DATAPLANES, known, make_dispatcher, register
+from tests.sim.conftest import toy_plan, toy_profile
+
+
+def toy_dispatcher(name: str) -> Dispatcher:
+    plan = toy_plan()
+    slots = {"a0": Slot("a0", "A", 1, "s0"), "b0": Slot("b0", "B", 1, "s1")}
+    return make_dispatcher(name, plan.model("toy"), Placement("toy", {(0, 0): ("a0",), (0, 1): ("b0",)}, slots), toy_profile(), bw_gbps=1.0)
+
+
+@pytest.mark.parametrize("name", DATAPLANES)
+def test_each_name_dispatches_numbering_from_continue_ids(name):
+    dispatcher = toy_dispatcher(name)
+    dispatcher.continue_ids(1000)
+    actions = []
+    for i in range(4):
+        actions += dispatcher.submit(Request(i, "toy", 0.0, 0.05), 0.0)
+    while (wake := dispatcher.next_wake()) is not None and not any(isinstance(a, Dispatch) for a in actions):
+        actions += dispatcher.wake(wake)
+    dispatches = [a for a in actions if isinstance(a, Dispatch)]
+    assert dispatches and all(d.id >= 1000 for d in dispatches)
+    assert all(d.hops[0].partition == 0 for d in dispatches)
+
+
+@pytest.mark.parametrize("name", DATAPLANES)
+def test_a_dispatcher_with_fixed_pools_says_so_and_refuses_pool_changes(name):
+    dispatcher = toy_dispatcher(name)
+    if dispatcher.supports_pools:
+        assert dispatcher.remove_slot("b0", 0.0) == [] and dispatcher.add_slot(Slot("b0", "B", 1, "s1"), 0, 1, 0.0) == []
+    else:
+        with pytest.raises(PoolsFixed, match="cannot take slot 'b0' out of its pools"):
+            dispatcher.remove_slot("b0", 0.0)
+        with pytest.raises(PoolsFixed, match="cannot add slot 'b0'"):
+            dispatcher.add_slot(Slot("b0", "B", 1, "s1"), 0, 1, 0.0)
+
+
+def test_unknown_names_list_the_known_ones_and_extras_register():
+    with pytest.raises(ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
+        toy_dispatcher("magic")
+    with pytest.raises(ValueError, match="built-in"):
+        register("ppipe", lambda *a, **k: None)
+    built = []
+    register("recorder", lambda model, placement, profile, *, bw_gbps: built.append(bw_gbps) or toy_dispatcher("ppipe"))
+    assert "recorder" in known() and isinstance(toy_dispatcher("recorder"), Dispatcher) and built == [1.0]
+
+
+def test_a_dispatcher_that_cannot_take_over_says_so():
+    class Minimal(Dispatcher):
+        def submit(self, request, now):
+            return []
+
+        def wake(self, now):
+            return []
+
+        def next_wake(self):
+            return None
+
+    with pytest.raises(NotImplementedError, match="Minimal cannot take over"):
+        Minimal().continue_ids(5)
