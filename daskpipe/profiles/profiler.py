@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from daskpipe.colocation.latency import Colocated, InterferenceModel
 
 SLO_FACTOR = 5.0  # PPipe: the SLO is 5x the whole model's batch-1 latency
+BUSY_CPU_SHARE = 0.8
+"""A CPU timing whose calling thread was on a CPU for less than this share of its wall time ran on
+a busy machine (the thread computes or spins in torch's parallel regions the whole time, unless
+another process takes its core): it is taken again, up to :data:`BUSY_RETRIES` times."""
+BUSY_RETRIES = 2
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -64,17 +69,57 @@ def device_gpu_type(device: str | torch.device) -> str:
 
 def time_module(module: nn.Module, x: torch.Tensor, *, repeats: int, warmup: int = 1) -> float:
     """Median wall time in µs of ``module(x)`` after ``warmup`` runs (synchronising CUDA)."""
-    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-    samples = []
-    with torch.inference_mode():
-        for i in range(warmup + repeats):
-            sync()
-            start = time.perf_counter()
-            module(x)
-            sync()
-            if i >= warmup:
-                samples.append((time.perf_counter() - start) * 1e6)
-    return float(statistics.median(samples))
+    return timed(module, x, repeats=repeats, warmup=warmup).median_us
+
+
+class Timing:
+    """``repeats`` wall times of one computation, and the share of them its thread was on a CPU."""
+
+    __slots__ = ("samples_us", "cpu_share")
+
+    def __init__(self, samples_us: list[float], cpu_share: float | None):
+        self.samples_us = samples_us
+        self.cpu_share = cpu_share  # None on a GPU: its wall time is not the CPU's
+
+    @property
+    def median_us(self) -> float:
+        return float(statistics.median(self.samples_us))
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the samples: how noisy the timing was."""
+        return (max(self.samples_us) - min(self.samples_us)) / self.median_us if self.median_us > 0 else 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.cpu_share is not None and self.cpu_share < BUSY_CPU_SHARE
+
+
+def timed(module: nn.Module, x: torch.Tensor, *, repeats: int, warmup: int = 1) -> Timing:
+    """Time ``module(x)`` ``repeats`` times after ``warmup`` runs (synchronising CUDA). On a CPU,
+    a run whose thread was on a CPU for less than :data:`BUSY_CPU_SHARE` of it (another process
+    took its core) is taken again, up to :data:`BUSY_RETRIES` times, keeping the least disturbed."""
+    on_gpu = x.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    best: Timing | None = None
+    for _ in range(1 + (0 if on_gpu else BUSY_RETRIES)):
+        samples, wall, cpu = [], 0.0, 0.0
+        with torch.inference_mode():
+            for i in range(warmup + repeats):
+                sync()
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                module(x)
+                sync()
+                if i >= warmup:
+                    elapsed = time.perf_counter() - start
+                    samples.append(elapsed * 1e6)
+                    wall, cpu = wall + elapsed, cpu + time.thread_time() - cpu_start
+        timing = Timing(samples, None if on_gpu else min(1.0, cpu / wall) if wall > 0 else 1.0)
+        if best is None or (timing.cpu_share or 1.0) > (best.cpu_share or 1.0):
+            best = timing
+        if not best.busy:
+            break
+    return best
 
 
 def profile_model(
@@ -185,8 +230,11 @@ def _time_blocks(
     gpu_type = gpu_type or device_gpu_type(device)
     cells = [(i, j) for i in range(blocked.num_blocks) for j in range(len(measured))]
     table = np.zeros((blocked.num_blocks, len(measured)))
+    timings: list[Timing] = []
     for _, (i, j) in _reported(cells, "blocks", report):
-        table[i, j] = time_module(blocked.blocks[i], _input(blocked, i, measured[j], device), repeats=repeats, warmup=warmup)
+        timing = timed(blocked.blocks[i], _input(blocked, i, measured[j], device), repeats=repeats, warmup=warmup)
+        table[i, j] = timing.median_us
+        timings.append(timing)
 
     full_range = np.arange(1, measured[-1] + 1)
     latency = np.stack([np.interp(full_range, measured, row) for row in table])
@@ -198,6 +246,7 @@ def _time_blocks(
         "cpu_threads": torch.get_num_threads(),
         "measured_batch_sizes": measured,
         "segment_boundaries": blocked.segment_boundaries,
+        "timing": timing_summary(timings),
     }
     if interpolated:
         meta["interpolated_batch_sizes"] = interpolated
@@ -213,6 +262,22 @@ def _time_blocks(
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta=meta,
     )
+
+
+def timing_summary(timings: Sequence[Timing]) -> dict[str, Any]:
+    """How a table's timings went: their median spread, the least CPU share a cell got, and
+    whether some cells stayed busy after their retries (then the table is inflated, and says so)."""
+    shares = [t.cpu_share for t in timings if t.cpu_share is not None]
+    busy = sum(t.busy for t in timings)
+    summary: dict[str, Any] = {"median_spread": round(float(np.median([t.spread for t in timings])), 3) if timings else 0.0, "busy_cells": busy}
+    if shares:
+        summary["min_cpu_share"] = round(min(shares), 3)
+    if busy:
+        summary["warning"] = (
+            f"the machine was busy while profiling: in {busy} of {len(timings)} timings the profiling thread was on a CPU under {BUSY_CPU_SHARE:.0%} of the time "
+            f"(at least {min(shares):.0%}) after {BUSY_RETRIES} retries; the table is inflated; profile again on a quiet machine"
+        )
+    return summary
 
 
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device) -> torch.Tensor:

@@ -119,8 +119,14 @@ def profile_on_cluster(
     measured, excluded = _measure(client, to_measure, name, blocked, sizes, slo_us, timeout_s) if to_measure else ({}, {})
     for kind, profile in measured.items():
         tables[kind] = profile.table(*kind)
-        measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": profile.meta["device"], "cpu_threads": profile.meta["cpu_threads"]}
-        if kind in keys:
+        timing = profile.meta.get("timing", {})
+        measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": profile.meta["device"], "cpu_threads": profile.meta["cpu_threads"], "timing": timing}
+        if "warning" in timing:  # an inflated table: said, and not kept for the next deploy
+            logger.warning("daskpipe: %s on %s: %s", name, kind_label(*kind), timing["warning"])
+            from rich.console import Console
+
+            Console(stderr=True).print(f"daskpipe: {name} on {kind_label(*kind)}: {timing['warning']}")
+        elif kind in keys:
             measurements[kind_label(*kind)]["store"] = str(store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()}))
     origin.update({kind_label(*k): MEASURED for k in tables})
     for kind, reason in excluded.items():

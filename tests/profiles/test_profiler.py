@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from daskpipe.profiles import Profile, profile_model
-from daskpipe.profiles.profiler import normalise_batch_sizes
+from daskpipe.profiles.profiler import BUSY_CPU_SHARE, normalise_batch_sizes, timed, timing_summary
 
 
 def small_cnn() -> nn.Module:
@@ -58,6 +58,34 @@ def test_profiles_in_a_dask_worker_with_the_threads_its_slot_serves_with():
         future = client.submit(profile_model, small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=1, repeats=1, warmup=0)
         profile, _ = future.result()
     assert profile.meta["cpu_threads"] == 3  # the worker's threads, not torch's default
+
+
+def _burn(until: float) -> None:
+    import time
+
+    while time.time() < until:
+        pass
+
+
+def test_a_timing_taken_while_other_processes_take_the_cpu_says_the_machine_was_busy():
+    import multiprocessing
+    import os
+    import time
+
+    module, x = nn.Linear(512, 512), torch.randn(256, 512)
+    burners = [multiprocessing.get_context("spawn").Process(target=_burn, args=(time.time() + 6.0,)) for _ in range(3 * (os.cpu_count() or 1))]
+    for p in burners:
+        p.start()
+    try:
+        time.sleep(1.0)  # they spin by now
+        busy = timed(module, x, repeats=20, warmup=2)
+    finally:
+        for p in burners:
+            p.terminate()
+            p.join()
+    assert busy.busy and busy.cpu_share < BUSY_CPU_SHARE, busy.cpu_share
+    summary = timing_summary([busy])
+    assert summary["busy_cells"] == 1 and "the machine was busy while profiling" in summary["warning"] and "profile again on a quiet machine" in summary["warning"]
 
 
 def test_bad_arguments():
