@@ -18,7 +18,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "daskpipe"
 LOWER = ("daskpipe.profiles", "daskpipe.plan", "daskpipe.sched")
 UPPER = ("daskpipe.runtime", "daskpipe.sim", "daskpipe.dashboard", "daskpipe.benchmarks")
 # Benchmark and experiment modules that still live inside the library packages.
-BENCH_MODULES = {"daskpipe.runtime.chaos", "daskpipe.runtime.overload", "daskpipe.sim.experiments"}
+BENCH_MODULES = {"daskpipe.runtime.chaos", "daskpipe.runtime.overload", "daskpipe.sim.experiments", "daskpipe.colocation.compare"}
+
+# The layers, lowest first: a module imports from its own package or from lower layers only.
+# Front ends (the CLIs, the top-level package) and benchmarks sit above them all.
+UTILITIES, COLOCATION_CORE, PROFILES, PLAN, SCHED, DATA_PLANE, DASHBOARD, TOP = range(8)
+PACKAGE_LAYERS = {
+    "daskpipe.jsonfile": UTILITIES,
+    "daskpipe.progress": UTILITIES,
+    "daskpipe.colocation": COLOCATION_CORE,  # a leaf library, but for its bridges below
+    "daskpipe.profiles": PROFILES,
+    "daskpipe.plan": PLAN,
+    "daskpipe.graft": PLAN,  # Graft's planner; its simulator is a data plane (below)
+    "daskpipe.sched": SCHED,
+    "daskpipe.sim": DATA_PLANE,
+    "daskpipe.runtime": DATA_PLANE,
+    "daskpipe.dashboard": DASHBOARD,
+}
+MODULE_LAYERS = {
+    "daskpipe.colocation.profiles": PLAN,  # co-location's planning bridge: profiles in, a Plan out
+    "daskpipe.colocation.planner": PLAN,
+    "daskpipe.colocation.execute": SCHED,  # co-located latencies for the data planes
+    "daskpipe.graft.simulate": DATA_PLANE,
+}
 
 
 def module_name(path: Path) -> str:
@@ -129,6 +151,26 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer(module: str) -> int:
+    if is_bench(module) or module in ("daskpipe", "daskpipe.cli") or module.endswith(".cli"):
+        return TOP
+    return MODULE_LAYERS.get(module, PACKAGE_LAYERS[package(module)])
+
+
+def against_the_layers(graph: Graph) -> set[tuple[str, str]]:
+    """Arrows to a higher layer, or between the simulator and the runtime (siblings)."""
+    return {
+        (importer, target)
+        for importer, targets in graph.edges.items()
+        for target in targets
+        if layer(target) > layer(importer) or {package(importer), package(target)} == {"daskpipe.sim", "daskpipe.runtime"}
+    }
+
+
 def upward_arrows(graph: Graph) -> set[tuple[str, str]]:
     return {
         (importer, target)
@@ -161,3 +203,7 @@ def test_no_private_name_crosses_a_module(graph: Graph) -> None:
 
 def test_lower_layers_import_nothing_above_them(graph: Graph) -> None:
     assert sorted(upward_arrows(graph)) == []
+
+
+def test_imports_follow_the_layers(graph: Graph) -> None:
+    assert sorted(against_the_layers(graph)) == []

@@ -57,7 +57,7 @@ from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Ti
 if TYPE_CHECKING:
     from distributed import Client, Future
 
-    from daskpipe.dashboard.metrics import ServiceMetrics
+    from daskpipe.sched.metrics import ServiceMetrics
 
 
 logger = logging.getLogger(__name__)

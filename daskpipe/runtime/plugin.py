@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import itertools
 import logging
 import math
@@ -27,14 +28,13 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+import dask.config
 from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
-from daskpipe.dashboard import attach_dashboard
-from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
@@ -48,6 +48,7 @@ from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.metrics import ServiceMetrics
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ EXPIRY = -1
 """The watchlist's partition for a batch's late limit (its hops are 0, 1, ...)."""
 WATCH_TICK_S = 0.005
 """The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
+EXTENSIONS_CONFIG = "daskpipe.scheduler-extensions"
+"""Dask config key: the ``module:function`` names the plugin runs on its scheduler as it starts.
+Layers above the runtime add themselves here (``daskpipe/__init__.py`` sets the dashboard's pages
+as the default), so the runtime imports none of them."""
 
 
 def guarded(method: Callable) -> Callable:
@@ -209,7 +214,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             for address in scheduler.workers:
                 self.add_worker(scheduler, address)
-            attach_dashboard(scheduler)
+            start_extensions(scheduler)
             raise_gc_thresholds()
         except Exception:
             logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
@@ -1066,6 +1071,18 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 at = max(wake, now - served.control.margin_s)
                 self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
         self.arm()
+
+
+def start_extensions(scheduler: Any) -> None:
+    """Run each ``module:function`` that the Dask config key :data:`EXTENSIONS_CONFIG` names on
+    ``scheduler`` (the top-level ``daskpipe`` package names the dashboard's pages). A failing one
+    is logged: the scheduler still serves requests."""
+    for name in dask.config.get(EXTENSIONS_CONFIG, []):
+        try:
+            module, _, function = str(name).partition(":")
+            getattr(importlib.import_module(module), function)(scheduler)
+        except Exception:
+            logger.exception("daskpipe: the scheduler extension %r could not start; serving goes on without it", name)
 
 
 def install(scheduler: Any) -> DaskpipeSchedulerPlugin:
