@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import dask.config
+
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
@@ -11,6 +13,10 @@ if TYPE_CHECKING:
     from daskpipe.runtime.service import Service
 
 __all__ = ["Plan", "PlanError", "Profile", "ProfileError", "dask_setup", "deploy"]
+
+# Every process that runs daskpipe's scheduler plugin imports this package first: here the layers
+# are put together, and the runtime's plugin attaches the dashboard's pages by this name.
+dask.config.update_defaults({"daskpipe": {"scheduler-extensions": ["daskpipe.dashboard:attach_dashboard"]}})
 
 
 def deploy(client: Any, models: Any, **kwargs: Any) -> Service:

@@ -44,7 +44,7 @@ def main() -> None:
 @main.group(
     cls=LazyGroup,
     lazy={
-        "plan": "daskpipe.plan.cli:bench_plan",
+        "plan": "daskpipe.plan.bench:bench_plan",
         "scheduler": "daskpipe.sched.bench:bench_scheduler",
         "runtime": "daskpipe.runtime.bench:bench_runtime",
         "colocation": "daskpipe.colocation.bench:bench_colocation",

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import click
 
-from daskpipe.plan.cli import _Floats, _Names, _Pairs, _profiles_dir, _profiles_option, echo_json
+from daskpipe.plan.cli import FloatList, NameList, Pairs, profiles_dir_or_default, profiles_option, echo_json
 from daskpipe.plan.milp import COLOCATION_STRATEGIES, make_plan
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile
@@ -85,10 +85,10 @@ def compare(
 
 
 @click.command("colocation-plan")
-@_profiles_option
-@click.option("--models", type=_Names(), default="colorization,googlenet,repvgg", show_default=True, help="Models (unique prefixes); default: group G2.")
-@click.option("--weights", type=_Floats(), default="0.30,0.33,0.37", show_default=True, help="Workload mix, in --models order.")
-@click.option("--gpus", type=_Pairs(int, "COUNT"), default="L4=2,T4=2", show_default=True, help="The cluster.")
+@profiles_option
+@click.option("--models", type=NameList(), default="colorization,googlenet,repvgg", show_default=True, help="Models (unique prefixes); default: group G2.")
+@click.option("--weights", type=FloatList(), default="0.30,0.33,0.37", show_default=True, help="Workload mix, in --models order.")
+@click.option("--gpus", type=Pairs(int, "COUNT"), default="L4=2,T4=2", show_default=True, help="The cluster.")
 @click.option("--strategy", "strategies", multiple=True, help="Strategies (repeatable; default: np, ppipe and every co-location policy).")
 @click.option("--margin", type=float, default=0.4, show_default=True)
 @click.option("--duration", type=float, default=10.0, show_default=True, help="Simulated seconds per load point.")
@@ -108,7 +108,7 @@ def bench_colocation_plan(profiles_dir, models, weights, gpus, strategies, margi
         raise click.BadParameter(f"unknown strategy {unknown}; choose from {list(STRATEGIES)}", param_hint="--strategy")
     chosen = list(strategies) or ["np", "ppipe", *COLOCATION_STRATEGIES]
     try:
-        profiles = load_profiles(_profiles_dir(profiles_dir), models)
+        profiles = load_profiles(profiles_dir_or_default(profiles_dir), models)
         with progress_bar("planning and simulating", total=len(chosen)) as advance:
             figures = compare(profiles, gpus, chosen, weights=dict(zip(profiles, weights)), margin=margin, duration=duration, seed=seed, advance=advance)
     except (PlanError, ProfileError) as exc:

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from daskpipe.colocation.latency import ColocationError, Colocated, GpuSpec, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPolicy, Workload, make_policy
-from daskpipe.colocation.profiles import gpu_specs, model_from_profiles, to_plan
+from daskpipe.colocation.profiles import model_from_profiles, to_plan
+from daskpipe.profiles.catalog import gpu_specs
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile
 

@@ -21,24 +21,6 @@ from daskpipe.colocation.policy import Gpu, PlacementPlan, Workload
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 
-# Effective host-to-GPU bandwidth (GB/s) of a x16 link by PCIe generation.
-PCIE_GB_PER_S = {3: 12.0, 4: 24.0, 5: 48.0}
-
-
-def gpu_specs(types: Sequence[str]) -> dict[str, GpuSpec]:
-    """What the latency model needs of each GPU type, from the GPU catalog (workers/gpus.json)."""
-    from daskpipe.profiles.catalog import load_catalog
-
-    catalog = load_catalog()
-    unknown = [t for t in types if t not in catalog]
-    if unknown:
-        raise ColocationError(f"GPU type(s) {unknown} are not in the GPU catalog (it has {sorted(catalog)}); add them to workers/gpus.json")
-    return {
-        t: GpuSpec(t, sm_count=catalog[t].sm_count, memory_mb=catalog[t].memory_gb * 1024, pcie_gb_per_s=PCIE_GB_PER_S.get(catalog[t].pcie_gen, 12.0))
-        for t in types
-    }
-
-
 def model_from_profiles(profiles: Mapping[str, Profile], specs: Mapping[str, GpuSpec]) -> InterferenceModel:
     """Fit one ``ModelCoefficients`` per (model, GPU type) present in both ``profiles`` and ``specs``.
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from daskpipe.colocation.inss import InssScorer
+from daskpipe.colocation.bda import InssScorer
 from daskpipe.colocation.policy import Workload
 
 

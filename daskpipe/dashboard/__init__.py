@@ -1,6 +1,6 @@
 """daskpipe's dashboard: pages in Dask's scheduler dashboard, Prometheus metrics, HTML reports.
 
-:class:`~daskpipe.dashboard.metrics.ServiceMetrics` records the service's events (the scheduler
+:class:`~daskpipe.sched.metrics.ServiceMetrics` records the service's events (the scheduler
 plugin owns one); :mod:`~daskpipe.dashboard.server` serves the pages and ``/daskpipe/metrics``;
 :mod:`~daskpipe.dashboard.report` writes the same figures for a simulated run.
 """

@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from daskpipe.dashboard.server import PAGES
-from daskpipe.runtime.bench import BATCH, _profile_and_plan, _trivial_model
+from daskpipe.runtime.bench import BATCH, profile_and_plan, trivial_model
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "trivial-b32"
@@ -201,8 +201,8 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
     sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     opening: list[dict[str, float]] = []  # what opening the pages cost, each time (not timed)
     with stage_worker_environ(), LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        profiles, plan = _profile_and_plan({MODEL: BATCH})
-        svc = daskpipe.deploy(client, {MODEL: _trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
+        profiles, plan = profile_and_plan({MODEL: BATCH})
+        svc = daskpipe.deploy(client, {MODEL: trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
         try:
             wait(svc.map(MODEL, [torch.zeros(1, 16)] * 2 * BATCH))  # warm the path
             base_url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"

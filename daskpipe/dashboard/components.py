@@ -26,7 +26,7 @@ from bokeh.plotting import figure
 from distributed.dashboard.components import DashboardComponent
 from distributed.utils import log_errors
 
-from daskpipe.dashboard.metrics import BUCKET_S, PHASES, DropEvent, ServiceMetrics
+from daskpipe.sched.metrics import BUCKET_S, PHASES, DropEvent, ServiceMetrics
 
 Reader = Callable[[], tuple["ServiceMetrics | None", float]]
 """Returns the recorder to draw (``None`` while there is none) and the time to draw up to."""

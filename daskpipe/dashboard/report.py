@@ -16,7 +16,7 @@ from bokeh.models import TabPanel, Tabs
 from bokeh.resources import INLINE
 
 from daskpipe.dashboard.components import build_roots
-from daskpipe.dashboard.metrics import BUCKET_S, ServiceMetrics
+from daskpipe.sched.metrics import BUCKET_S, ServiceMetrics
 
 if TYPE_CHECKING:
     from daskpipe.plan.schema import ModelPlan

@@ -25,7 +25,7 @@ from distributed.dashboard.core import BokehApplication, DaskBokehTornado
 from tornado.ioloop import IOLoop
 
 from daskpipe.dashboard.components import VIEWS, Reader
-from daskpipe.dashboard.metrics import ServiceMetrics
+from daskpipe.sched.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 

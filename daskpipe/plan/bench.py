@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import click
+
+from daskpipe.plan.cli import echo_json, profiles_dir_or_default, profiles_option
 from daskpipe.plan.milp import make_plan
 from daskpipe.plan.specs import group_cases
 
@@ -65,6 +68,25 @@ def run_bench(
         "per_cluster": per_cluster,
         "cases": cases,
     }
+
+
+@click.command("plan")
+@profiles_option
+@click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True)
+@click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit per plan, seconds.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the figures here.")
+def bench_plan(profiles_dir, solver, time_limit, json_out) -> None:
+    """Plan groups G1-G4 on clusters HC1-HC4 with ppipe, np and dart-r; print ratios and solve times as JSON."""
+    from daskpipe.plan.schema import PlanError
+    from daskpipe.profiles.model import ProfileError
+    from daskpipe.progress import progress_bar
+
+    try:
+        with progress_bar("planning G1-G4 on HC1-HC4", total=16 * len(STRATEGIES)) as advance:
+            figures = run_bench(profiles_dir_or_default(profiles_dir), solver=solver, time_limit=time_limit, advance=advance)
+    except (PlanError, ProfileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    echo_json(figures, json_out)
 
 
 def _cpu_seconds() -> float:

@@ -1,4 +1,4 @@
-"""``daskpipe plan`` and ``daskpipe bench plan``: thin click wrappers around :func:`make_plan`.
+"""``daskpipe plan``: a thin click wrapper around :func:`make_plan`.
 
 Flags mirror the keyword arguments of ``make_plan`` name for name; parsing errors name the flag
 and the bad value, planning errors (:class:`PlanError`) come back as click errors with the
@@ -18,7 +18,7 @@ from daskpipe.plan.milp import STRATEGIES
 DEFAULT_PROFILES = Path(__file__).resolve().parents[3] / "shared" / "ppipe"
 
 
-class _Pairs(click.ParamType):
+class Pairs(click.ParamType):
     """``KEY=VALUE,KEY=VALUE`` into a dict, with VALUE converted by ``convert_value``."""
 
     def __init__(self, convert_value: Callable[[str], Any], what: str):
@@ -44,7 +44,9 @@ class _Pairs(click.ParamType):
         return out
 
 
-class _Names(click.ParamType):
+class NameList(click.ParamType):
+    """``A,B,C`` into a list of names."""
+
     name = "NAME,..."
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
@@ -58,7 +60,9 @@ class _Names(click.ParamType):
         return names
 
 
-class _Floats(click.ParamType):
+class FloatList(click.ParamType):
+    """``0.3,0.7`` into a list of floats."""
+
     name = "X,..."
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[float]:
@@ -70,7 +74,8 @@ class _Floats(click.ParamType):
             self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
 
 
-def _profiles_dir(value: Path | None) -> Path:
+def profiles_dir_or_default(value: Path | None) -> Path:
+    """The ``--profiles`` folder given, else the measured profiles beside the repo."""
     if value is not None:
         return value
     if DEFAULT_PROFILES.is_dir():
@@ -78,20 +83,20 @@ def _profiles_dir(value: Path | None) -> Path:
     raise click.UsageError(f"give --profiles DIR (the default {DEFAULT_PROFILES} does not exist)")
 
 
-_profiles_option = click.option(
+profiles_option = click.option(
     "--profiles", "profiles_dir", type=click.Path(exists=True, path_type=Path), default=None,
     help="Folder of profiles (PPipe table layout or daskpipe JSON); default ../shared/ppipe beside the repo.",
 )
 
 
 @click.command()
-@_profiles_option
-@click.option("--models", required=True, type=_Names(), help="Models to serve together (full names or unique prefixes).")
-@click.option("--weights", type=_Floats(), default=None, help="Workload share of each model, in --models order (default: equal).")
-@click.option("--gpus", required=True, type=_Pairs(int, "COUNT"), help="GPU inventory, e.g. L4=25,P4=75.")
-@click.option("--gpus-per-server", type=_Pairs(int, "COUNT"), default=None, help="GPUs sharing one server's NIC, per type (default 1).")
+@profiles_option
+@click.option("--models", required=True, type=NameList(), help="Models to serve together (full names or unique prefixes).")
+@click.option("--weights", type=FloatList(), default=None, help="Workload share of each model, in --models order (default: equal).")
+@click.option("--gpus", required=True, type=Pairs(int, "COUNT"), help="GPU inventory, e.g. L4=25,P4=75.")
+@click.option("--gpus-per-server", type=Pairs(int, "COUNT"), default=None, help="GPUs sharing one server's NIC, per type (default 1).")
 @click.option("--bw-gbps", type=float, default=10.0, show_default=True, help="Effective network bandwidth per server, Gbit/s.")
-@click.option("--slo-us", type=_Pairs(float, "MICROSECONDS"), default=None, help="SLO per model, overriding the profiles'.")
+@click.option("--slo-us", type=Pairs(float, "MICROSECONDS"), default=None, help="SLO per model, overriding the profiles'.")
 @click.option("--margin", type=float, default=0.4, show_default=True, help="Share of the SLO the plan keeps free.")
 @click.option("--max-parts", type=int, default=2, show_default=True, help="Most partitions per pipeline.")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="ppipe", show_default=True,
@@ -111,7 +116,7 @@ def plan(profiles_dir, models, weights, gpus, gpus_per_server, bw_gbps, slo_us, 
     if weights is not None and len(weights) != len(models):
         raise click.BadParameter(f"{len(weights)} weights for {len(models)} models; give one per model, in --models order", param_hint="--weights")
     try:
-        profiles = load_profiles(_profiles_dir(profiles_dir), models)
+        profiles = load_profiles(profiles_dir_or_default(profiles_dir), models)
         names = list(profiles)  # full names, in --models order
         slo = {_full_name(k, names, "--slo-us"): v for k, v in (slo_us or {}).items()}
         with progress_bar(f"planning {len(names)} model(s) with {strategy}", total=None):
@@ -159,28 +164,6 @@ def _where(part) -> str:
     if part.device:
         return f"{part.device} share {part.share:.2f}"
     return f"{part.gpu}{'' if part.slices == 1 else f'/{part.slices}'} x{part.vgpus}"
-
-
-@click.command("plan")
-@_profiles_option
-@click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True)
-@click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit per plan, seconds.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the figures here.")
-def bench_plan(profiles_dir, solver, time_limit, json_out) -> None:
-    """Plan groups G1-G4 on clusters HC1-HC4 with ppipe, np and dart-r; print ratios and solve times as JSON."""
-    from daskpipe.plan.bench import run_bench
-    from daskpipe.plan.schema import PlanError
-    from daskpipe.profiles.model import ProfileError
-
-    from daskpipe.plan.bench import STRATEGIES
-    from daskpipe.progress import progress_bar
-
-    try:
-        with progress_bar("planning G1-G4 on HC1-HC4", total=16 * len(STRATEGIES)) as advance:
-            figures = run_bench(_profiles_dir(profiles_dir), solver=solver, time_limit=time_limit, advance=advance)
-    except (PlanError, ProfileError) as exc:
-        raise click.ClickException(str(exc)) from None
-    echo_json(figures, json_out)
 
 
 def echo_json(figures: Any, path: Path | None) -> None:

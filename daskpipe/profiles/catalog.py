@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from daskpipe.colocation.latency import ColocationError, GpuSpec
 from daskpipe.profiles.model import ProfileError
 
 FORMAT = "daskpipe-gpus/1"
@@ -121,3 +122,19 @@ def _spec(name: str, entry: Any, where: str) -> GPUSpec:
         mps_slicing=mps_slicing,
         aliases=tuple(aliases),
     )
+
+
+# Effective host-to-GPU bandwidth (GB/s) of a x16 link by PCIe generation.
+PCIE_GB_PER_S = {3: 12.0, 4: 24.0, 5: 48.0}
+
+
+def gpu_specs(types: Sequence[str]) -> dict[str, GpuSpec]:
+    """What co-location's latency model needs of each GPU type, from the GPU catalog."""
+    catalog = load_catalog()
+    unknown = [t for t in types if t not in catalog]
+    if unknown:
+        raise ColocationError(f"GPU type(s) {unknown} are not in the GPU catalog (it has {sorted(catalog)}); add them to workers/gpus.json")
+    return {
+        t: GpuSpec(t, sm_count=catalog[t].sm_count, memory_mb=catalog[t].memory_gb * 1024, pcie_gb_per_s=PCIE_GB_PER_S.get(catalog[t].pcie_gen, 12.0))
+        for t in types
+    }

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from daskpipe.plan.prepartition import greedy_blocks
+from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.catalog import GPUSpec, load_catalog
 from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile, ProfileError

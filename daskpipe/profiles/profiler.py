@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from daskpipe.plan.prepartition import greedy_blocks
+from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile
 
@@ -339,7 +339,7 @@ def profile_colocation(
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"co-location profiling runs on a CUDA GPU under MPS (device {device} is not one here); use the emulated mode without a GPU")
-        from daskpipe.colocation.profiles import gpu_specs
+        from daskpipe.profiles.catalog import gpu_specs
 
         gpu = gpu_type or device_gpu_type(device)
         spec = gpu_specs([gpu])[gpu]

@@ -44,18 +44,19 @@ def _noop(i: int) -> int:
     return i
 
 
-def _trivial_model() -> nn.Module:
+def trivial_model() -> nn.Module:
+    """A model of two parameter-free blocks: what it computes is irrelevant, the serving is measured."""
     return nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
 
 
-def _profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US):
+def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US):
     """A profile and a 2-partition plan on ``cpu`` slots for each (model name, batch size), each
     block profiled at ``stage_us`` at any batch size."""
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
 
-    segmented = segment_model(_trivial_model(), torch.zeros(1, 16))
+    segmented = segment_model(trivial_model(), torch.zeros(1, 16))
     bounds = [0, 1, segmented.num_segments]
     blocked = segmented.cut(bounds)
     profiles, models = {}, []
@@ -119,13 +120,13 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
     requests = -(-requests // BATCH) * BATCH
 
     if protocol == "ucx":
-        from daskpipe.runtime.cluster import resolve_protocol
+        from daskpipe.runtime.protocols import resolve_protocol
 
         protocol = resolve_protocol(protocol)
     # a pipeline's two partitions need two slots; the b=1 pipeline gets two more
     with stage_worker_environ(), LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
-        profiles, plan = _profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
-        model = _trivial_model()
+        profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
+        model = trivial_model()
         svc = daskpipe.deploy(
             client, {name: model for name in profiles}, example_inputs={name: torch.zeros(1, 16) for name in profiles},
             plan=plan, profiles=profiles,
@@ -135,16 +136,16 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             wait(client.map(_noop, range(100), pure=False))  # warm both paths
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
-            _settle(cluster.scheduler)
+            settle(cluster.scheduler)
             daskpipe_latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), latency_samples)
             dask_latencies = _closed_loop(lambda: client.submit(_noop, 0, pure=False), latency_samples)
             lag = LoopLag()
             dask_rates, daskpipe_rates, lags, failed = [], [], [], 0
             for _ in range(rounds):
-                _settle(cluster.scheduler)
+                settle(cluster.scheduler)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
                 advance(note="plain Dask round")
-                _settle(cluster.scheduler)
+                settle(cluster.scheduler)
                 cluster.sync(lag.start)
                 rate, round_failed = _throughput(lambda: svc.map("trivial-b32", [x] * requests), requests)
                 lags.extend(cluster.sync(lag.stop))
@@ -154,7 +155,7 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
             status = svc.status()
         finally:
             svc.close()
-        _settle(cluster.scheduler)
+        settle(cluster.scheduler)
         loaded_latencies, load = _loaded(client, cluster, latency_samples)
         lags.extend(load.pop("loop_lags_s"))
         advance(note="loaded run")
@@ -194,10 +195,10 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
 
     import daskpipe
 
-    profiles, plan = _profile_and_plan({"trivial-b1": 1})
-    load_profiles, load_plan = _profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US)
+    profiles, plan = profile_and_plan({"trivial-b1": 1})
+    load_profiles, load_plan = profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US)
     plan = type(plan)(objective=plan.objective, models=plan.models + load_plan.models, cluster=plan.cluster)
-    model, x = _trivial_model(), torch.zeros(1, 16)
+    model, x = trivial_model(), torch.zeros(1, 16)
     svc = daskpipe.deploy(client, {"trivial-b1": model, "trivial-load": model}, example_inputs={"trivial-b1": x, "trivial-load": x}, plan=plan, profiles={**profiles, **load_profiles})
     rate = LOAD_FACTOR * load_plan.models[0].throughput
     lag = LoopLag()
@@ -278,7 +279,7 @@ def _throughput(submit: Callable[[], list], requests: int) -> tuple[float, int]:
     return rate, sum(f.status != "finished" for f in futures)
 
 
-def _settle(scheduler: Any, timeout_s: float = 60.0) -> None:
+def settle(scheduler: Any, timeout_s: float = 60.0) -> None:
     """Wait until the scheduler holds only the stage actors: the previous run's keys are released
     and forgotten, work on its event loop that the next run must not be charged for."""
     deadline = time.monotonic() + timeout_s

@@ -11,47 +11,14 @@ import asyncio
 import logging
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from distributed import LocalCluster
 
 from daskpipe.runtime.environ import stage_worker_environ
+from daskpipe.runtime.protocols import resolve_protocol
 from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
-
-logger = logging.getLogger(__name__)
-
-PROTOCOLS = ("tcp", "tls", "ucx", "inproc")
-
-
-def ucx_available() -> bool:
-    """Whether ``protocol="ucx"`` can work: distributed needs the distributed-ucxx package for it."""
-    try:
-        import distributed_ucxx  # noqa: F401  (registers the ucx:// backend with distributed)
-    except (ImportError, OSError):  # not installed, or its UCX libraries do not load
-        return False
-    return True
-
-
-def resolve_protocol(protocol: str) -> str:
-    """The protocol to use for ``protocol``: ``"ucx"`` falls back to ``"tcp"`` without distributed-ucxx.
-
-    The fallback is announced as a warning (and in the log) so a benchmark run over TCP is never
-    mistaken for one over UCX.
-    """
-    scheme = protocol.removesuffix("://")
-    if scheme not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
-    if scheme == "ucx" and not ucx_available():
-        message = (
-            "protocol='ucx' needs the distributed-ucxx package, which is not installed or does not load; "
-            "falling back to tcp. Install it with `pip install 'daskpipe[ucx]'` (or 'daskpipe[ucx-cu12]' for a CUDA 12 torch build)."
-        )
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        logger.warning(message)
-        return "tcp"
-    return scheme
 
 
 def emulated_slots(

@@ -41,7 +41,7 @@ import uuid
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -50,12 +50,15 @@ from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.messages import WorkerSlot
+from daskpipe.runtime.placement import gpus_per_server, physical_gpus, place
+from daskpipe.runtime.served import Served
 from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Time
 
 if TYPE_CHECKING:
     from distributed import Client, Future
 
-    from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, _Served
+    from daskpipe.sched.metrics import ServiceMetrics
+
 
 logger = logging.getLogger(__name__)
 
@@ -215,9 +218,9 @@ def kind_tables(
     from daskpipe.profiles.estimator import estimate_kinds
     from daskpipe.profiles.fx import BlockedModel
     from daskpipe.runtime.profiling import measure_kind
-    from daskpipe.runtime.stage import _LOADING
+    from daskpipe.runtime.stage import LOADING
 
-    with _LOADING:  # unpickling re-traces: no stage of this process may compute meanwhile
+    with LOADING:  # unpickling re-traces: no stage of this process may compute meanwhile
         modules = [block for chunk in blocks for block in pickle.loads(chunk)]
     blocked = BlockedModel(
         modules, tuple(input_shapes[0]), tuple(output_shape), [tuple(s) for s in input_shapes[1:]],
@@ -249,10 +252,29 @@ def _client_security(security: Any) -> Any:
     return own
 
 
+class ServingControl(Protocol):
+    """What a re-plan needs of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
+    which creates the :class:`Elastic`): what it serves on which slots, and the calls that hand a
+    model from one plan to the next."""
+
+    scheduler: Any
+    served: dict[str, Served]
+    slots: dict[str, WorkerSlot]
+    metrics: ServiceMetrics  # the busy time of each slot, for scaling down
+
+    def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]: ...
+
+    def switch(self, model: str, held: Served, plan: Plan, profile: Profile, stages: list[list], *, dispatcher: str, time_dilation: float, bw_gbps: float, first_id: int) -> None: ...
+
+    def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None: ...
+
+    def arm(self) -> None: ...
+
+
 class Elastic:
     """The scheduler plugin's elasticity (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: DaskpipeSchedulerPlugin, settings: ElasticSettings | None = None):
+    def __init__(self, plugin: ServingControl, settings: ElasticSettings | None = None):
         self.plugin = plugin
         self.settings = settings or ElasticSettings()
         self.deployments: dict[str, Deployment] = {}
@@ -386,7 +408,6 @@ class Elastic:
 
     async def _replan(self, group: str, reasons: list[str]) -> None:
         from daskpipe.plan.milp import make_plan
-        from daskpipe.runtime.service import _gpus_per_server, _physical_gpus, _place  # service imports this module
 
         dep = self.deployments[group]
         if any(self.plugin.served.get(m) is None or self.plugin.served[m].closing for m in dep.models):
@@ -399,7 +420,7 @@ class Elastic:
         await self._profile_missing(dep, slots)
         profiles = {m: spec.profile for m, spec in dep.models.items()}
         plan_call = functools.partial(
-            make_plan, profiles, _physical_gpus(slots), weights=dep.weights, gpus_per_server=_gpus_per_server(slots),
+            make_plan, profiles, physical_gpus(slots), weights=dep.weights, gpus_per_server=gpus_per_server(slots),
             allow_missing_gpus=True, time_limit=self.settings.plan_time_limit_s, **dep.options,
         )
         try:
@@ -421,7 +442,7 @@ class Elastic:
             self.leaving.clear()
             self.changed_at = time.monotonic()  # the cooldown holds off the next attempt
             return
-        placed = _place(plan, list(dep.models), [s for s in slots if s.address in alive])
+        placed = place(plan, list(dep.models), [s for s in slots if s.address in alive])
         rows = await self._start_stages(dep, plan, placed)
         if rows is None:
             return
@@ -548,18 +569,13 @@ class Elastic:
 
     async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]]) -> None:
         """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration)."""
-        from daskpipe.runtime.plugin import queue_bound  # the plugin imports this module
-
         plugin = self.plugin
-        now = time.monotonic()
-        held: dict[str, tuple[_Served, Dispatcher, Holding]] = {}
+        held: dict[str, tuple[Served, Dispatcher, Holding]] = {}
         for model in dep.models:
-            served = plugin.served[model]
-            holding, old = Holding(model), served.dispatcher
-            served.dispatcher = holding
-            drained = plugin._step(served, model, lambda: old.drain(now, "shutdown"))
-            holding.requests.extend(a.request for a in drained if isinstance(a, Drop))
-            held[model] = (served, old, holding)
+            holding = Holding(model)
+            old, drained = plugin.hold(model, holding)
+            holding.requests.extend(drained)
+            held[model] = (plugin.served[model], old, holding)
         flush_until = time.monotonic() + self.settings.flush_timeout_s
         while any(served.flights for served, _, _ in held.values()) and time.monotonic() < flush_until:
             await asyncio.sleep(0.002)
@@ -568,36 +584,21 @@ class Elastic:
         for model, (served, old, holding) in held.items():
             if plugin.served.get(model) is not served or served.closing:
                 continue  # closed during the flush: ``Holding.drain`` dropped what it held
-            del plugin.served[model]
-            explicit_bound = served.max_queued != queue_bound(served.model, None)
             try:
-                plugin.start_serving(
-                    model, plan.to_dict(), dep.models[model].profile.to_dict(), rows[model], control=served.control, time_dilation=dep.time_dilation,
-                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))), dispatcher=dep.dispatcher,
-                    max_queued=served.max_queued if explicit_bound else None, sample_nbytes=served.sample_nbytes,
+                plugin.switch(
+                    model, served, plan, dep.models[model].profile, rows[model], dispatcher=dep.dispatcher, time_dilation=dep.time_dilation,
+                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))), first_id=dep.epoch * DISPATCH_ID_STRIDE,
                 )
             except Exception:
                 logger.exception("daskpipe: %s could not switch to the new plan; it stays on the old one", model)
-                plugin.served[model] = served
-                served.dispatcher = old
-                self._resubmit(served, model, holding.requests)
+                plugin.resume(model, holding.requests, dispatcher=old)
                 continue
-            fresh = plugin.served[model]
-            for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
-                setattr(fresh, kept, getattr(served, kept))
-            fresh.dispatcher.continue_ids(dep.epoch * DISPATCH_ID_STRIDE)
-            self._resubmit(fresh, model, holding.requests)
+            plugin.resume(model, holding.requests)
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at
         self._hand_over(old_keys, [row[3] for model_rows in rows.values() for row in model_rows])
         self._release_stages(old_keys)
-        plugin._arm()
-
-    def _resubmit(self, served: _Served, model: str, requests: list[Request]) -> None:
-        now = time.monotonic()
-        for request in requests:
-            if request.id in served.inputs:  # else it ended meanwhile
-                self.plugin._act(served, model, self.plugin._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+        plugin.arm()
 
     def _hand_over(self, old_keys: list[str], new_keys: list[str]) -> None:
         """The clients that held the old stages (``deploy``'s) hold the new ones: a service whose

@@ -35,7 +35,7 @@ from daskpipe.runtime.arguments import check_example, check_module, check_positi
 from daskpipe.runtime.elastic import stage_submit_kwargs
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, _cut, _InputSpec, awaitable_with_asynchronous_client, inventory, release
+from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory, release
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -115,7 +115,7 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
 
 # -- the client's check ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class EntrySpec(_InputSpec):
+class EntrySpec(InputSpec):
     """What a request entering at ``start_block`` > 0 must be: boundary ``k``'s float16 feature map."""
 
     start_block: int = 0
@@ -233,7 +233,7 @@ def deploy_hybrid(
     slots = inventory(client)
     hybrid = hybrid_plan(serving, fragments, profile, offered_slices=[s.slices for s in slots if s.gpu == serving.gpu])
     try:
-        blocked = _cut(name, module, example_input, profile)
+        blocked = cut_blocks(name, module, example_input, profile)
     except SegmentationError as exc:
         raise DeployError(f"model {name!r} cannot be cut into the profile's blocks: {exc}") from exc
     placed = _place_stages(hybrid, slots)
@@ -242,7 +242,7 @@ def deploy_hybrid(
     largest: dict[int, int] = {}
     for pipeline in hybrid.plan.model(name).pipelines:
         largest[pipeline.entry_block] = max(largest.get(pipeline.entry_block, 0), pipeline.batch_size)
-    specs = {name: _InputSpec(tuple(blocked.input_shape), example_input.dtype, largest[0])} if 0 in largest else {}
+    specs = {name: InputSpec(tuple(blocked.input_shape), example_input.dtype, largest[0])} if 0 in largest else {}
     entries = {(name, k): EntrySpec(entry_shape(profile, k), FEATURE_MAP_DTYPE, most, start_block=k) for k, most in largest.items() if k}
     try:
         client.sync(

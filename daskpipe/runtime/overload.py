@@ -196,7 +196,7 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
     for this stream alone (``after - before``), and the sampler's peaks."""
     from distributed import wait
 
-    from daskpipe.runtime.bench import _settle
+    from daskpipe.runtime.bench import settle
 
     rate = load * capacity
     arrivals = np.cumsum(rng.exponential(1 / rate, size=int(rate * duration * 1.5) + 10))
@@ -216,7 +216,7 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
     ended = Counter(future.status for future in futures)
     submitted = len(futures)
     del futures
-    _settle(cluster.scheduler)
+    settle(cluster.scheduler)
     on_time = after["on_time"] - before["on_time"]
     return Level(
         load=load,

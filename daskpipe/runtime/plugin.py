@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import itertools
 import logging
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+import dask.config
 from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import Serialized, serialize
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
-from daskpipe.dashboard import attach_dashboard
-from daskpipe.dashboard.metrics import ServiceMetrics
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
@@ -45,9 +44,11 @@ from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, 
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.gray import GrayPolicy, Suspect, Watchlist
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
+from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.metrics import ServiceMetrics
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ EXPIRY = -1
 """The watchlist's partition for a batch's late limit (its hops are 0, 1, ...)."""
 WATCH_TICK_S = 0.005
 """The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
-QUEUE_SLOS = 2.0
-"""The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
-more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
-holds (requests and their input bytes) independent of how fast clients submit."""
+EXTENSIONS_CONFIG = "daskpipe.scheduler-extensions"
+"""Dask config key: the ``module:function`` names the plugin runs on its scheduler as it starts.
+Layers above the runtime add themselves here (``daskpipe/__init__.py`` sets the dashboard's pages
+as the default), so the runtime imports none of them."""
 
 
 def guarded(method: Callable) -> Callable:
@@ -85,86 +86,6 @@ def guarded(method: Callable) -> Callable:
             return None
 
     return wrapper
-
-
-@dataclass
-class _Flight:
-    """A dispatched batch until its last stage reports: what to re-dispatch if a worker dies."""
-
-    keys: list[Any]
-    addresses: frozenset[str]
-    retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
-    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
-    ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
-    route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
-    spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
-    isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
-    sources: list[str] = field(default_factory=list)  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
-
-    @property
-    def staged(self) -> bool:
-        """Covers part of its pipeline: it takes parked data, or parks its own (it cannot be sent again)."""
-        return bool(self.sources) or bool(self.route and self.route[-1].get("park"))
-
-    def control_delays(self) -> tuple[float, list[float]] | None:
-        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
-        if not self.planned or any(partition not in self.ran for partition, _, _ in self.planned):
-            return None
-        (first, first_start, _), *rest = self.planned
-        hops, previous_end = [], self.ran[first][1]
-        for partition, start, transfer in rest:
-            actual_start, actual_end = self.ran[partition]
-            hops.append(actual_start - max(previous_end + transfer, start))
-            previous_end = actual_end
-        return self.ran[first][0] - first_start, hops
-
-
-@dataclass
-class _Served:
-    """One model being served: its dispatcher, its stages and its requests in the plugin's care."""
-
-    model: ModelPlan  # time-dilated
-    profile: Profile  # time-dilated
-    dispatcher: Dispatcher
-    stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
-    emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
-    inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
-    deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
-    flights: dict[int, _Flight] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0, "isolated": 0, "suspected": 0, "readmitted": 0})
-    dropped: dict[str, int] = field(default_factory=dict)
-    closing: bool = False
-    durations: BatchDurations | None = None  # what an emulated slot holds a batch for (time-dilated); the simulator's model
-    parked: dict[Any, str] = field(default_factory=dict)  # key -> the worker holding its intermediate data between two stages of a staged data plane
-    max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
-    sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
-    budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
-    control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
-    gray: GrayPolicy = field(default_factory=GrayPolicy)
-    suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
-    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
-    abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
-
-    def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
-        """Why a submitted input cannot be served, or ``None``. The client checks every input, but
-        the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""
-        most = self.model.max_batch
-        if type(size) is not int or not 1 <= size <= most:
-            return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
-        if not isinstance(payload, bytes):
-            return f"the input must arrive as raw bytes, got {type(payload).__name__}"
-        if self.sample_nbytes and start_block == 0 and len(payload) != size * self.sample_nbytes:
-            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {len(payload)}"
-        return None
-
-
-def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
-    """``max_queued`` checked, or the default: ``QUEUE_SLOS`` SLOs of requests at the plan's capacity."""
-    if max_queued is None:
-        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * model.max_batch)
-    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
-        raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
-    return max_queued
 
 
 def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float) -> float:
@@ -211,7 +132,7 @@ def _is_key(key: Any) -> bool:
 
 def _malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, unknown: dict) -> str | None:
     """What is wrong with a submission message as a whole, or ``None``; requests are checked one
-    by one later (``_Served.refusal``)."""
+    by one later (``Served.refusal``)."""
     if unknown:
         return f"unknown fields {sorted(unknown)}"
     if not isinstance(model, str):
@@ -249,7 +170,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler: Any = None
-        self.served: dict[str, _Served] = {}
+        self.served: dict[str, Served] = {}
         self.slots: dict[str, WorkerSlot] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
@@ -293,7 +214,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             for address in scheduler.workers:
                 self.add_worker(scheduler, address)
-            attach_dashboard(scheduler)
+            start_extensions(scheduler)
             raise_gc_thresholds()
         except Exception:
             logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
@@ -316,10 +237,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         now = time.monotonic()
         for model, served in list(self.served.items()):
             self._lose_worker(served, model, worker, now)
-        self._arm()
+        self.arm()
         self.elastic.worker_left(worker)
 
-    def _lose_worker(self, served: _Served, model: str, worker: str, now: float) -> None:
+    def _lose_worker(self, served: Served, model: str, worker: str, now: float) -> None:
         """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
         re-dispatch the requests of the batches that ran through it while their deadlines allow;
         a request the retry cannot serve is dropped as "worker-lost", saying why."""
@@ -331,11 +252,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
 
     @staticmethod
-    def _take_flights(served: _Served, address: str) -> list[tuple[int, _Flight]]:
+    def _take_flights(served: Served, address: str) -> list[tuple[int, Flight]]:
         """The batches that run through ``address``, no longer in flight."""
         return [(d, served.flights.pop(d)) for d in [d for d, flight in served.flights.items() if address in flight.addresses]]
 
-    def _remove_slot(self, served: _Served, model: str, address: str, now: float, reason: DropReason) -> None:
+    def _remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
         """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
         (``supports_pools`` false) keeps it, and what it still sends there is dropped as
         "worker-lost" (:meth:`_dispatch`) until a re-plan."""
@@ -343,7 +264,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
             self._act(served, model, self._step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
 
-    def _retry(self, served: _Served, model: str, flights: list[_Flight], now: float, reason: DropReason, why: str) -> None:
+    def _retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
         """Queue the requests of ``flights`` again, with their original deadlines; one the retry
         cannot serve is dropped for ``reason``, with ``why`` and the dispatcher's own reason."""
         for flight in flights:
@@ -361,7 +282,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._act(served, model, actions)
 
     # -- gray failures (daskpipe/runtime/gray.py) ----------------------------------------------
-    def _suspect(self, served: _Served, model: str, address: str, detail: str, now: float) -> None:
+    def _suspect(self, served: Served, model: str, address: str, detail: str, now: float) -> None:
         """``address`` stopped keeping its reservations: it gets no new batches, its batches are
         re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
         and it is probed until it computes in line again. A dispatcher whose pools are fixed
@@ -380,7 +301,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._probe(served, model, address)
         self._retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
 
-    def _pace(self, served: _Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
+    def _pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
         """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan;
         suspect it after ``slow_batches``, unless that would leave one of its pools without a slot in line."""
         gray = served.gray
@@ -392,13 +313,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._suspect(served, model, address, f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms)", now)
 
     @staticmethod
-    def _abandon(served: _Served, dispatch: int, address: str) -> None:
+    def _abandon(served: Served, dispatch: int, address: str) -> None:
         """Whatever batch ``dispatch`` reports from now on is discarded (it ended here)."""
         served.abandoned[dispatch] = address
         while len(served.abandoned) > ABANDONED_KEPT:
             served.abandoned.popitem(last=False)
 
-    def _probe(self, served: _Served, model: str, address: str) -> None:
+    def _probe(self, served: Served, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
         suspect = served.suspects.get(address)
         if suspect is None or suspect.probe is not None or address not in self.slots or self.served.get(model) is not served:
@@ -426,7 +347,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         else:
             asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
 
-    def _readmit(self, served: _Served, model: str, address: str) -> None:
+    def _readmit(self, served: Served, model: str, address: str) -> None:
         """The suspect ``address`` rejoins its pools."""
         slot = self.slots.get(address)
         if slot is None:
@@ -441,7 +362,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 continue
             self._act(served, model, actions)
         logger.warning("daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again", model, address, suspect.last_ratio, now - suspect.since)
-        self._arm()
+        self.arm()
 
     def _arm_watch(self) -> None:
         """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
@@ -474,14 +395,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 detail = f"missed its reservation for stage {partition} of batch {dispatch} twice over ({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
                 self._suspect(served, model, flight.route[index]["address"], detail, now)
         self._arm_watch()
-        self._arm()
+        self.arm()
 
-    def _watch_hop(self, served: _Served, model: str, dispatch: int, flight: _Flight, index: int, start: float) -> None:
+    def _watch_hop(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
         """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
         self._watch.push(start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6), (model, dispatch, index, 1))
         self._arm_watch()
 
-    def _expire(self, served: _Served, model: str, dispatch: int, flight: _Flight, now: float) -> None:
+    def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
         """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
         limit = served.gray.late_limit_slos
         remaining = []
@@ -510,7 +431,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for key in keys:
             if key in served.deadlines:
                 self._drop(served, model, key, "deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived")
-        self._arm()
+        self.arm()
 
     @guarded
     def remove_client(self, scheduler: Any, client: str) -> None:
@@ -653,7 +574,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
         control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
         control.refresh(time.monotonic())
-        self.served[model] = _Served(
+        self.served[model] = Served(
             model=model_plan,
             profile=model_profile,
             dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
@@ -738,11 +659,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     served = self.served.get(model) if problem is None else None  # it may have closed meanwhile
                 stop = first + SUBMIT_SLICE
                 self._submit_slice(client, model, served, keys[first:stop], problem, inputs[first:stop] if problem is None else (), sizes[first:stop] if problem is None else (), start_block)
-            self._arm()
+            self.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
-    def _submit_slice(self, client: str, model: Any, served: _Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int) -> None:
+    def _submit_slice(self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int) -> None:
         """Refuse what cannot be served before it becomes a key (:meth:`_refuse`); make keys of,
         queue and dispatch the rest."""
         tasks = self.scheduler.tasks
@@ -812,7 +733,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         served = self.served.get(model)
         if served is not None and dispatch not in served.abandoned:
             self._feedback(served, model, dispatch, timings, overrun)
-            self._arm()
+            self.arm()
 
     @guarded
     def on_done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool = False, outputs: list | None = None) -> None:
@@ -864,7 +785,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.metrics.complete(model, done - np.array([r.arrival for r, _, _ in flight.retries]), done)
         else:
             self.metrics.done(model, dispatch, done)
-        self._arm()
+        self.arm()
 
     @guarded
     def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
@@ -887,9 +808,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.deadlines.pop(key, None)
             served.inputs.pop(key, None)
         self._err_keys(failing, exception)
-        self._arm()
+        self.arm()
 
-    def _isolate(self, served: _Served, model: str, flight: _Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
+    def _isolate(self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
         """Send each half of a failed batch's ``live`` requests along its route again, while the
         deadlines and the budget allow; the keys of the halves that cannot go."""
         failing = []
@@ -899,13 +820,51 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             fits = now + span <= min(served.deadlines[r.id] for r, _, _ in part)
             if fits and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"]) and flight.addresses <= set(self.scheduler.workers):
                 served.counts["isolated"] += 1
-                self._send(served, model, next(self._isolation_ids), _Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True))
+                self._send(served, model, next(self._isolation_ids), Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True))
             else:
                 failing.extend(r.id for r, _, _ in part)
         return failing
 
+    # -- the control surface of a re-plan (daskpipe.runtime.elastic) -----------------------------
+    def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]:
+        """Put ``holding`` in charge of ``model`` and drain the dispatcher it replaces: returns that
+        dispatcher and the queued requests it gave up (they are still in the plugin's care)."""
+        served = self.served[model]
+        old, served.dispatcher = served.dispatcher, holding
+        drained = self._step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
+        return old, [action.request for action in drained if isinstance(action, Drop)]
+
+    def switch(self, model: str, held: Served, plan: Plan, profile: Profile, stages: list[list], *, dispatcher: str, time_dilation: float, bw_gbps: float, first_id: int) -> None:
+        """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
+        path, queue bound and every request in its care; dispatch ids start at ``first_id``. If the
+        new plan cannot be served, this raises and ``held`` stays in place."""
+        del self.served[model]
+        explicit_bound = held.max_queued != queue_bound(held.model, None)
+        try:
+            self.start_serving(
+                model, plan.to_dict(), profile.to_dict(), stages, control=held.control, time_dilation=time_dilation, bw_gbps=bw_gbps,
+                dispatcher=dispatcher, max_queued=held.max_queued if explicit_bound else None, sample_nbytes=held.sample_nbytes,
+            )
+        except Exception:
+            self.served[model] = held
+            raise
+        fresh = self.served[model]
+        fresh.carry_over(held)
+        fresh.dispatcher.continue_ids(first_id)
+
+    def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None:
+        """Submit the ``requests`` still queued to ``model``'s dispatcher (``dispatcher``, when
+        given, first takes charge again: the one :meth:`hold` returned)."""
+        served = self.served[model]
+        if dispatcher is not None:
+            served.dispatcher = dispatcher
+        now = time.monotonic()
+        for request in requests:
+            if request.id in served.inputs:  # else it ended meanwhile
+                self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+
     # -- stepping the dispatcher ---------------------------------------------------------------
-    def _step(self, served: _Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+    def _step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
         """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
         try:
             return call()
@@ -916,7 +875,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.counts["failed"] += len(stake)
             return []
 
-    def _feedback(self, served: _Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
+    def _feedback(self, served: Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
         served.counts["overruns"] += bool(overrun)
         now = time.monotonic()
         offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
@@ -937,22 +896,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.metrics.feedback(model, fb)
             self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
-    def _act(self, served: _Served, model: str, actions: list) -> None:
+    def _act(self, served: Served, model: str, actions: list) -> None:
         for action in actions:
             if isinstance(action, Dispatch):
                 self._dispatch(served, model, action)
             elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
                 self._drop(served, model, action.request.id, action.reason, action.detail)
 
-    def _drop(self, served: _Served, model: str, key: Any, reason: str, detail: str) -> None:
+    def _drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
         self._count_drop(served, model, reason, detail)
         self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
-    def _count_drop(self, served: _Served, model: str, reason: str, detail: str) -> None:
+    def _count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
         served.dropped[reason] = served.dropped.get(reason, 0) + 1
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
-    def _dispatch(self, served: _Served, model: str, action: Dispatch) -> None:
+    def _dispatch(self, served: Served, model: str, action: Dispatch) -> None:
         """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
         pipeline, :class:`~daskpipe.sched.api.Dispatch`) that ends before the last partition
         leaves its requests' intermediate data parked on its last slot; one that starts past
@@ -1000,10 +959,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         spans = [h.compute.end - h.compute.start for h in action.hops]
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
-        flight = _Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans, sources=sources)
+        flight = Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans, sources=sources)
         self._send(served, model, action.id, flight)
 
-    def _park(self, served: _Served, model: str, dispatch: int, flight: _Flight, now: float) -> None:
+    def _park(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
         """A staged batch ended before the pipeline's last partition: its requests queue again (in
         the dispatcher, for their next stage), their data parked on its last slot."""
         served.flights.pop(dispatch, None)
@@ -1017,7 +976,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             served.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
         self.metrics.forward(model, dispatch)
 
-    def _send(self, served: _Served, model: str, dispatch: int, flight: _Flight) -> None:
+    def _send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None:
         """Send ``flight`` to its first stage, and watch it: its first hop must report within
         its bound, its requests within the late limit (:mod:`daskpipe.runtime.gray`)."""
         served.flights[dispatch] = flight
@@ -1056,7 +1015,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
                 pass
 
-    def _err(self, served: _Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+    def _err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
         discard: dict[str, list] = {}
         for key in keys:
             served.inputs.pop(key, None)
@@ -1086,7 +1045,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.scheduler.transitions(recommendations, stimulus_id=f"daskpipe-err-{time.time()}")
 
     # -- the timer -----------------------------------------------------------------------------
-    def _arm(self) -> None:
+    def arm(self) -> None:
         """Keep one timer, at the earliest ``next_wake`` of all dispatchers."""
         wakes = [w for s in self.served.values() if (w := s.dispatcher.next_wake()) is not None]
         wake = min(wakes, default=float("inf"))
@@ -1111,7 +1070,19 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 # waiting for a batch's last moment would find it just past, and drop the batch
                 at = max(wake, now - served.control.margin_s)
                 self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
-        self._arm()
+        self.arm()
+
+
+def start_extensions(scheduler: Any) -> None:
+    """Run each ``module:function`` that the Dask config key :data:`EXTENSIONS_CONFIG` names on
+    ``scheduler`` (the top-level ``daskpipe`` package names the dashboard's pages). A failing one
+    is logged: the scheduler still serves requests."""
+    for name in dask.config.get(EXTENSIONS_CONFIG, []):
+        try:
+            module, _, function = str(name).partition(":")
+            getattr(importlib.import_module(module), function)(scheduler)
+        except Exception:
+            logger.exception("daskpipe: the scheduler extension %r could not start; serving goes on without it", name)
 
 
 def install(scheduler: Any) -> DaskpipeSchedulerPlugin:

@@ -23,7 +23,7 @@ import os
 import pickle
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -43,6 +43,7 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
+from daskpipe.runtime.placement import gpus_per_server, physical_gpus, place
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
 from daskpipe.runtime.profiling import profile_on_cluster
 from daskpipe.runtime.stage import Stage
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _InputSpec:
+class InputSpec:
     """What a request of one model must look like: ``(n, *shape)`` of ``dtype``, 1 <= n <= max_samples,
     finite unless ``allow_nonfinite`` (a NaN would only come back as a NaN output, or fail its batch)."""
 
@@ -147,8 +148,8 @@ class Service:
     """
 
     def __init__(
-        self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, _InputSpec], stages: Sequence[Future], time_dilation: float,
-        entries: Mapping[tuple[str, int], _InputSpec] | None = None,
+        self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, InputSpec], stages: Sequence[Future], time_dilation: float,
+        entries: Mapping[tuple[str, int], InputSpec] | None = None,
     ):
         self.client = client
         self._stream = open_stream(client)
@@ -387,7 +388,7 @@ def deploy(
     for name in names:
         try:
             if name in profiles:
-                blocked[name] = _cut(name, models[name], example_inputs[name], profiles[name])
+                blocked[name] = cut_blocks(name, models[name], example_inputs[name], profiles[name])
             else:
                 slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
                 measured = profile_on_cluster(
@@ -406,9 +407,9 @@ def deploy(
 
         plan = make_plan(
             profiles,
-            _physical_gpus(slots),
+            physical_gpus(slots),
             weights=weights,
-            gpus_per_server=_gpus_per_server(slots),
+            gpus_per_server=gpus_per_server(slots),
             bw_gbps=bw_gbps,
             slo_us={m: s * 1e3 for m, s in (slo_ms or {}).items()},
             margin=margin,
@@ -427,9 +428,9 @@ def deploy(
         if deepest > profiles[name].num_blocks:
             raise DeployError(f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from")
         shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
-        specs[name] = _InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
+        specs[name] = InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
-    placed = _place(plan, names, slots)
+    placed = place(plan, names, slots)
     # each block pickled once: every stage of its pools and the scheduler's re-planning take these bytes
     pickled = {name: [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))] for name in names}
     stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, pickled, specs)
@@ -508,7 +509,8 @@ def inventory(client: Client) -> list[WorkerSlot]:
     return [WorkerSlot.from_msg(s) for s in listed]
 
 
-def _cut(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
+def cut_blocks(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
+    """``module`` cut into the blocks its profile was measured on (the boundaries it records)."""
     from daskpipe.profiles.fx import cut_model
 
     bounds = profile.meta.get("segment_boundaries")
@@ -517,48 +519,8 @@ def _cut(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
     return cut_model(module, example, bounds)
 
 
-def _physical_gpus(slots: list[WorkerSlot]) -> dict[str, int]:
-    per_kind = Counter((s.gpu, s.slices) for s in slots)
-    gpus: dict[str, int] = defaultdict(int)
-    for (gpu, v), count in per_kind.items():
-        gpus[gpu] += math.ceil(count / v)
-    return dict(gpus)
-
-
-def _gpus_per_server(slots: list[WorkerSlot]) -> dict[str, int]:
-    per_server: dict[tuple[str, str], int] = Counter()
-    for s in slots:
-        per_server[(s.gpu, s.server)] += 1
-    most: dict[str, int] = {}
-    for (gpu, _), count in per_server.items():
-        v = next(s.slices for s in slots if s.gpu == gpu)
-        most[gpu] = max(most.get(gpu, 1), math.ceil(count / v))
-    return most
-
-
-def _place(plan: Plan, names: list[str], slots: list[WorkerSlot]) -> dict[str, list[tuple[int, int, WorkerSlot]]]:
-    """Pick the slots of every pool: ``vgpus`` free slots of the pool's (GPU type, slices)."""
-    free: dict[tuple[str, int], list[WorkerSlot]] = defaultdict(list)
-    for s in sorted(slots, key=lambda s: (s.server, s.address)):
-        free[(s.gpu, s.slices)].append(s)
-    placed: dict[str, list[tuple[int, int, WorkerSlot]]] = {}
-    for name in names:
-        rows = []
-        for p, pipeline in enumerate(plan.model(name).pipelines):
-            for q, part in enumerate(pipeline.partitions):
-                pool = free[(part.gpu, part.slices)]
-                if len(pool) < part.vgpus:
-                    raise DeployError(
-                        f"the plan needs {part.vgpus} free {part.gpu}/v{part.slices} slots for {name!r} pipeline {p} partition {q}, "
-                        f"the cluster has {len(pool)} left; re-plan for this cluster"
-                    )
-                rows.extend((p, q, pool.pop(0)) for _ in range(part.vgpus))
-        placed[name] = rows
-    return placed
-
-
 def _start_stages(
-    client: Client, placed, plan: Plan, blocked, pickled: Mapping[str, list[bytes]], specs: Mapping[str, _InputSpec]
+    client: Client, placed, plan: Plan, blocked, pickled: Mapping[str, list[bytes]], specs: Mapping[str, InputSpec]
 ) -> tuple[list[Future], dict[str, list[list]]]:
     """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start.
 

@@ -79,7 +79,7 @@ class _SlotRuntime:
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
-_LOADING = threading.Lock()
+LOADING = threading.Lock()
 """Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
 the whole process: workers that share a process (``processes=False``) unpickle one stage at a
 time, and no batch computes while one does (a re-plan preloads stages next to serving ones). Only
@@ -123,7 +123,7 @@ class Stage:
         # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
         # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
         chunks = [modules] if isinstance(modules, bytes) else modules  # a re-plan sends its blocks pickled one by one
-        with _LOADING:
+        with LOADING:
             blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
         self._module = nn.Sequential(*blocks).to(self.device).eval()
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
@@ -242,7 +242,7 @@ class Stage:
         """
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
-            with _LOADING:
+            with LOADING:
                 y = self._module(x.to(self.device, self._dtype))
             if split is None:
                 return y.to(torch.float16).cpu()

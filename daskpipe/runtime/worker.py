@@ -294,7 +294,7 @@ class DaskpipeWorker:
     ):
         from distributed import Nanny
 
-        from daskpipe.runtime.cluster import resolve_protocol
+        from daskpipe.runtime.protocols import resolve_protocol
         from daskpipe.runtime.environ import stage_worker_environ
 
         self.slots = worker_specs(slices=slices, emulate=emulate, server=server)

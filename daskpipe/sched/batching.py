@@ -14,7 +14,7 @@ import math
 from typing import Callable, Mapping, Sequence
 
 from daskpipe.sched.api import Slot, Time
-from daskpipe.sched.symphony import DeferredDispatcher, DeferredSettings, Route, _Model
+from daskpipe.sched.symphony import DeferredDispatcher, DeferredSettings, Route, ModelQueue
 
 
 class TimeoutDispatcher(DeferredDispatcher):
@@ -36,7 +36,7 @@ class TimeoutDispatcher(DeferredDispatcher):
         self.max_wait_s = float(max_wait_s)
         super().__init__(models, slots, latency, max_batch=max_batch, route=route, settings=settings)
 
-    def _exec_bound(self, model: _Model, samples: int, deadline: Time) -> Time:
+    def _exec_bound(self, model: ModelQueue, samples: int, deadline: Time) -> Time:
         if samples >= model.max_batch:
             return -math.inf
         return model.queue.at(0).arrival + self.max_wait_s

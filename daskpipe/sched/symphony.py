@@ -175,7 +175,10 @@ class _Candidate:
     pending: bool = False  # its model timer fired and no GPU was free: waits for a GPU timer
 
 
-class _Model:
+class ModelQueue:
+    """One model's deadline-ordered queue and its current batch candidate (the deferred
+    dispatchers of :mod:`daskpipe.sched.batching` subclass this one and reuse it)."""
+
     def __init__(self, name: str, slo: float, latency: Sequence[float]) -> None:
         self.name = name
         self.slo = slo
@@ -253,7 +256,7 @@ class DeferredDispatcher(Dispatcher):
             raise ValueError(f"slot ids must be unique, got {ids}")
         self.settings = settings or DeferredSettings()
         self.stats = Stats()
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelQueue] = {}
         for name, slo in models.items():
             if not (isinstance(slo, (int, float)) and slo > 0 and math.isfinite(slo)):
                 raise ValueError(f"model {name!r}: SLO must be a positive number of seconds, got {slo!r}")
@@ -266,7 +269,7 @@ class DeferredDispatcher(Dispatcher):
                 if not (value > 0 and math.isfinite(value)):
                     raise ValueError(f"model {name!r}: latency at batch {b} must be a positive number of seconds, got {value!r}")
                 table.append(max(value, table[-1]) if table else value)
-            self._models[name] = _Model(name, float(slo), table)
+            self._models[name] = ModelQueue(name, float(slo), table)
         self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
         self._route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
@@ -287,7 +290,7 @@ class DeferredDispatcher(Dispatcher):
         return cls({model_plan.name: route.slo}, route.first, lambda _model, batch: route.latency(batch), max_batch=max_batch, route=route, settings=settings, **policy)
 
     # -- policy (overridden by the baselines) ------------------------------------------------
-    def _exec_bound(self, model: _Model, samples: int, deadline: Time) -> Time:
+    def _exec_bound(self, model: ModelQueue, samples: int, deadline: Time) -> Time:
         """Earliest moment the policy lets this candidate go: Symphony's frontrun d - l(b+1)."""
         return deadline - model.l(samples + 1)
 
@@ -338,13 +341,13 @@ class DeferredDispatcher(Dispatcher):
         self._dispatch_ids = itertools.count(first)
 
     # -- candidates (the paper's ModelThread) ------------------------------------------------
-    def _meter(self, model: _Model, arrival: Time, now: Time) -> None:
+    def _meter(self, model: ModelQueue, arrival: Time, now: Time) -> None:
         if self.settings.drop_policy == "window" and self.settings.target_batch is None:
             model.arrivals.append(arrival)
             while model.arrivals and model.arrivals[0] < now - self.settings.rate_window_s:
                 model.arrivals.popleft()
 
-    def _target_batch(self, model: _Model) -> int:
+    def _target_batch(self, model: ModelQueue) -> int:
         """Window policy target: the authors' estimator, eqs. (1)-(2) with the measured rate (a
         scan over batch sizes: O(max_batch), a constant of the profile)."""
         if self.settings.target_batch is not None:
@@ -365,7 +368,7 @@ class DeferredDispatcher(Dispatcher):
             best = b
         return best
 
-    def _update_candidate(self, model: _Model, start: Time, actions: list[Action]) -> None:
+    def _update_candidate(self, model: ModelQueue, start: Time, actions: list[Action]) -> None:
         """GetBatch from ``start`` (dropping what the policy drops), then the window."""
         queue = model.queue
         if self.settings.drop_policy == "window" and len(queue):
@@ -383,7 +386,7 @@ class DeferredDispatcher(Dispatcher):
         exec_at = max(start, min(self._exec_bound(model, samples, deadline), latest))
         self._set_candidate(model, _Candidate(count, samples, exec_at, latest, deadline, 0))
 
-    def _window_drop(self, model: _Model, start: Time, actions: list[Action]) -> None:
+    def _window_drop(self, model: ModelQueue, start: Time, actions: list[Action]) -> None:
         """Nexus-style head drop: find the longest deadline-sorted suffix whose head meets its own
         batch, aim for min(target, that suffix), and drop earlier heads that would miss it."""
         queue = model.queue
@@ -406,7 +409,7 @@ class DeferredDispatcher(Dispatcher):
         if doomed:
             self._drop(queue.pop(doomed), "deadline", f"dropped early to keep a batch of {target}", actions)
 
-    def _set_candidate(self, model: _Model, candidate: _Candidate | None) -> None:
+    def _set_candidate(self, model: ModelQueue, candidate: _Candidate | None) -> None:
         model.version += 1
         model.candidate = candidate
         if candidate is not None:
@@ -439,7 +442,7 @@ class DeferredDispatcher(Dispatcher):
                 continue
             return
 
-    def _on_model_timer(self, model: _Model, now: Time, actions: list[Action]) -> None:
+    def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
         if self._idle:
             unit = self._units[heapq.heappop(self._idle)[-1]]
             if not self._dispatch(model, unit, now, actions):
@@ -466,7 +469,7 @@ class DeferredDispatcher(Dispatcher):
                 return
         heapq.heappush(self._idle, self._idle_key(unit))
 
-    def _dispatch(self, model: _Model, unit: _Unit, now: Time, actions: list[Action]) -> bool:
+    def _dispatch(self, model: ModelQueue, unit: _Unit, now: Time, actions: list[Action]) -> bool:
         """Refresh the candidate (more requests may have come, heads may have expired) and run it
         on ``unit``; False when the refreshed candidate is gone or may not go yet."""
         self._update_candidate(model, now, actions)

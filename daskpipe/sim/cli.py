@@ -69,7 +69,7 @@ def parse_quantile(ctx: click.Context, param: click.Parameter, value: str | None
 
 def write_report(plan: Any, result: SimResult, path: str) -> None:
     """The live dashboard's pages, filled from the simulated run of each model."""
-    from daskpipe.dashboard.metrics import ServiceMetrics
+    from daskpipe.sched.metrics import ServiceMetrics
     from daskpipe.dashboard.report import record_trace, save_report
 
     metrics = ServiceMetrics()

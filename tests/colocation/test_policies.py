@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from daskpipe.colocation.bda import decide_batch
 from daskpipe.colocation.defaults import INSS_RATES, INSS_SLO_MS, inss_gpus, inss_testbed
-from daskpipe.colocation.inss import InssPolicy, decide_batch
+from daskpipe.colocation.inss import InssPolicy
 from daskpipe.colocation.latency import Colocated, ColocationError
 from daskpipe.colocation.policy import Gpu, PlacementPlan, Strategy, Workload, make_policy, run_placement_policy
 from daskpipe.colocation.usher import KernelLaunch, SmLimits, emulated_wsm, weighted_sm_utilisation

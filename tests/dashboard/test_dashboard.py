@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster, wait
 
 import daskpipe
 from daskpipe.dashboard.components import VIEWS, BatchView, GPUView, PlanView, SLOView
-from daskpipe.dashboard.metrics import BUCKET_S
+from daskpipe.sched.metrics import BUCKET_S
 from daskpipe.dashboard.report import save_report
 from daskpipe.dashboard.server import PAGES, live_reader
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of

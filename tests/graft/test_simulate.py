@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.graft import Fragment, GraftPlan, GroupPlan, Level, StageCosts, per_fragment, simulate
+from daskpipe.graft import Fragment, GraftPlan, GroupPlan, Level, StageCosts, per_fragment
+from daskpipe.graft.simulate import simulate
 
 
 def test_shared_stage_batches_requests_of_different_devices(costs: StageCosts) -> None:

@@ -10,7 +10,7 @@ import torch
 import torchvision
 from torch import nn
 
-from daskpipe.plan.prepartition import greedy_blocks
+from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles import SegmentationError, cut_model, segment_model
 
 

@@ -8,8 +8,9 @@ import time
 import pytest
 from distributed import Client
 
-from daskpipe.runtime import cluster as cluster_module
-from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, inject_mps_fault, resolve_protocol, ucx_available
+from daskpipe.runtime import protocols
+from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, inject_mps_fault
+from daskpipe.runtime.protocols import resolve_protocol, ucx_available
 from daskpipe.runtime.worker import WorkerSpecError
 
 
@@ -64,7 +65,7 @@ def test_unknown_protocol_is_refused():
 
 
 def test_ucx_falls_back_to_tcp_with_a_message(monkeypatch):
-    monkeypatch.setattr(cluster_module, "ucx_available", lambda: False)
+    monkeypatch.setattr(protocols, "ucx_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="distributed-ucxx.*falling back to tcp"):
         assert resolve_protocol("ucx") == "tcp"
     with pytest.warns(RuntimeWarning, match="falling back"):

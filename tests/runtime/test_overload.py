@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import daskpipe
 from daskpipe.cli import main
 from daskpipe.runtime.errors import DeployError, RequestDropped
-from daskpipe.runtime.plugin import QUEUE_SLOS, queue_bound
+from daskpipe.runtime.served import QUEUE_SLOS, queue_bound
 from tests.runtime.conftest import example, tiny_model, two_stage
 from tests.runtime.test_service import frames
 

@@ -85,9 +85,9 @@ def test_inputs_travel_as_raw_bytes_and_rebuild_into_the_batch(dtype):
 def test_the_client_check_sees_nonfinite_values_in_any_layout_and_encodes_the_values(dtype):
     """numpy where it can (no torch op per request), torch for what numpy lacks (bfloat16) or cannot
     view (a lazily conjugated tensor); a tensor that requires grad is read as its values."""
-    from daskpipe.runtime.service import _InputSpec, encode_input
+    from daskpipe.runtime.service import InputSpec, encode_input
 
-    spec = _InputSpec(shape=(4, 3), dtype=dtype, max_samples=4)
+    spec = InputSpec(shape=(4, 3), dtype=dtype, max_samples=4)
     good = torch.randn(2, 3, 4).to(dtype).transpose(1, 2)  # not contiguous
     variants = [good, good.detach().clone().requires_grad_(True)] + ([good.conj()] if dtype.is_complex else [])
     for x in variants:
@@ -97,7 +97,7 @@ def test_the_client_check_sees_nonfinite_values_in_any_layout_and_encodes_the_va
     bad[1, 2, 0] = float("nan")
     with pytest.raises(InvalidRequest, match="NaN or Inf"):
         spec.admit("m", bad)
-    assert _InputSpec(shape=(4, 3), dtype=dtype, max_samples=4, allow_nonfinite=True).admit("m", bad)[0] == 2
+    assert InputSpec(shape=(4, 3), dtype=dtype, max_samples=4, allow_nonfinite=True).admit("m", bad)[0] == 2
 
 
 def test_bad_inputs_err_at_once_and_the_service_keeps_serving(emulated_inproc):
@@ -150,10 +150,10 @@ class _Unreadable(torch.Tensor):
     ],
 )
 def test_an_input_torch_cannot_serve_is_refused_naming_the_problem(make, message):
-    from daskpipe.runtime.service import _InputSpec
+    from daskpipe.runtime.service import InputSpec
 
     with pytest.raises(InvalidRequest, match=f"input of model 'm' {message}"):
-        _InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", make())
+        InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", make())
 
 
 @pytest.mark.parametrize(
@@ -167,10 +167,10 @@ def test_an_input_torch_cannot_serve_is_refused_naming_the_problem(make, message
     ],
 )
 def test_dense_tensors_in_any_layout_or_with_grad_are_served_as_their_values(make):
-    from daskpipe.runtime.service import _InputSpec
+    from daskpipe.runtime.service import InputSpec
 
     x = make()
-    assert _InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", x) == (2, x.detach().contiguous().numpy().tobytes())
+    assert InputSpec(shape=(3,), dtype=torch.float32, max_samples=4).admit("m", x) == (2, x.detach().contiguous().numpy().tobytes())
 
 
 def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emulated_inproc):

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daskpipe.plan.prepartition import greedy_blocks, ilp_blocks
-from daskpipe.plan.schema import PlanError
+from daskpipe.profiles.model import ProfileError
+from daskpipe.profiles.prepartition import greedy_blocks, ilp_blocks
 
 
 def test_ilp_cuts_where_feature_maps_are_small():
@@ -35,11 +35,11 @@ def test_ilp_widens_the_band_until_feasible():
 
 
 def test_ilp_reports_impossible_requests():
-    with pytest.raises(PlanError, match="cannot cut 3 segments into 4 blocks"):
+    with pytest.raises(ProfileError, match="cannot cut 3 segments into 4 blocks"):
         ilp_blocks({"A": np.ones(3)}, np.ones(2), 4)
-    with pytest.raises(PlanError, match="one entry per boundary"):
+    with pytest.raises(ProfileError, match="one entry per boundary"):
         ilp_blocks({"A": np.ones(3)}, np.ones(3), 2)
-    with pytest.raises(PlanError, match=r"no 2 contiguous blocks"):
+    with pytest.raises(ProfileError, match=r"no 2 contiguous blocks"):
         ilp_blocks({"A": np.array([100.0, 1.0])}, np.ones(1), 2)
 
 

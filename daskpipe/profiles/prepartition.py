@@ -11,7 +11,7 @@ from typing import Mapping
 
 import numpy as np
 
-from daskpipe.plan.schema import PlanError
+from daskpipe.profiles.model import ProfileError
 
 
 def greedy_blocks(segment_latency_us: np.ndarray, num_blocks: int) -> list[int]:
@@ -57,23 +57,23 @@ def ilp_blocks(segment_latency_us: Mapping[str, np.ndarray], segment_bytes: np.n
     import mip
 
     if not segment_latency_us:
-        raise PlanError("ilp_blocks needs the segment latencies of at least one GPU type")
+        raise ProfileError("ilp_blocks needs the segment latencies of at least one GPU type")
     latency = {gpu: np.asarray(lat, dtype=float) for gpu, lat in segment_latency_us.items()}
     n = len(next(iter(latency.values())))
     for gpu, lat in latency.items():
         if lat.shape != (n,) or np.any(lat < 0) or not np.all(np.isfinite(lat)):
-            raise PlanError(f"segment latencies of GPU {gpu!r} must be {n} finite non-negative numbers, got shape {lat.shape}")
+            raise ProfileError(f"segment latencies of GPU {gpu!r} must be {n} finite non-negative numbers, got shape {lat.shape}")
     cut_bytes = np.asarray(segment_bytes, dtype=float)
     if cut_bytes.shape != (n - 1,):
-        raise PlanError(f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), got {cut_bytes.shape[0] if cut_bytes.ndim else 0}")
+        raise ProfileError(f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), got {cut_bytes.shape[0] if cut_bytes.ndim else 0}")
     if not 1 <= num_blocks <= n:
-        raise PlanError(f"cannot cut {n} segments into {num_blocks} blocks; ask for 1 to {n} blocks")
+        raise ProfileError(f"cannot cut {n} segments into {num_blocks} blocks; ask for 1 to {n} blocks")
     for lb, ub in BALANCE_BANDS:
         bounds = _balanced_min_cut(latency, cut_bytes, num_blocks, lb, ub, mip)
         if bounds is not None:
             return bounds
     lb, ub = BALANCE_BANDS[-1]
-    raise PlanError(f"no {num_blocks} contiguous blocks keep every GPU type within [{lb}, {ub}] x its fair share; ask for fewer blocks")
+    raise ProfileError(f"no {num_blocks} contiguous blocks keep every GPU type within [{lb}, {ub}] x its fair share; ask for fewer blocks")
 
 
 def _balanced_min_cut(latency: Mapping[str, np.ndarray], cut_bytes: np.ndarray, num_blocks: int, lb: float, ub: float, mip) -> list[int] | None:

@@ -7,6 +7,9 @@ is all it needs, so a full ring buffer holds no ``Request`` for the collector to
 (rates, percentiles, utilisation) is left to the readers: the dashboard's periodic ``update`` and
 the Prometheus collector, which run far less often than requests arrive.
 
+It lives below the simulator and the runtime, which both record into it, and below the dashboard,
+which only reads it.
+
 Times are the caller's clock (the plugin's ``time.monotonic()``, or the simulator's virtual
 clock); readers pass their own ``now`` in the same clock.
 """

@@ -1,0 +1,111 @@
+"""What the scheduler plugin keeps per served model and per batch in flight.
+
+Public, so that a re-plan (:mod:`daskpipe.runtime.elastic`) can read a served model's state through
+the plugin's control surface without the plugin's internals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskpipe.plan.schema import ModelPlan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.control import ControlPath
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.gray import GrayPolicy, Suspect
+from daskpipe.sched.api import Dispatcher, Request
+from daskpipe.sched.durations import BatchDurations
+
+QUEUE_SLOS = 2.0
+"""The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
+more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
+holds (requests and their input bytes) independent of how fast clients submit."""
+
+
+@dataclass
+class Flight:
+    """A dispatched batch until its last stage reports: what to re-dispatch if a worker dies."""
+
+    keys: list[Any]
+    addresses: frozenset[str]
+    retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
+    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
+    ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
+    route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
+    spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
+    isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
+    sources: list[str] = field(default_factory=list)  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
+
+    @property
+    def staged(self) -> bool:
+        """Covers part of its pipeline: it takes parked data, or parks its own (it cannot be sent again)."""
+        return bool(self.sources) or bool(self.route and self.route[-1].get("park"))
+
+    def control_delays(self) -> tuple[float, list[float]] | None:
+        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
+        if not self.planned or any(partition not in self.ran for partition, _, _ in self.planned):
+            return None
+        (first, first_start, _), *rest = self.planned
+        hops, previous_end = [], self.ran[first][1]
+        for partition, start, transfer in rest:
+            actual_start, actual_end = self.ran[partition]
+            hops.append(actual_start - max(previous_end + transfer, start))
+            previous_end = actual_end
+        return self.ran[first][0] - first_start, hops
+
+
+@dataclass
+class Served:
+    """One model being served: its dispatcher, its stages and its requests in the plugin's care."""
+
+    model: ModelPlan  # time-dilated
+    profile: Profile  # time-dilated
+    dispatcher: Dispatcher
+    stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
+    emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
+    inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
+    deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
+    flights: dict[int, Flight] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0, "isolated": 0, "suspected": 0, "readmitted": 0})
+    dropped: dict[str, int] = field(default_factory=dict)
+    closing: bool = False
+    durations: BatchDurations | None = None  # what an emulated slot holds a batch for (time-dilated); the simulator's model
+    parked: dict[Any, str] = field(default_factory=dict)  # key -> the worker holding its intermediate data between two stages of a staged data plane
+    max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
+    sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
+    budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
+    control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
+    gray: GrayPolicy = field(default_factory=GrayPolicy)
+    suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
+    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
+    abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
+
+    def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
+        """Why a submitted input cannot be served, or ``None``. The client checks every input, but
+        the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""
+        most = self.model.max_batch
+        if type(size) is not int or not 1 <= size <= most:
+            return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
+        if not isinstance(payload, bytes):
+            return f"the input must arrive as raw bytes, got {type(payload).__name__}"
+        if self.sample_nbytes and start_block == 0 and len(payload) != size * self.sample_nbytes:
+            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {len(payload)}"
+        return None
+
+    def carry_over(self, held: Served) -> None:
+        """Take over what ``held`` (the same model on the plan a re-plan replaces) has in its care:
+        its requests, batches in flight and counts, so that none is lost by the switch."""
+        for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
+            setattr(self, kept, getattr(held, kept))
+
+
+def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
+    """``max_queued`` checked, or the default: ``QUEUE_SLOS`` SLOs of requests at the plan's capacity."""
+    if max_queued is None:
+        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * model.max_batch)
+    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+        raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
+    return max_queued

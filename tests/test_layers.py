@@ -1,0 +1,215 @@
+"""The import graph of ``daskpipe/`` follows the layers (docs/architecture.md), read with ``ast``.
+
+Every import counts, at module level or inside a function: a function-level import is still an
+arrow between modules, only a later one.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "daskpipe"
+
+# The lower layers, and what they may never import.
+LOWER = ("daskpipe.profiles", "daskpipe.plan", "daskpipe.sched")
+UPPER = ("daskpipe.runtime", "daskpipe.sim", "daskpipe.dashboard", "daskpipe.benchmarks")
+# Benchmark and experiment modules that still live inside the library packages.
+BENCH_MODULES = {"daskpipe.runtime.chaos", "daskpipe.runtime.overload", "daskpipe.sim.experiments", "daskpipe.colocation.compare"}
+
+# The layers, lowest first: a module imports from its own package or from lower layers only.
+# Front ends (the CLIs, the top-level package) and benchmarks sit above them all.
+UTILITIES, COLOCATION_CORE, PROFILES, PLAN, SCHED, DATA_PLANE, DASHBOARD, TOP = range(8)
+PACKAGE_LAYERS = {
+    "daskpipe.jsonfile": UTILITIES,
+    "daskpipe.progress": UTILITIES,
+    "daskpipe.colocation": COLOCATION_CORE,  # a leaf library, but for its bridges below
+    "daskpipe.profiles": PROFILES,
+    "daskpipe.plan": PLAN,
+    "daskpipe.graft": PLAN,  # Graft's planner; its simulator is a data plane (below)
+    "daskpipe.sched": SCHED,
+    "daskpipe.sim": DATA_PLANE,
+    "daskpipe.runtime": DATA_PLANE,
+    "daskpipe.dashboard": DASHBOARD,
+}
+MODULE_LAYERS = {
+    "daskpipe.colocation.profiles": PLAN,  # co-location's planning bridge: profiles in, a Plan out
+    "daskpipe.colocation.planner": PLAN,
+    "daskpipe.colocation.execute": SCHED,  # co-located latencies for the data planes
+    "daskpipe.graft.simulate": DATA_PLANE,
+}
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_bench(module: str) -> bool:
+    return module in BENCH_MODULES or module.rsplit(".", 1)[-1] == "bench" or module.startswith("daskpipe.benchmarks")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@dataclass
+class Graph:
+    """Arrows between daskpipe modules, and the private names that cross them."""
+
+    modules: set[str]
+    edges: dict[str, set[str]] = field(default_factory=dict)
+    private: set[tuple[str, str]] = field(default_factory=set)  # (importer, "module._name")
+
+
+def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def build_graph(package: Path = PACKAGE) -> Graph:
+    paths = {module_name(path, package): path for path in package.rglob("*.py")}
+    graph = Graph(set(paths))
+    for importer, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets: set[str] = set()
+        aliases: dict[str, str] = {}  # local name bound to a daskpipe module -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if within(alias.name, "daskpipe"):
+                        targets.add(alias.name)
+                        if alias.asname:
+                            aliases[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                source = resolve(importer, path.name == "__init__.py", node)
+                if not within(source, "daskpipe"):
+                    continue
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    if submodule in graph.modules:
+                        targets.add(submodule)
+                        aliases[alias.asname or alias.name] = submodule
+                    else:
+                        targets.add(source)
+                        if is_private(alias.name):
+                            graph.private.add((importer, f"{source}.{alias.name}"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and is_private(node.attr)
+            ):
+                graph.private.add((importer, f"{aliases[node.value.id]}.{node.attr}"))
+        graph.edges[importer] = {target for target in targets if target in graph.modules and target != importer}
+    return graph
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer(module: str) -> int:
+    if is_bench(module) or module in ("daskpipe", "daskpipe.cli") or module.endswith(".cli"):
+        return TOP
+    return MODULE_LAYERS.get(module, PACKAGE_LAYERS[package(module)])
+
+
+def against_the_layers(graph: Graph) -> set[tuple[str, str]]:
+    """Arrows to a higher layer, or between the simulator and the runtime (siblings)."""
+    return {
+        (importer, target)
+        for importer, targets in graph.edges.items()
+        for target in targets
+        if layer(target) > layer(importer) or {package(importer), package(target)} == {"daskpipe.sim", "daskpipe.runtime"}
+    }
+
+
+def upward_arrows(graph: Graph) -> set[tuple[str, str]]:
+    return {
+        (importer, target)
+        for importer, targets in graph.edges.items()
+        if any(within(importer, lower) for lower in LOWER) and not is_bench(importer)
+        for target in targets
+        if any(within(target, upper) for upper in UPPER) or is_bench(target)
+    }
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return build_graph()
+
+
+def test_the_reader_sees_late_relative_and_private_imports(tmp_path: Path) -> None:
+    package = tmp_path / "daskpipe"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "a.py").write_text("from . import b\n\ndef f():\n    return b._hidden\n")
+    (package / "sub" / "b.py").write_text("def g():\n    from daskpipe.sub.c import _secret\n")
+    (package / "sub" / "c.py").write_text("from daskpipe.sub import a\n")
+    graph = build_graph(package)
+    assert cycles(graph.edges) == [["daskpipe.sub.a", "daskpipe.sub.b", "daskpipe.sub.c"]]
+    assert graph.private == {("daskpipe.sub.a", "daskpipe.sub.b._hidden"), ("daskpipe.sub.b", "daskpipe.sub.c._secret")}
+
+
+def test_no_import_cycles(graph: Graph) -> None:
+    assert cycles(graph.edges) == []
+
+
+def test_no_private_name_crosses_a_module(graph: Graph) -> None:
+    assert sorted(graph.private) == []
+
+
+def test_lower_layers_import_nothing_above_them(graph: Graph) -> None:
+    assert sorted(upward_arrows(graph)) == []
+
+
+def test_imports_follow_the_layers(graph: Graph) -> None:
+    assert sorted(against_the_layers(graph)) == []
