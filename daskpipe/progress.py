@@ -33,7 +33,9 @@ def progress_rows(description: str, rows: list[str]) -> Iterator[Callable[[str, 
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+    ) as progress:
         tasks = {row: progress.add_task(f"{description} {row}: waiting", total=1) for row in rows}
 
         def update(row: str, note: str, finished: bool = False) -> None:

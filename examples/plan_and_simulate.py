@@ -51,7 +51,9 @@ def main() -> None:
 
     result = simulate(plan, profiles, load_factor=args.load, duration=args.duration)
     for name, model in result.models.items():
-        print(f"simulated {name} at load {args.load:g}: {model.submitted} requests, SLO attainment {model.attainment:.4f}, p99 {model.p99_ms:.1f} ms, dropped {model.dropped_total}")
+        print(
+            f"simulated {name} at load {args.load:g}: {model.submitted} requests, SLO attainment {model.attainment:.4f}, p99 {model.p99_ms:.1f} ms, dropped {model.dropped_total}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def main() -> None:
     frames = [torch.randn(1, *FRAME) for _ in range(16)]
     with EmulatedCluster(gpus, dashboard_address=args.dashboard_address) as cluster, Client(cluster) as client:
         print(f"dashboard: {cluster.dashboard_link.removesuffix('/status')}/daskpipe-slos")
-        svc = daskpipe.deploy(client, {"resnet18": model}, example_inputs={"resnet18": frames[0]}, slo_ms={"resnet18": SLO_MS}, time_dilation=TIME_DILATION)
+        svc = daskpipe.deploy(
+            client, {"resnet18": model}, example_inputs={"resnet18": frames[0]}, slo_ms={"resnet18": SLO_MS}, time_dilation=TIME_DILATION
+        )
         try:
             for part in (p for pipeline in svc.plan.model("resnet18").pipelines for p in pipeline.partitions):
                 print(f"pool: {part.gpu} 1/{part.slices} x{part.vgpus}, blocks [{part.blocks[0]},{part.blocks[1]})")

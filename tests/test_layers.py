@@ -105,12 +105,7 @@ def build_graph(package: Path = PACKAGE) -> Graph:
                         if is_private(alias.name):
                             graph.private.add((importer, f"{source}.{alias.name}"))
         for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and is_private(node.attr)
-            ):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases and is_private(node.attr):
                 graph.private.add((importer, f"{aliases[node.value.id]}.{node.attr}"))
         graph.edges[importer] = {target for target in targets if target in graph.modules and target != importer}
     return graph

@@ -107,7 +107,9 @@ def stand_in(profile: Profile) -> tuple[Profile, StandIn, torch.Tensor, str]:
         input_shape, shapes = SMALL_SHAPE, [SMALL_SHAPE] * profile.num_blocks
         tensors = f"small: {SMALL_SHAPE} float32 per sample at every boundary (the profile records no boundary shapes)"
     recut = replace(
-        profile, input_shape=input_shape, boundary_shapes=tuple(tuple(s) for s in shapes[:-1]),
+        profile,
+        input_shape=input_shape,
+        boundary_shapes=tuple(tuple(s) for s in shapes[:-1]),
         meta={**profile.meta, "segment_boundaries": list(range(profile.num_blocks + 1))},
     )
     return recut, StandIn(shapes).eval(), torch.zeros(1, *input_shape), tensors
@@ -155,9 +157,14 @@ def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str,
     path = Path(profiles_path)
     if not path.exists():
         where = str(path) if path.is_absolute() else f"{path} ({path.resolve()})"
-        raise BenchOptionError("--profiles", f"{where} does not exist: pass the PPipe profiles (../shared/ppipe, see its README.md) from the repository root, or their path")
+        raise BenchOptionError(
+            "--profiles",
+            f"{where} does not exist: pass the PPipe profiles (../shared/ppipe, see its README.md) from the repository root, or their path",
+        )
     if sum(gpus.values()) > MAX_GPUS:
-        raise BenchOptionError("--gpus", f"at most {MAX_GPUS} GPUs (the emulated cluster runs a process per MPS slice on this machine), got {dict(gpus)}")
+        raise BenchOptionError(
+            "--gpus", f"at most {MAX_GPUS} GPUs (the emulated cluster runs a process per MPS slice on this machine), got {dict(gpus)}"
+        )
     try:
         profiles = load_profiles(path)
     except ProfileError as exc:
@@ -179,10 +186,18 @@ def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str,
                 slices.setdefault(part.gpu, set()).add(part.slices)
         mixed = {gpu: sorted(v) for gpu, v in slices.items() if len(v) > 1}
         if mixed:
-            raise BenchOptionError("--gpus", f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all GPUs of a type alike: pick other --gpus")
-        model = ServedModel(name, profile, module, example, tensors, plan, {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()})
+            raise BenchOptionError(
+                "--gpus",
+                f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all GPUs of a type alike: pick other --gpus",
+            )
+        model = ServedModel(
+            name, profile, module, example, tensors, plan, {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
+        )
         if model.rate > max_rate:
-            raise BenchOptionError("--gpus", f"the plan of {name} on {dict(gpus)} serves {model.rate:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs")
+            raise BenchOptionError(
+                "--gpus",
+                f"the plan of {name} on {dict(gpus)} serves {model.rate:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs",
+            )
         served.append(model)
     return served
 
@@ -304,7 +319,13 @@ def bisect_grid(grid: Sequence[float], passes: Callable[[float], bool]) -> float
 # -- one model, both ways ----------------------------------------------------------------------
 def sim_summary(result: ModelResult) -> dict[str, Any]:
     """The simulator's figures on a trial's arrivals, under the runtime's names, side by side."""
-    return {"attainment": result.attainment, "late": result.late, "dropped_by_reason": result.dropped, "p99_ms": result.p99_ms, "mean_batch_size": result.mean_batch_size}
+    return {
+        "attainment": result.attainment,
+        "late": result.late,
+        "dropped_by_reason": result.dropped,
+        "p99_ms": result.p99_ms,
+        "mean_batch_size": result.mean_batch_size,
+    }
 
 
 def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Callable[..., None]) -> dict[str, Any]:
@@ -343,8 +364,15 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
             trial starts from an idle, steady service (no queue, no delays of another load), as
             every simulation starts idle."""
             try:
-                service = daskpipe.deploy(client, {model.name: model.module}, example_inputs={model.name: model.example}, plan=model.plan,
-                                          profiles=profiles, time_dilation=1.0, elastic=None)
+                service = daskpipe.deploy(
+                    client,
+                    {model.name: model.module},
+                    example_inputs={model.name: model.example},
+                    plan=model.plan,
+                    profiles=profiles,
+                    time_dilation=1.0,
+                    elastic=None,
+                )
             except DeployError as exc:  # e.g. an SLO the runtime's control path cannot meet
                 return {"attainment": 0.0, "deploy_error": str(exc)}
             with service:
@@ -357,8 +385,15 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
             arrivals = np.sort([r.arrival for r in trace.requests.values()])
             advance(note=f"{model.name}: load {load:.2f} on the runtime ({len(arrivals)} requests)")
             runtime = serve(arrivals)
-            trials.append({"load_factor": load, "offered_rate_per_s": load * model.rate, "requests": len(arrivals),
-                           "sim": sim_summary(sim.models[model.name]), "runtime": runtime})
+            trials.append(
+                {
+                    "load_factor": load,
+                    "offered_rate_per_s": load * model.rate,
+                    "requests": len(arrivals),
+                    "sim": sim_summary(sim.models[model.name]),
+                    "runtime": runtime,
+                }
+            )
             return runtime["attainment"] >= TARGET
 
         out["runtime_max_load_factor"] = bisect_grid(load_grid(STEP, MAX_LOAD), passes)
@@ -424,14 +459,29 @@ def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[s
 
 
 @click.command("fidelity")
-@click.option("--profiles", default=DEFAULT_PROFILES, show_default=True, help="PPipe-layout profiles (their SLOs from models.csv), or a folder of daskpipe JSON profiles.")
+@click.option(
+    "--profiles",
+    default=DEFAULT_PROFILES,
+    show_default=True,
+    help="PPipe-layout profiles (their SLOs from models.csv), or a folder of daskpipe JSON profiles.",
+)
 @click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, help="Comma-separated model names or unique prefixes.")
-@click.option("--gpus", default=",".join(f"{k}:{v}" for k, v in DEFAULT_GPUS.items()), show_default=True, callback=parse_gpus, help=f"The emulated inventory each model is planned on and served by, TYPE:COUNT,... (at most {MAX_GPUS} GPUs).")
+@click.option(
+    "--gpus",
+    default=",".join(f"{k}:{v}" for k, v in DEFAULT_GPUS.items()),
+    show_default=True,
+    callback=parse_gpus,
+    help=f"The emulated inventory each model is planned on and served by, TYPE:COUNT,... (at most {MAX_GPUS} GPUs).",
+)
 @click.option("--duration", default=DEFAULT_DURATION_S, show_default=True, help="Seconds of Poisson arrivals per trial.")
 @click.option("--seed", default=1, show_default=True, help="Seed of the arrivals (the simulator's convention: the same workload in both).")
-@click.option("--max-rate", default=DEFAULT_MAX_RATE, show_default=True, help="Refuse plans of more req/s than this machine can send open-loop.")
+@click.option(
+    "--max-rate", default=DEFAULT_MAX_RATE, show_default=True, help="Refuse plans of more req/s than this machine can send open-loop."
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_fidelity(profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, max_rate: float, json_path: str | None) -> None:
+def bench_fidelity(
+    profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, max_rate: float, json_path: str | None
+) -> None:
     """Max load factor at 99% attainment of each model's plan, in the simulator and on the Dask runtime."""
     names = [name.strip() for name in models.split(",") if name.strip()]
     if not names:

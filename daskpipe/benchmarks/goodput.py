@@ -132,7 +132,9 @@ def machine_limit(model: str, image_size: int, processes: int, threads: int, sec
     context = multiprocessing.get_context("spawn")
     ready = context.Barrier(processes)
     rates = context.Queue()
-    runners = [context.Process(target=_bare_torch, args=(model, image_size, threads, seconds, ready, rates), daemon=True) for _ in range(processes)]
+    runners = [
+        context.Process(target=_bare_torch, args=(model, image_size, threads, seconds, ready, rates), daemon=True) for _ in range(processes)
+    ]
     for runner in runners:
         runner.start()
     try:
@@ -212,10 +214,19 @@ def run_trial(service: Any, model: str, images: Sequence[Any], rate: float, dura
     dropped = sum(isinstance(error, RequestDropped) for error in errors)
     batches = after["batches"] - before["batches"]
     return Trial(
-        rate=rate, submitted=len(futures), in_hand=len(latencies), on_time=int((latencies <= slo_s).sum()),
-        dropped=dropped, failed=len(errors) - dropped, pending=sum(not future.done() for future in futures),
-        latency_p50_ms=p50, latency_p99_ms=p99, mean_batch=(after["completed"] - before["completed"]) / batches if batches else None,
-        drop_reasons={reason: n - before["dropped"].get(reason, 0) for reason, n in after["dropped"].items() if n > before["dropped"].get(reason, 0)},
+        rate=rate,
+        submitted=len(futures),
+        in_hand=len(latencies),
+        on_time=int((latencies <= slo_s).sum()),
+        dropped=dropped,
+        failed=len(errors) - dropped,
+        pending=sum(not future.done() for future in futures),
+        latency_p50_ms=p50,
+        latency_p99_ms=p99,
+        mean_batch=(after["completed"] - before["completed"]) / batches if batches else None,
+        drop_reasons={
+            reason: n - before["dropped"].get(reason, 0) for reason, n in after["dropped"].items() if n > before["dropped"].get(reason, 0)
+        },
     )
 
 
@@ -231,8 +242,16 @@ def _in_hand(ended_at: dict[int, float], index: int, future: Any) -> None:
 
 
 def run_goodput(
-    *, model: str = "resnet18", workers: tuple[int, int] = (2, 1), slos_ms: Sequence[float] = (500.0, 200.0), duration: float = 20.0,
-    trials: int = 6, limit_seconds: float = 10.0, image_size: int = 224, max_rate: float = math.inf, seed: int = 0,
+    *,
+    model: str = "resnet18",
+    workers: tuple[int, int] = (2, 1),
+    slos_ms: Sequence[float] = (500.0, 200.0),
+    duration: float = 20.0,
+    trials: int = 6,
+    limit_seconds: float = 10.0,
+    image_size: int = 224,
+    max_rate: float = math.inf,
+    seed: int = 0,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> dict[str, Any]:
     """The figures of ``daskpipe bench goodput`` (see the module's docstring)."""
@@ -250,13 +269,20 @@ def run_goodput(
     module = build_model(model)
     images = list(torch.randn(DISTINCT_IMAGES, 1, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed)))
     results: dict[str, SloResult] = {}
-    with stage_worker_environ(), LocalCluster(n_workers=count, threads_per_worker=threads, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        stage_worker_environ(),
+        LocalCluster(n_workers=count, threads_per_worker=threads, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         worker_warnings = [w for report in environments(client.run(probe_worker)) for w in report.warnings()]
         profile = None
         for slo_ms in slos_ms:
             advance(0, note=f"SLO {slo_ms:g} ms: profiling and planning" if profile is None else f"SLO {slo_ms:g} ms: planning")
             with daskpipe.deploy(
-                client, {model: module}, example_inputs={model: images[0]}, slo_ms={model: slo_ms},
+                client,
+                {model: module},
+                example_inputs={model: images[0]},
+                slo_ms={model: slo_ms},
                 profiles={model: replace(profile, slo_us=slo_ms * 1e3)} if profile else None,
             ) as planned:
                 profile, plan = planned.profiles[model], planned.plan
@@ -266,7 +292,9 @@ def run_goodput(
             )
 
             def trial(rate: float) -> Trial:
-                with daskpipe.deploy(client, {model: module}, example_inputs={model: images[0]}, plan=plan, profiles={model: profile}) as service:
+                with daskpipe.deploy(
+                    client, {model: module}, example_inputs={model: images[0]}, plan=plan, profiles={model: profile}
+                ) as service:
                     _warm_up(service, model, images, model_plan.max_batch)
                     done = run_trial(service, model, images, rate, duration, slo_ms / 1e3, seed + len(result.trials))
                 result.trials.append(done)
@@ -287,7 +315,14 @@ def run_goodput(
         "cluster": f"LocalCluster, {count} worker process(es) x {threads} thread(s), plain CPU",
         "goal": GOAL,
         "trial_duration_s": duration,
-        "machine_limit": {"img_per_s": max(limits), "runs": limits, "processes": count, "threads": threads, "batch": 1, "seconds": limit_seconds},
+        "machine_limit": {
+            "img_per_s": max(limits),
+            "runs": limits,
+            "processes": count,
+            "threads": threads,
+            "batch": 1,
+            "seconds": limit_seconds,
+        },
         "worker_warnings": worker_warnings,
         "slos": {name: result.to_dict() for name, result in results.items()},
         "wall_s": time.perf_counter() - began,
@@ -331,24 +366,44 @@ def check_model(name: str) -> str:
 
     known = torchvision.models.list_models(module=torchvision.models)
     if name not in known:
-        raise click.BadParameter(f"torchvision has no classifier {name!r}; try resnet18, resnet50 or mobilenet_v3_small", param_hint="--model")
+        raise click.BadParameter(
+            f"torchvision has no classifier {name!r}; try resnet18, resnet50 or mobilenet_v3_small", param_hint="--model"
+        )
     return name
 
 
 @click.command("goodput")
 @click.option("--model", default="resnet18", show_default=True, help="A torchvision classifier, random weights, fp32.")
-@click.option("--workers", "workers_text", default="2x1", show_default=True, help="COUNTxTHREADS: CPU worker processes x threads each (2x1, 1x2).")
+@click.option(
+    "--workers", "workers_text", default="2x1", show_default=True, help="COUNTxTHREADS: CPU worker processes x threads each (2x1, 1x2)."
+)
 @click.option("--slo-ms", "slo_text", default="500,200", show_default=True, help="SLOs to search at, in milliseconds.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True, help="Seconds of Poisson stream per trial.")
+@click.option(
+    "--duration", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True, help="Seconds of Poisson stream per trial."
+)
 @click.option("--trials", type=click.IntRange(min=1), default=6, show_default=True, help="Most trials per SLO.")
-@click.option("--limit-seconds", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds of bare torch for the machine's limit.")
+@click.option(
+    "--limit-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds of bare torch for the machine's limit.",
+)
 @click.option("--image-size", type=click.IntRange(min=16), default=224, show_default=True, help="Requests are 1 x 3 x SIZE x SIZE images.")
 @click.option("--max-rate", type=click.FloatRange(min=0, min_open=True), default=None, help="Try no rate above this (req/s).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the images and the arrivals.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_goodput(
-    model: str, workers_text: str, slo_text: str, duration: float, trials: int, limit_seconds: float, image_size: int,
-    max_rate: float | None, seed: int, json_path: str | None,
+    model: str,
+    workers_text: str,
+    slo_text: str,
+    duration: float,
+    trials: int,
+    limit_seconds: float,
+    image_size: int,
+    max_rate: float | None,
+    seed: int,
+    json_path: str | None,
 ) -> None:
     """Highest req/s of a torchvision model within each SLO (>= 99% in hand, open-loop Poisson), beside the plan's
     throughput and the machine's limit measured with bare torch in the same run."""
@@ -358,8 +413,16 @@ def bench_goodput(
 
     with progress_bar("goodput", total=2 + len(slos_ms) * trials) as advance:
         figures = run_goodput(
-            model=model, workers=workers, slos_ms=slos_ms, duration=duration, trials=trials, limit_seconds=limit_seconds,
-            image_size=image_size, max_rate=max_rate or math.inf, seed=seed, advance=advance,
+            model=model,
+            workers=workers,
+            slos_ms=slos_ms,
+            duration=duration,
+            trials=trials,
+            limit_seconds=limit_seconds,
+            image_size=image_size,
+            max_rate=max_rate or math.inf,
+            seed=seed,
+            advance=advance,
         )
     for slo, row in figures["slos"].items():
         click.echo(

@@ -24,7 +24,14 @@ class BatchDecision:
 
 
 def decide_batch(
-    model: InterferenceModel, gpu_type: str, me: str, share: float, others: Sequence[Colocated], workload: Workload, memory_free_mb: float, max_utilisation: float
+    model: InterferenceModel,
+    gpu_type: str,
+    me: str,
+    share: float,
+    others: Sequence[Colocated],
+    workload: Workload,
+    memory_free_mb: float,
+    max_utilisation: float,
 ) -> BatchDecision:
     """BDA for one model: latency, throughput and memory grow with the batch, so binary-search
     the largest batch that fits the SLO and memory, accepting it only if it keeps up with the
@@ -59,7 +66,16 @@ class InssScorer:
     """Scores an action (GPU and SM units per model) as InSS's reward: normalised throughput minus
     ``omega`` times the expected violation fraction; memoised per GPU configuration."""
 
-    def __init__(self, model: InterferenceModel, workloads: Sequence[Workload], gpus: Sequence[Gpu], *, omega: float, max_utilisation: float, default_batch: int = 4) -> None:
+    def __init__(
+        self,
+        model: InterferenceModel,
+        workloads: Sequence[Workload],
+        gpus: Sequence[Gpu],
+        *,
+        omega: float,
+        max_utilisation: float,
+        default_batch: int = 4,
+    ) -> None:
         self.model, self.workloads, self.gpus = model, list(workloads), list(gpus)
         self.omega, self.max_utilisation, self.default_batch = omega, max_utilisation, default_batch
         self.units = [model.gpu(g.type).share_units() for g in gpus]
@@ -104,7 +120,21 @@ class InssScorer:
         for pos, (i, _) in enumerate(residents):
             others = procs[:pos] + procs[pos + 1 :]
             co_memory = sum(self.model.memory_mb(p.model, gpu_type, self.default_batch) for p in others)
-            decisions.append((i, decide_batch(self.model, gpu_type, procs[pos].model, procs[pos].share, others, self.workloads[i], spec.memory_mb - co_memory, self.max_utilisation)))
+            decisions.append(
+                (
+                    i,
+                    decide_batch(
+                        self.model,
+                        gpu_type,
+                        procs[pos].model,
+                        procs[pos].share,
+                        others,
+                        self.workloads[i],
+                        spec.memory_mb - co_memory,
+                        self.max_utilisation,
+                    ),
+                )
+            )
         return tuple(decisions)
 
     def decisions(self, assign: Sequence[int], units: Sequence[int]) -> dict[int, BatchDecision]:

@@ -50,11 +50,23 @@ def calibration_figures() -> dict:
         for name, anchors in ANCHORS.items()
         for a in anchors
     ]
-    return {"anchors": len(errors), "mean_error_pct": round(float(sum(errors)) / len(errors), 2), "max_error_pct": round(float(max(errors)), 2)}
+    return {
+        "anchors": len(errors),
+        "mean_error_pct": round(float(sum(errors)) / len(errors), 2),
+        "max_error_pct": round(float(max(errors)), 2),
+    }
 
 
-def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[str], models: list[str], inss_options: dict,
-        advance: Callable[..., None] = lambda *a, **k: None) -> dict:
+def run(
+    *,
+    duration_s: float,
+    seed: int,
+    scales: list[float],
+    strategies: list[str],
+    models: list[str],
+    inss_options: dict,
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> dict:
     from daskpipe.colocation.defaults import INSS_RATES, INSS_SLO_MS, inss_gpus, inss_testbed
     from daskpipe.colocation.evaluate import load_sweep, sustainable
     from daskpipe.colocation.policy import Gpu, Strategy, Workload, make_policy
@@ -81,7 +93,10 @@ def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[s
             "throughput_5pct": round(loose.result.goodput, 1) if loose else 0.0,
             "slo_violation_rate_at_1pct": round(strict.result.slo_violation_rate, 4) if strict else None,
             "plan_at_peak": peak.plan.to_dict(),
-            "sweep": [{"scale": p.scale, "offered": round(p.offered, 1), **{k: v for k, v in p.result.to_dict().items() if k != "per_model"}} for p in points],
+            "sweep": [
+                {"scale": p.scale, "offered": round(p.offered, 1), **{k: v for k, v in p.result.to_dict().items() if k != "per_model"}}
+                for p in points
+            ],
             "seconds": round(time.perf_counter() - started, 2),
         }
         advance(1)
@@ -98,7 +113,11 @@ def run(*, duration_s: float, seed: int, scales: list[float], strategies: list[s
         "setting": {
             "gpus": [{"uid": g.uid, "type": g.type} for g in gpus],
             "models": {w.name: {"slo_ms": w.slo_ms, "base_rate": w.rate} for w in workloads},
-            "scales": scales, "duration_s": duration_s, "seed": seed, "arrivals": "poisson", "latency_noise": 0.03,
+            "scales": scales,
+            "duration_s": duration_s,
+            "seed": seed,
+            "arrivals": "poisson",
+            "latency_noise": 0.03,
         },
         "policies": policies,
         "gains_of_inss": gains,
@@ -113,14 +132,26 @@ def _gain(ours: float, base: float) -> float | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures to this file.")
 @click.option("--duration", "duration_s", type=float, default=10.0, show_default=True, help="Simulated seconds per load point.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--scales", default="0.25,0.5,0.75,1,1.25,1.5,1.75,2,2.25,2.5,3,3.5,4", show_default=True, help="Load multipliers of the base rates.")
+@click.option(
+    "--scales", default="0.25,0.5,0.75,1,1.25,1.5,1.75,2,2.25,2.5,3,3.5,4", show_default=True, help="Load multipliers of the base rates."
+)
 @click.option("--strategy", "strategies", multiple=True, help="Policies to run (repeatable; default: all).")
-@click.option("--models", default=",".join(INSS_MODELS), show_default=True, help="InSS models to serve (its main experiment used the first six).")
+@click.option(
+    "--models", default=",".join(INSS_MODELS), show_default=True, help="InSS models to serve (its main experiment used the first six)."
+)
 @click.option("--trainer", type=click.Choice(["search", "sac"]), default="search", show_default=True, help="InSS's placement search.")
 @click.option("--sac-steps", type=int, default=3000, show_default=True, help="SAC-Discrete training steps (with --trainer sac).")
 @click.option("--fit-noise", type=float, default=0.02, show_default=True, help="Relative noise of the emulated profiling runs.")
 def bench_colocation(
-    json_path: Path | None, duration_s: float, seed: int, scales: str, strategies: tuple[str, ...], models: str, trainer: str, sac_steps: int, fit_noise: float
+    json_path: Path | None,
+    duration_s: float,
+    seed: int,
+    scales: str,
+    strategies: tuple[str, ...],
+    models: str,
+    trainer: str,
+    sac_steps: int,
+    fit_noise: float,
 ) -> None:
     """Co-location policies on InSS's setting (8 models, 4 GPUs, Poisson) in simulation."""
     from daskpipe.colocation.policy import Strategy
@@ -141,8 +172,15 @@ def bench_colocation(
     from daskpipe.progress import progress_bar
 
     with progress_bar("placing and simulating policies", total=len(chosen)) as advance:
-        figures = run(duration_s=duration_s, seed=seed, scales=scale_list, strategies=chosen, models=model_list,
-                      inss_options={"trainer": trainer, "sac_steps": sac_steps, "seed": seed}, advance=advance)
+        figures = run(
+            duration_s=duration_s,
+            seed=seed,
+            scales=scale_list,
+            strategies=chosen,
+            models=model_list,
+            inss_options={"trainer": trainer, "sac_steps": sac_steps, "seed": seed},
+            advance=advance,
+        )
     figures["latency_model"] = {"fit_on_own_data": fit_figures(seed, fit_noise), "calibration_to_paper": calibration_figures()}
     click.echo(f"{'policy':10s} {'throughput':>11s} {'viol@1x':>8s} {'viol@peak':>10s} {'thr<=1%':>9s} {'thr<=5%':>9s}")
     for name, p in figures["policies"].items():

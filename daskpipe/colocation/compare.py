@@ -25,8 +25,17 @@ from daskpipe.profiles.model import Profile
 from daskpipe.sim.simulate import find_max_load
 
 
-def sustained(plan: Plan, profiles: Mapping[str, Profile], base_rates: Mapping[str, float], *, step: float, max_load: float,
-              duration: float, seed: int, target: float) -> dict[str, Any]:
+def sustained(
+    plan: Plan,
+    profiles: Mapping[str, Profile],
+    base_rates: Mapping[str, float],
+    *,
+    step: float,
+    max_load: float,
+    duration: float,
+    seed: int,
+    target: float,
+) -> dict[str, Any]:
     """What ``plan`` sustains in simulation at ``target`` attainment, fed ``load · base_rates``."""
     result = find_max_load(plan, profiles, base_rates=base_rates, step=step, max_load=max_load, duration=duration, seed=seed, target=target)
     loads = result.max_load_factor
@@ -61,7 +70,9 @@ def compare(
     for strategy in strategies:
         started = time.perf_counter()
         try:
-            plans[strategy] = make_plan(profiles, gpus, weights=weights, gpus_per_server=gpus_per_server, bw_gbps=bw_gbps, margin=margin, strategy=strategy)
+            plans[strategy] = make_plan(
+                profiles, gpus, weights=weights, gpus_per_server=gpus_per_server, bw_gbps=bw_gbps, margin=margin, strategy=strategy
+            )
             figures[strategy] = {"objective": round(plans[strategy].objective, 2), "plan_seconds": round(time.perf_counter() - started, 2)}
         except PlanError as exc:
             figures[strategy] = {"objective": 0.0, "error": str(exc)}
@@ -71,22 +82,39 @@ def compare(
         raise PlanError(f"no strategy of {list(strategies)} serves every model on {dict(gpus)}: {figures}")
     base_rates = {m: w * scale for m, w in weights.items()}
     for strategy, plan in plans.items():
-        figures[strategy].update(sustained(plan, profiles, base_rates, step=step, max_load=max_load, duration=duration, seed=seed, target=target))
+        figures[strategy].update(
+            sustained(plan, profiles, base_rates, step=step, max_load=max_load, duration=duration, seed=seed, target=target)
+        )
         figures[strategy]["gpus_used"] = {g: round(n, 3) for g, n in plan.gpus_used().items()}
         advance(0.5, note=f"simulated {strategy}")
     for strategy in strategies:
         if strategy not in plans:
             figures[strategy].update({"throughput": 0.0, "throughput_total": 0.0})
     return {
-        "setting": {"models": list(profiles), "weights": weights, "gpus": dict(gpus), "margin": margin, "target_attainment": target,
-                    "duration_s": duration, "seed": seed, "arrivals": "poisson", "load_factor_1_req_s": base_rates},
+        "setting": {
+            "models": list(profiles),
+            "weights": weights,
+            "gpus": dict(gpus),
+            "margin": margin,
+            "target_attainment": target,
+            "duration_s": duration,
+            "seed": seed,
+            "arrivals": "poisson",
+            "load_factor_1_req_s": base_rates,
+        },
         "strategies": figures,
     }
 
 
 @click.command("colocation-plan")
 @profiles_option
-@click.option("--models", type=NameList(), default="colorization,googlenet,repvgg", show_default=True, help="Models (unique prefixes); default: group G2.")
+@click.option(
+    "--models",
+    type=NameList(),
+    default="colorization,googlenet,repvgg",
+    show_default=True,
+    help="Models (unique prefixes); default: group G2.",
+)
 @click.option("--weights", type=FloatList(), default="0.30,0.33,0.37", show_default=True, help="Workload mix, in --models order.")
 @click.option("--gpus", type=Pairs(int, "COUNT"), default="L4=2,T4=2", show_default=True, help="The cluster.")
 @click.option("--strategy", "strategies", multiple=True, help="Strategies (repeatable; default: np, ppipe and every co-location policy).")
@@ -110,7 +138,9 @@ def bench_colocation_plan(profiles_dir, models, weights, gpus, strategies, margi
     try:
         profiles = load_profiles(profiles_dir_or_default(profiles_dir), models)
         with progress_bar("planning and simulating", total=len(chosen)) as advance:
-            figures = compare(profiles, gpus, chosen, weights=dict(zip(profiles, weights)), margin=margin, duration=duration, seed=seed, advance=advance)
+            figures = compare(
+                profiles, gpus, chosen, weights=dict(zip(profiles, weights)), margin=margin, duration=duration, seed=seed, advance=advance
+            )
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None
     echo_json(figures, json_path)

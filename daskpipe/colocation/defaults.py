@@ -66,18 +66,35 @@ _MODELS: dict[str, _ModelFacts] = {
 
 # InSS's eight models in the paper's order, with their SLOs (ms, §6.1).
 INSS_SLO_MS: dict[str, float] = {
-    "alexnet": 25, "resnet50": 80, "vgg16": 150, "mnasnet": 50,
-    "mobilenet": 60, "efficientnet": 40, "resnet18": 60, "vgg19": 200,
+    "alexnet": 25,
+    "resnet50": 80,
+    "vgg16": 150,
+    "mnasnet": 50,
+    "mobilenet": 60,
+    "efficientnet": 40,
+    "resnet18": 60,
+    "vgg19": 200,
 }
 # Evaluation start rates (req/s) of InSS's released simulator for its six models; ResNet18 and
 # VGG19 are not given there: we use ResNet50's and VGG16's minus a quarter (our choice).
 INSS_RATES: dict[str, float] = {
-    "alexnet": 200, "resnet50": 150, "vgg16": 80, "mnasnet": 200,
-    "mobilenet": 250, "efficientnet": 250, "resnet18": 110, "vgg19": 60,
+    "alexnet": 200,
+    "resnet50": 150,
+    "vgg16": 80,
+    "mnasnet": 200,
+    "mobilenet": 250,
+    "efficientnet": 250,
+    "resnet18": 110,
+    "vgg19": 60,
 }
 # The whole-GPU batch-1 throughput H_i (req/s) of InSS's code; it also normalises the RL reward.
 INSS_H: dict[str, float] = {
-    "alexnet": 788.6, "resnet50": 215.9, "vgg16": 146.9, "mnasnet": 443.5, "mobilenet": 306.5, "efficientnet": 217.3,
+    "alexnet": 788.6,
+    "resnet50": 215.9,
+    "vgg16": 146.9,
+    "mnasnet": 443.5,
+    "mobilenet": 306.5,
+    "efficientnet": 217.3,
 }
 
 
@@ -100,7 +117,9 @@ _TABLE3_SHARES = (0.06, 0.24, 0.42, 0.60)
 ANCHORS: dict[str, tuple[Anchor, ...]] = {
     "resnet50": tuple(Anchor(b, 0.3, ms) for b, ms in zip(_TABLE2_BATCHES, (8.690, 23.285, 43.422, 71.456))),
     "alexnet": tuple(Anchor(b, 0.3, ms, _at(0.3, "resnet50")) for b, ms in zip(_TABLE2_BATCHES, (2.848, 5.674, 8.898, 10.191))),
-    "vgg16": tuple(Anchor(b, 0.3, ms, _at(0.3, "alexnet", "resnet50")) for b, ms in zip(_TABLE2_BATCHES, (18.196, 62.009, 120.382, 176.308))),
+    "vgg16": tuple(
+        Anchor(b, 0.3, ms, _at(0.3, "alexnet", "resnet50")) for b, ms in zip(_TABLE2_BATCHES, (18.196, 62.009, 120.382, 176.308))
+    ),
     "mnasnet": tuple(Anchor(4, s, ms) for s, ms in zip(_TABLE3_SHARES, (13.686, 4.241, 3.468, 3.409))),
     "resnet18": tuple(Anchor(4, s, ms, _at(0.18, "mnasnet")) for s, ms in zip(_TABLE3_SHARES, (43.016, 11.446, 7.422, 5.483))),
     "vgg19": tuple(Anchor(4, s, ms, _at(0.18, "resnet18", "mnasnet")) for s, ms in zip(_TABLE3_SHARES, (358.270, 91.690, 53.947, 39.411))),
@@ -129,10 +148,18 @@ _GRID_SHARES = (0.06, 0.12, 0.24, 0.42, 0.6, 0.8, 1.0)
 def _base_coefficients(model: str, gpu: GpuSpec, running: tuple[float, float, float, float, float]) -> ModelCoefficients:
     facts = _MODELS[model]
     return ModelCoefficients(
-        model=model, gpu=gpu.name, kernels=facts.kernels, sched_us_per_kernel=SOLO_SCHED_US, running=running,
-        l2_alpha=facts.l2_alpha, l2_beta=facts.l2_beta, cache_sensitivity=CACHE_SENSITIVITY,
-        input_bytes=IMAGE_BYTES, output_bytes=LOGITS_BYTES,
-        mem_base_mb=CONTEXT_MB + facts.params_m * 4.0, mem_per_sample_mb=facts.activation_mb,
+        model=model,
+        gpu=gpu.name,
+        kernels=facts.kernels,
+        sched_us_per_kernel=SOLO_SCHED_US,
+        running=running,
+        l2_alpha=facts.l2_alpha,
+        l2_beta=facts.l2_beta,
+        cache_sensitivity=CACHE_SENSITIVITY,
+        input_bytes=IMAGE_BYTES,
+        output_bytes=LOGITS_BYTES,
+        mem_base_mb=CONTEXT_MB + facts.params_m * 4.0,
+        mem_per_sample_mb=facts.activation_mb,
     )
 
 
@@ -186,7 +213,9 @@ def inss_testbed() -> InterferenceModel:
     )
 
 
-def _templated(model: InterferenceModel, name: str, source: str, along: str, points: list[tuple[int, float, float]], calibrated: set[str]) -> list[tuple[int, float, float]]:
+def _templated(
+    model: InterferenceModel, name: str, source: str, along: str, points: list[tuple[int, float, float]], calibrated: set[str]
+) -> list[tuple[int, float, float]]:
     """Extra points for ``name`` along ``along``: its measured level times ``source``'s relative
     curve, the fitted one if ``source`` is already calibrated, else its raw anchors."""
     src = model.coeff(source, ANCHOR_GPU.name) if source in calibrated else None

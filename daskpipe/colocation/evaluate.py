@@ -65,7 +65,10 @@ class EvalResult:
             "slo_violation_rate": round(self.slo_violation_rate, 5),
             "per_model": {
                 m: {
-                    "arrived": s.arrived, "served": s.served, "late": s.late, "dropped": s.dropped,
+                    "arrived": s.arrived,
+                    "served": s.served,
+                    "late": s.late,
+                    "dropped": s.dropped,
                     "p99_ms": round(float(np.percentile(s.latencies_ms, 99)), 2) if s.latencies_ms else None,
                 }
                 for m, s in sorted(self.per_model.items())
@@ -104,7 +107,10 @@ def evaluate(
         route = rng.choice(len(replicas), size=arrivals.size, p=weights / weights.sum())
         for index, replica in enumerate(replicas):
             others = plan.corunners(replica)
-            exec_ms = [model.exec_ms(gpu_type[replica.gpu], Colocated(replica.model, replica.share, n), others) for n in range(1, replica.batch + 1)]
+            exec_ms = [
+                model.exec_ms(gpu_type[replica.gpu], Colocated(replica.model, replica.share, n), others)
+                for n in range(1, replica.batch + 1)
+            ]
             _run_replica(arrivals[route == index] * 1000.0, replica, exec_ms, w.slo_ms, noise, rng, stats)
     return EvalResult(duration_s, per_model)
 
@@ -116,7 +122,15 @@ def _poisson(rng: np.random.Generator, rate: float, duration_s: float) -> np.nda
     return np.sort(rng.uniform(0.0, duration_s, size=count))
 
 
-def _run_replica(arrivals_ms: np.ndarray, replica: Replica, exec_ms: list[float], slo_ms: float, noise: float, rng: np.random.Generator, stats: ModelStats) -> None:
+def _run_replica(
+    arrivals_ms: np.ndarray,
+    replica: Replica,
+    exec_ms: list[float],
+    slo_ms: float,
+    noise: float,
+    rng: np.random.Generator,
+    stats: ModelStats,
+) -> None:
     """One replica's batch queue, batch by batch (arrivals are sorted)."""
     n = arrivals_ms.size
     head, free_at = 0, 0.0

@@ -42,7 +42,9 @@ def is_colocated(plan: Plan) -> bool:
 def interference_of(plan: Plan) -> InterferenceModel:
     """The interference model a co-located plan carries (``PlanError``-like message if it has none)."""
     if not plan.interference:
-        raise ColocationError(f"the {plan.strategy!r} plan co-locates partitions but carries no interference model (field 'interference'); re-plan it")
+        raise ColocationError(
+            f"the {plan.strategy!r} plan co-locates partitions but carries no interference model (field 'interference'); re-plan it"
+        )
     return InterferenceModel.from_dict(plan.interference, source="plan field 'interference'")
 
 
@@ -57,7 +59,9 @@ def colocated_stages(plan: Plan) -> dict[tuple[str, int, int], ColocatedStage]:
         for pi, pipeline in enumerate(m.pipelines):
             for qi, part in enumerate(pipeline.partitions):
                 if part.device:
-                    residents.setdefault(part.device, []).append(((m.name, pi, qi), part.gpu, Colocated(m.name, part.share, pipeline.batch_size)))
+                    residents.setdefault(part.device, []).append(
+                        ((m.name, pi, qi), part.gpu, Colocated(m.name, part.share, pipeline.batch_size))
+                    )
     stages = {}
     for device, rows in residents.items():
         types = sorted({gpu for _, gpu, _ in rows})
@@ -102,8 +106,10 @@ def colocated_placements(plan: Plan) -> dict[str, Placement]:
         for pi, pipeline in enumerate(m.pipelines):
             for qi, part in enumerate(pipeline.partitions):
                 if not part.device:
-                    raise ColocationError(f"model {m.name!r} pipeline {pi} partition {qi} is pooled, other partitions of the plan are co-located; "
-                                          "the simulator executes plans that are one or the other")
+                    raise ColocationError(
+                        f"model {m.name!r} pipeline {pi} partition {qi} is pooled, other partitions of the plan are co-located; "
+                        "the simulator executes plans that are one or the other"
+                    )
                 slot = Slot(id=f"{part.device}/{m.name}/{pi}.{qi}", gpu=part.gpu, slices=part.slices, server=part.device)
                 slots[slot.id] = slot
                 pools[(pi, qi)] = (slot.id,)

@@ -198,7 +198,9 @@ def _fit_colocation(model: InterferenceModel, co: Sequence[CoSample]) -> Interfe
     for gpu in sorted({c.gpu for c in co}):
         rows = [c for c in co if c.gpu == gpu]
         counts = [len(c.others) + 1 for c in rows]
-        extra_us = [1000.0 * c.sched_ms / model.coeff(c.me.model, gpu).kernels - model.coeff(c.me.model, gpu).sched_us_per_kernel for c in rows]
+        extra_us = [
+            1000.0 * c.sched_ms / model.coeff(c.me.model, gpu).kernels - model.coeff(c.me.model, gpu).sched_us_per_kernel for c in rows
+        ]
         if len(set(counts)) >= 2:
             alpha, beta = fit_line(counts, extra_us)
         else:  # one co-location degree only: the slope is not identifiable, keep an offset
@@ -273,8 +275,19 @@ def collect_samples(
         for share in shares:
             for b in batches:
                 r = measure(gpu, Colocated(m, share, b), ())
-                solo.append(SoloSample(model=m, gpu=gpu, batch=b, share=share, running_ms=r.running_ms, sched_ms=r.sched_ms,
-                                       l2_util=r.l2_util, memory_mb=r.memory_mb, total_ms=r.total_ms))
+                solo.append(
+                    SoloSample(
+                        model=m,
+                        gpu=gpu,
+                        batch=b,
+                        share=share,
+                        running_ms=r.running_ms,
+                        sched_ms=r.sched_ms,
+                        l2_util=r.l2_util,
+                        memory_mb=r.memory_mb,
+                        total_ms=r.total_ms,
+                    )
+                )
     co = []
     for m in models:
         candidates = [o for o in models if o != m] or [m]
@@ -323,7 +336,9 @@ def emulate_profiling(
     """``collect_samples`` on the emulated GPU ``truth``: the seam that stands in for a GPU, and
     test data with known parameters."""
     rng = np.random.default_rng(seed)
-    return collect_samples(emulated_measure(truth, noise=noise, rng=rng), gpu, models, shares=shares, batches=batches, co_sets=co_sets, rng=rng)
+    return collect_samples(
+        emulated_measure(truth, noise=noise, rng=rng), gpu, models, shares=shares, batches=batches, co_sets=co_sets, rng=rng
+    )
 
 
 def model_info(model: InterferenceModel) -> dict[tuple[str, str], ModelInfo]:

@@ -16,7 +16,6 @@ from daskpipe.colocation.latency import Colocated, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Replica, Strategy, Workload
 
 
-
 def half_slo_batch(exec_ms, slo_ms: float, max_batch: int) -> tuple[int, float]:
     """Largest batch in 1..max_batch whose execution fits in SLO/2, and its throughput (req/s); (1, 0) if none."""
     best = (1, 0.0)
@@ -95,7 +94,9 @@ class GpuletPolicy(PlacementPolicy):
             free = 1.0 - sum(r.share for r in residents)
             neighbours = [r.process() for r in residents]
             for share in (s for s in self.SIZES if s <= free + 1e-9):
-                batch, thr = half_slo_batch(lambda b: self.model.exec_ms(types[uid], Colocated(w.name, share, b), neighbours), w.slo_ms, self.model.max_batch)
+                batch, thr = half_slo_batch(
+                    lambda b: self.model.exec_ms(types[uid], Colocated(w.name, share, b), neighbours), w.slo_ms, self.model.max_batch
+                )
                 if thr > 0:
                     options.append((uid, share, batch, thr))
         if not options:

@@ -49,7 +49,9 @@ class IgniterPolicy(PlacementPolicy):
         for index, residents in enumerate(plan_gpus[: len(gpus)]):
             for w, batch, share in residents:
                 replicas.append(Replica(w.name, gpus[index].uid, share, batch, weight=batch, timeout_ms=w.slo_ms / 2))
-        return PlacementPlan(self.strategy.value, tuple(replicas), {"gpus_wanted": len(plan_gpus), "gpus_used": min(len(plan_gpus), len(gpus))})
+        return PlacementPlan(
+            self.strategy.value, tuple(replicas), {"gpus_wanted": len(plan_gpus), "gpus_used": min(len(plan_gpus), len(gpus))}
+        )
 
     def _batch(self, w: Workload, rate: float, gpu_type: str) -> int:
         c = self.model.coeff(w.name, gpu_type)
@@ -73,7 +75,11 @@ class IgniterPolicy(PlacementPolicy):
         shares = [s for *_, s in residents]
         while sum(shares) <= 1.0 + 1e-9:
             procs = [Colocated(w.name, s, b) for (w, b, _), s in zip(residents, shares)]
-            late = [i for i, (w, b, _) in enumerate(residents) if self.model.exec_ms(gpu_type, procs[i], procs[:i] + procs[i + 1 :]) > w.slo_ms / 2]
+            late = [
+                i
+                for i, (w, b, _) in enumerate(residents)
+                if self.model.exec_ms(gpu_type, procs[i], procs[:i] + procs[i + 1 :]) > w.slo_ms / 2
+            ]
             if not late:
                 return [(w, b, s) for (w, b, _), s in zip(residents, shares)]
             if all(shares[i] >= 1.0 for i in late):

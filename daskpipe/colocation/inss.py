@@ -18,14 +18,22 @@ from daskpipe.colocation.latency import InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Strategy, Workload
 
 
-
 class InssPolicy(PlacementPolicy):
     """InSS (TS): SAC-Discrete placement with ``trainer="sac"``, local search otherwise."""
 
     strategy = Strategy.INSS
 
     def __init__(
-        self, model: InterferenceModel, *, trainer: str = "search", omega: float = 100.0, max_utilisation: float = 0.85, search_budget: int = 3000, seed: int = 0, sac_steps: int = 2000, sac_hidden: tuple[int, ...] = (512, 256)
+        self,
+        model: InterferenceModel,
+        *,
+        trainer: str = "search",
+        omega: float = 100.0,
+        max_utilisation: float = 0.85,
+        search_budget: int = 3000,
+        seed: int = 0,
+        sac_steps: int = 2000,
+        sac_hidden: tuple[int, ...] = (512, 256),
     ) -> None:
         super().__init__(model)
         if trainer not in ("search", "sac"):
@@ -84,7 +92,9 @@ def local_search(scorer: InssScorer, *, budget: int, seed: int) -> tuple[list[in
     return best_assign, best_units, evals
 
 
-def _climb(scorer: InssScorer, assign: list[int], units: list[int], budget: int, rng: random.Random) -> tuple[list[int], list[int], float, int]:
+def _climb(
+    scorer: InssScorer, assign: list[int], units: list[int], budget: int, rng: random.Random
+) -> tuple[list[int], list[int], float, int]:
     best = scorer.score(assign, units)
     evals = 1
     improved = True

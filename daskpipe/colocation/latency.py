@@ -238,4 +238,3 @@ def worst_task_latency_ms(exec_ms: float, batch: int, rate_per_s: float, queued:
         worst = max(worst, end - arrival(j * batch))
         prev_end = end
     return worst
-

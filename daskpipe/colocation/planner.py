@@ -86,8 +86,16 @@ def _policy_options(strategy: str, time_limit: float, options: Mapping[str, Any]
 class _ScaleSearch:
     """Bisection on the common scale of the models' rates (``scale · weight``)."""
 
-    def __init__(self, policy: PlacementPolicy, model: InterferenceModel, gpus: list[Gpu], profiles: Mapping[str, Profile],
-                 weights: Mapping[str, float], budget_ms: Mapping[str, float], slo_us: Mapping[str, float]) -> None:
+    def __init__(
+        self,
+        policy: PlacementPolicy,
+        model: InterferenceModel,
+        gpus: list[Gpu],
+        profiles: Mapping[str, Profile],
+        weights: Mapping[str, float],
+        budget_ms: Mapping[str, float],
+        slo_us: Mapping[str, float],
+    ) -> None:
         self.policy, self.model, self.gpus, self.weights, self.budget_ms, self.slo_us = policy, model, gpus, weights, budget_ms, slo_us
         self.names = list(profiles)
         self.num_blocks = {m: p.num_blocks for m, p in profiles.items()}
@@ -97,8 +105,16 @@ class _ScaleSearch:
     def plan_at(self, scale: float) -> Plan:
         workloads = [Workload(m, scale * self.weights[m], self.budget_ms[m]) for m in self.names]
         placement = self.policy.place(workloads, self.gpus)
-        return to_plan(placement, workloads, self.gpus, self.model, num_blocks=self.num_blocks, slo_us=self.slo_us, weights=self.weights,
-                       slice_counts=self.slice_counts)
+        return to_plan(
+            placement,
+            workloads,
+            self.gpus,
+            self.model,
+            num_blocks=self.num_blocks,
+            slo_us=self.slo_us,
+            weights=self.weights,
+            slice_counts=self.slice_counts,
+        )
 
     def serves(self, plan: Plan, scale: float) -> bool:
         """Every model has the capacity for its rate, on replicas whose batch latency fits its budget
@@ -131,7 +147,11 @@ class _ScaleSearch:
             if best is not None and hi - lo <= RELATIVE_PRECISION * hi:
                 return best, step
         if best is None:
-            unserved = [m.name for m in self.plan_at(hi).models if not m.pipelines or any(p.latency_us > 1000.0 * self.budget_ms[m.name] for p in m.pipelines)]
+            unserved = [
+                m.name
+                for m in self.plan_at(hi).models
+                if not m.pipelines or any(p.latency_us > 1000.0 * self.budget_ms[m.name] for p in m.pipelines)
+            ]
             raise ColocationError(
                 f"no placement serves every model even at {hi:.3g} x its weight req/s"
                 + (f"; no replica of {unserved} that the policy places fits (1 - margin) x SLO on these GPUs" if unserved else "")

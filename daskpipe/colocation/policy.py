@@ -160,7 +160,11 @@ def make_policy(strategy: str | Strategy, model: InterferenceModel, **options: A
 
 
 def run_placement_policy(
-    workloads: Sequence[Workload], gpus: Sequence[Gpu], strategy: str | Strategy = Strategy.INSS, model: InterferenceModel | None = None, **options: Any
+    workloads: Sequence[Workload],
+    gpus: Sequence[Gpu],
+    strategy: str | Strategy = Strategy.INSS,
+    model: InterferenceModel | None = None,
+    **options: Any,
 ) -> PlacementPlan:
     """The thesis's one-call API; without ``model`` the emulated InSS testbed is used."""
     if model is None:

@@ -21,6 +21,7 @@ from daskpipe.colocation.policy import Gpu, PlacementPlan, Workload
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 
+
 def model_from_profiles(profiles: Mapping[str, Profile], specs: Mapping[str, GpuSpec]) -> InterferenceModel:
     """Fit one ``ModelCoefficients`` per (model, GPU type) present in both ``profiles`` and ``specs``.
 
@@ -40,20 +41,36 @@ def model_from_profiles(profiles: Mapping[str, Profile], specs: Mapping[str, Gpu
             if len(slices) < 2:
                 skipped.append(f"{name}@{gpu}")
                 continue
-            points = [(b, specs[gpu].sm_count / v, profile.latency(gpu, v, b) / 1000.0) for v in slices for b in range(1, profile.max_batch(gpu, v) + 1)]
+            points = [
+                (b, specs[gpu].sm_count / v, profile.latency(gpu, v, b) / 1000.0)
+                for v in slices
+                for b in range(1, profile.max_batch(gpu, v) + 1)
+            ]
             batches, sms, ms = zip(*points)
             running = fit_running(batches, sms, ms, max_batch=max_batch)
             coefficients[(name, gpu)] = ModelCoefficients(
-                model=name, gpu=gpu, kernels=profile.num_blocks, sched_us_per_kernel=0.0,
+                model=name,
+                gpu=gpu,
+                kernels=profile.num_blocks,
+                sched_us_per_kernel=0.0,
                 running=running,
-                l2_alpha=0.0, l2_beta=0.0, cache_sensitivity=0.0,
-                input_bytes=profile.input_bytes, output_bytes=profile.output_bytes, mem_base_mb=0.0, mem_per_sample_mb=0.0,
+                l2_alpha=0.0,
+                l2_beta=0.0,
+                cache_sensitivity=0.0,
+                input_bytes=profile.input_bytes,
+                output_bytes=profile.output_bytes,
+                mem_base_mb=0.0,
+                mem_per_sample_mb=0.0,
             )
             errors += [100.0 * abs(coefficients[(name, gpu)].solo_running_ms(b, s) - y) / y for b, s, y in points]
     if not coefficients:
         raise ColocationError(f"no (model, GPU) pair has tables for >= 2 slice counts on a GPU of {sorted(specs)}; skipped: {skipped}")
     report = FitReport(solo_errors_pct=tuple(errors), co_errors_pct=())
-    notes = {"skipped": ", ".join(skipped), "fit_mean_error_pct": f"{report.mean_error_pct:.2f}", "fit_max_error_pct": f"{report.max_error_pct:.2f}"}
+    notes = {
+        "skipped": ", ".join(skipped),
+        "fit_mean_error_pct": f"{report.mean_error_pct:.2f}",
+        "fit_max_error_pct": f"{report.max_error_pct:.2f}",
+    }
     return InterferenceModel(gpus=dict(specs), coefficients=coefficients, name="from-profiles", notes=notes, max_batch=max_batch)
 
 
@@ -84,7 +101,9 @@ def to_plan(
             exec_ms = model.exec_ms(types[r.gpu], r.process(), placement.corunners(r))
             blocks = (num_blocks or {}).get(w.name, 1)
             slices = nearest_slices(r.share, (slice_counts or {}).get(types[r.gpu]))
-            part = Partition(blocks=(0, blocks), gpu=types[r.gpu], slices=slices, vgpus=1, latency_us=exec_ms * 1000.0, device=r.gpu, share=r.share)
+            part = Partition(
+                blocks=(0, blocks), gpu=types[r.gpu], slices=slices, vgpus=1, latency_us=exec_ms * 1000.0, device=r.gpu, share=r.share
+            )
             pipelines.append(Pipeline(batch_size=r.batch, throughput=1000.0 * r.batch / exec_ms, partitions=(part,)))
         served = min(w.rate, sum(p.throughput for p in pipelines))
         slo = (slo_us or {}).get(w.name, w.slo_ms * 1000.0)

@@ -76,7 +76,9 @@ class PlacementEnv:
         if jitter and self.config.rate_jitter > 0:
             factors = 1.0 + self.rng.uniform(-self.config.rate_jitter, self.config.rate_jitter, size=self.num_models)
             workloads = [Workload(w.name, w.rate * f, w.slo_ms) for w, f in zip(self.base.workloads, factors)]
-            self.scorer = InssScorer(self.base.model, workloads, self.base.gpus, omega=self.base.omega, max_utilisation=self.base.max_utilisation)
+            self.scorer = InssScorer(
+                self.base.model, workloads, self.base.gpus, omega=self.base.omega, max_utilisation=self.base.max_utilisation
+            )
         else:
             self.scorer = self.base
         self.assign = [0] * self.num_models
@@ -168,16 +170,35 @@ def train_and_act(scorer: InssScorer, config: SacConfig) -> tuple[list[int], lis
         if stored >= config.batch_size:
             idx = rng.integers(min(stored, capacity), size=config.batch_size)
             _update(
-                torch.as_tensor(states[idx]), torch.as_tensor(actions[idx]), torch.as_tensor(rewards[idx]), torch.as_tensor(next_states[idx]), torch.as_tensor(dones[idx]),
-                actor, q1, q2, q1_target, q2_target, log_alpha, actor_opt, critic_opt, alpha_opt, per_head, target_entropy, config,
+                torch.as_tensor(states[idx]),
+                torch.as_tensor(actions[idx]),
+                torch.as_tensor(rewards[idx]),
+                torch.as_tensor(next_states[idx]),
+                torch.as_tensor(dones[idx]),
+                actor,
+                q1,
+                q2,
+                q1_target,
+                q2_target,
+                log_alpha,
+                actor_opt,
+                critic_opt,
+                alpha_opt,
+                per_head,
+                target_entropy,
+                config,
             )
     score, assign, units = best
-    return assign, units, {
-        "sac_steps": config.steps,
-        "checkpoint_score": round(score, 4),
-        "episode_mean_rewards": [round(r, 4) for r in episode_rewards],
-        "temperature": round(float(log_alpha.detach().exp()), 4),
-    }
+    return (
+        assign,
+        units,
+        {
+            "sac_steps": config.steps,
+            "checkpoint_score": round(score, 4),
+            "episode_mean_rewards": [round(r, 4) for r in episode_rewards],
+            "temperature": round(float(log_alpha.detach().exp()), 4),
+        },
+    )
 
 
 def _checkpoint(env: PlacementEnv, actor, per_head, best: tuple[float, list[int], list[int]] | None) -> tuple[float, list[int], list[int]]:
@@ -192,7 +213,25 @@ def _checkpoint(env: PlacementEnv, actor, per_head, best: tuple[float, list[int]
     return (score, assign, units) if best is None or score > best[0] else best
 
 
-def _update(s, a, r, s2, done, actor, q1, q2, q1_target, q2_target, log_alpha, actor_opt, critic_opt, alpha_opt, per_head, target_entropy, config: SacConfig) -> None:
+def _update(
+    s,
+    a,
+    r,
+    s2,
+    done,
+    actor,
+    q1,
+    q2,
+    q1_target,
+    q2_target,
+    log_alpha,
+    actor_opt,
+    critic_opt,
+    alpha_opt,
+    per_head,
+    target_entropy,
+    config: SacConfig,
+) -> None:
     """One gradient step of critics, actor and temperature, then the Polyak update (Eqs. 6-9)."""
     import torch
 

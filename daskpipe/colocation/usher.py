@@ -150,7 +150,12 @@ class UsherPolicy(_UsherBase):
             return abs(sum(configs[m][1].creq - configs[m][1].mreq for m in group))
 
         while True:
-            pairs = [(imbalance(a + b), i, j) for i, a in enumerate(groups) for j, b in enumerate(groups) if i < j and len(a) + len(b) <= self.GROUP_SIZE]
+            pairs = [
+                (imbalance(a + b), i, j)
+                for i, a in enumerate(groups)
+                for j, b in enumerate(groups)
+                if i < j and len(a) + len(b) <= self.GROUP_SIZE
+            ]
             if not pairs:
                 return groups
             _, i, j = min(pairs)
@@ -159,6 +164,7 @@ class UsherPolicy(_UsherBase):
     @staticmethod
     def _order(group: list[str], configs: dict[str, tuple[int, Option]]) -> list[str]:
         """Memory-heavy and compute-heavy alternate (each by Creq + Mreq, descending), neutral last."""
+
         def rreq(m: str) -> float:
             return -(configs[m][1].creq + configs[m][1].mreq)
 
@@ -185,7 +191,9 @@ class WsmMilpPolicy(_UsherBase):
 
     strategy = Strategy.WSM_MILP
 
-    def __init__(self, model: InterferenceModel, *, saturation: float = 0.10, time_limit_s: float = 10.0, batch_penalty: float = 1e-3) -> None:
+    def __init__(
+        self, model: InterferenceModel, *, saturation: float = 0.10, time_limit_s: float = 10.0, batch_penalty: float = 1e-3
+    ) -> None:
         super().__init__(model, saturation=saturation)
         self.time_limit_s, self.batch_penalty = time_limit_s, batch_penalty
 
@@ -217,5 +225,11 @@ class WsmMilpPolicy(_UsherBase):
         milp.objective = mip.xsum(served.values()) - self.batch_penalty * mip.xsum(b * v for (_, b, _), (v, _) in x.items())
         status = milp.optimize(max_seconds=self.time_limit_s)
         by_name = {w.name: w for w in workloads}
-        replicas = tuple(self.replica(by_name[m], u, o) for (m, _, u), (v, o) in sorted(x.items(), key=lambda kv: kv[0]) if v.x is not None and v.x > 0.5)
-        return PlacementPlan(self.strategy.value, replicas, {"solver": "cbc", "status": status.name, "objective": round(float(milp.objective_value or 0.0), 2)})
+        replicas = tuple(
+            self.replica(by_name[m], u, o) for (m, _, u), (v, o) in sorted(x.items(), key=lambda kv: kv[0]) if v.x is not None and v.x > 0.5
+        )
+        return PlacementPlan(
+            self.strategy.value,
+            replicas,
+            {"solver": "cbc", "status": status.name, "objective": round(float(milp.objective_value or 0.0), 2)},
+        )

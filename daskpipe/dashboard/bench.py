@@ -34,7 +34,14 @@ import torch
 from daskpipe.dashboard.server import PAGES
 from daskpipe.runtime.bench import BATCH, profile_and_plan, trivial_model
 
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 MODEL = "trivial-b32"
 ROUND_REQUESTS = 30000
 """Requests per round: 1.5 to 3 s on the 2-core development machine, so that every round holds page
@@ -131,7 +138,9 @@ class BokehClientPages:
     def close(self) -> None:
         if self.process is not None:
             if not self.process.is_alive():
-                raise RuntimeError(f"the Bokeh client stopped following the pages (exit code {self.process.exitcode}): the round did not have them open")
+                raise RuntimeError(
+                    f"the Bokeh client stopped following the pages (exit code {self.process.exitcode}): the round did not have them open"
+                )
             self.process.terminate()
             self.process.join()
             self.process = None
@@ -188,7 +197,14 @@ def timed_round(svc, requests: int, chunk: int) -> dict[str, float]:
     return {"requests_per_second": requests / elapsed, "python_cpu_us_per_request": cpu / requests * 1e6, "chromium_cpu_s": browser}
 
 
-def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewer: str = "chromium", chromium: str | None = None, processes: bool = True) -> dict:
+def run(
+    requests: int = ROUND_REQUESTS,
+    rounds: int = 6,
+    chunk: int = 500,
+    viewer: str = "chromium",
+    chromium: str | None = None,
+    processes: bool = True,
+) -> dict:
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
@@ -200,7 +216,11 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
     requests = -(-requests // BATCH) * BATCH
     sides: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
     opening: list[dict[str, float]] = []  # what opening the pages cost, each time (not timed)
-    with stage_worker_environ(), LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with (
+        stage_worker_environ(),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
         profiles, plan = profile_and_plan({MODEL: BATCH})
         svc = daskpipe.deploy(client, {MODEL: trivial_model()}, example_inputs={MODEL: torch.zeros(1, 16)}, plan=plan, profiles=profiles)
         try:
@@ -214,7 +234,9 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
                             cpu = chromium_cpu_s()
                             pages.open()
                             waited, quiet_cpu = wait_until_chromium_quiet()
-                            opening.append({"chromium_cpu_s": chromium_cpu_s() - cpu, "settle_s": waited, "settle_chromium_cpu_s": quiet_cpu})
+                            opening.append(
+                                {"chromium_cpu_s": chromium_cpu_s() - cpu, "settle_s": waited, "settle_chromium_cpu_s": quiet_cpu}
+                            )
                         elif side == "closed" and pages.opened:
                             pages.close()
                         time.sleep(SETTLE_S)
@@ -240,9 +262,20 @@ def run(requests: int = ROUND_REQUESTS, rounds: int = 6, chunk: int = 500, viewe
 @click.command("dashboard")
 @click.option("--requests", default=ROUND_REQUESTS, show_default=True, help="Requests per round (a round should last a few page updates).")
 @click.option("--rounds", default=6, show_default=True, help="Rounds per side (pages closed, pages open), in ABBA order.")
-@click.option("--viewer", type=click.Choice(["chromium", "bokeh-client"]), default="chromium", show_default=True, help="Who opens the pages: headless Chromium on this machine, or Bokeh's Python client (no rendering: the scheduler's cost alone).")
+@click.option(
+    "--viewer",
+    type=click.Choice(["chromium", "bokeh-client"]),
+    default="chromium",
+    show_default=True,
+    help="Who opens the pages: headless Chromium on this machine, or Bokeh's Python client (no rendering: the scheduler's cost alone).",
+)
 @click.option("--chromium", type=click.Path(exists=True, dir_okay=False), help="The Chromium binary (default: chromium on PATH).")
-@click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes (as daskpipe runs them), or threads of this process.")
+@click.option(
+    "--processes/--in-process",
+    default=True,
+    show_default=True,
+    help="Workers as processes (as daskpipe runs them), or threads of this process.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_dashboard(requests: int, rounds: int, viewer: str, chromium: str | None, processes: bool, json_path: str | None) -> None:
     """Runtime throughput with the daskpipe pages closed and open."""

@@ -72,7 +72,8 @@ def push(source: ColumnDataSource, data: dict[str, list | np.ndarray]) -> None:
     marks a gap and equals NaN here)."""
     current = source.data
     same = current.keys() == data.keys() and all(
-        np.array_equal(current[key], column, equal_nan=True) if isinstance(column, np.ndarray) else current[key] == column for key, column in data.items()
+        np.array_equal(current[key], column, equal_nan=True) if isinstance(column, np.ndarray) else current[key] == column
+        for key, column in data.items()
     )
     if not same:
         source.data = data
@@ -154,7 +155,12 @@ class TimeSeriesCharts:
     def add(self, title: str, y_label: str, columns: Columns, *, markers: bool = False, y_end: float | None = None) -> Chart:
         """A figure whose lines ``columns`` gives; its y axis from 0 to ``y_end``, or fitted to the lines."""
         fig = figure(
-            title=title, height=230, sizing_mode="stretch_width", tools="pan,wheel_zoom,box_zoom,reset", x_range=self.x_range, y_range=Range1d(0, y_end or 1.0),
+            title=title,
+            height=230,
+            sizing_mode="stretch_width",
+            tools="pan,wheel_zoom,box_zoom,reset",
+            x_range=self.x_range,
+            y_range=Range1d(0, y_end or 1.0),
         )
         fig.xaxis.axis_label = "seconds before now"
         fig.yaxis.axis_label = y_label
@@ -177,7 +183,9 @@ class TimeSeriesCharts:
             chart.labels = list(lines)
             if not chart.fixed_y:
                 fit_end(chart.figure.y_range, np.concatenate(list(lines.values())) if lines else [])
-            push(chart.source, {"x": x, **{LINE + label: values for label, values in lines.items()}})  # a chart that looks the same is not sent
+            push(
+                chart.source, {"x": x, **{LINE + label: values for label, values in lines.items()}}
+            )  # a chart that looks the same is not sent
         self.last = last
 
 
@@ -187,20 +195,70 @@ class PlanView(DashboardComponent):
     @log_errors
     def __init__(self, read: Reader) -> None:
         self.read = read
-        self.source = ColumnDataSource({k: [] for k in ("model", "pipeline", "partition", "gpu", "slices", "vgpus", "blocks", "batch", "throughput", "table", "x", "y", "label")})
+        self.source = ColumnDataSource(
+            {
+                k: []
+                for k in (
+                    "model",
+                    "pipeline",
+                    "partition",
+                    "gpu",
+                    "slices",
+                    "vgpus",
+                    "blocks",
+                    "batch",
+                    "throughput",
+                    "table",
+                    "x",
+                    "y",
+                    "label",
+                )
+            }
+        )
         self.flow = ColumnDataSource({"x0": [], "x1": [], "y": []})
         self.figure = figure(
-            title="Plan: pools of each pipeline, first partition to last", height=210, sizing_mode="stretch_width",
-            y_range=FactorRange(), tools="", x_axis_label="partition",
+            title="Plan: pools of each pipeline, first partition to last",
+            height=210,
+            sizing_mode="stretch_width",
+            y_range=FactorRange(),
+            tools="",
+            x_axis_label="partition",
         )
         self.figure.segment("x0", "y", "x1", "y", source=self.flow, line_width=3, color="#888888")
         self.figure.rect("x", "y", width=0.8, height=0.8, source=self.source, fill_color="#9ecae1", line_color="#3182bd")
         self.figure.text("x", "y", text="label", source=self.source, text_align="center", text_baseline="middle", text_font_size="9pt")
-        self.figure.add_tools(HoverTool(tooltips=[("pool", "@gpu 1/@slices x @vgpus slices"), ("blocks", "@blocks"), ("batch", "@batch"), ("planned req/s", "@throughput{0.0}"), ("latency table", "@table")]))
+        self.figure.add_tools(
+            HoverTool(
+                tooltips=[
+                    ("pool", "@gpu 1/@slices x @vgpus slices"),
+                    ("blocks", "@blocks"),
+                    ("batch", "@batch"),
+                    ("planned req/s", "@throughput{0.0}"),
+                    ("latency table", "@table"),
+                ]
+            )
+        )
         self.figure.xaxis.ticker = list(range(8))
-        columns = [("model", "model"), ("pipeline", "pipeline"), ("partition", "partition"), ("gpu", "GPU"), ("slices", "slices/GPU"), ("vgpus", "slices in pool"), ("blocks", "blocks"), ("batch", "batch"), ("throughput", "planned req/s"), ("table", "latency table")]
+        columns = [
+            ("model", "model"),
+            ("pipeline", "pipeline"),
+            ("partition", "partition"),
+            ("gpu", "GPU"),
+            ("slices", "slices/GPU"),
+            ("vgpus", "slices in pool"),
+            ("blocks", "blocks"),
+            ("batch", "batch"),
+            ("throughput", "planned req/s"),
+            ("table", "latency table"),
+        ]
         formats = {"throughput": NumberFormatter(format="0.0")}
-        self.table = DataTable(source=self.source, columns=[TableColumn(field=f, title=t, **({"formatter": formats[f]} if f in formats else {})) for f, t in columns], height=240, sizing_mode="stretch_width", index_position=None)
+        self.table = DataTable(
+            source=self.source,
+            columns=[TableColumn(field=f, title=t, **({"formatter": formats[f]} if f in formats else {})) for f, t in columns],
+            height=240,
+            sizing_mode="stretch_width",
+            index_position=None,
+        )
         self.root = column(self.figure, self.table, sizing_mode="stretch_width")
 
     @without_property_validation
@@ -210,7 +268,7 @@ class PlanView(DashboardComponent):
         rows: dict[str, list] = {k: [] for k in self.source.data}
         flow: dict[str, list] = {"x0": [], "x1": [], "y": []}
         factors = []
-        for name, model in (metrics.models.items() if metrics else ()):
+        for name, model in metrics.models.items() if metrics else ():
             if model.plan is None:
                 continue
             for p, pipeline in enumerate(model.plan.pipelines):
@@ -218,8 +276,18 @@ class PlanView(DashboardComponent):
                 factors.append(y)
                 for q, part in enumerate(pipeline.partitions):
                     for key, value in (
-                        ("model", name), ("pipeline", p), ("partition", q), ("gpu", part.gpu), ("slices", part.slices), ("vgpus", part.vgpus),
-                        ("blocks", f"{part.blocks[0]}-{part.blocks[1]}"), ("batch", pipeline.batch_size), ("throughput", pipeline.throughput), ("table", part.table or "not recorded"), ("x", q), ("y", y),
+                        ("model", name),
+                        ("pipeline", p),
+                        ("partition", q),
+                        ("gpu", part.gpu),
+                        ("slices", part.slices),
+                        ("vgpus", part.vgpus),
+                        ("blocks", f"{part.blocks[0]}-{part.blocks[1]}"),
+                        ("batch", pipeline.batch_size),
+                        ("throughput", pipeline.throughput),
+                        ("table", part.table or "not recorded"),
+                        ("x", q),
+                        ("y", y),
                         ("label", f"{part.gpu} 1/{part.slices} x{part.vgpus} [{part.blocks[0]},{part.blocks[1]})"),
                     ):
                         rows[key].append(value)
@@ -234,11 +302,25 @@ class PlanView(DashboardComponent):
 
 
 CONTROL_COLUMNS = (
-    ("model", "control path (ms)"), ("margin_ms", "margin"), ("dispatch_p50_ms", "dispatch p50"), ("dispatch_p99_ms", "dispatch p99"),
-    ("hop_p50_ms", "hop p50"), ("hop_p99_ms", "hop p99"), ("done_p50_ms", "done p50"), ("done_p99_ms", "done p99"), ("total_p99_ms", "batch total p99"),
+    ("model", "control path (ms)"),
+    ("margin_ms", "margin"),
+    ("dispatch_p50_ms", "dispatch p50"),
+    ("dispatch_p99_ms", "dispatch p99"),
+    ("hop_p50_ms", "hop p50"),
+    ("hop_p99_ms", "hop p99"),
+    ("done_p50_ms", "done p50"),
+    ("done_p99_ms", "done p99"),
+    ("total_p99_ms", "batch total p99"),
 )
 """The control-path table of the SLO page: ``ControlPath.summary`` keys and their titles."""
-SUSPECT_COLUMNS = (("model", "suspect slot's model"), ("slot", "slot"), ("since_s", "suspect for (s)"), ("probes", "probes"), ("last_ratio", "last probe / profile"), ("detail", "why"))
+SUSPECT_COLUMNS = (
+    ("model", "suspect slot's model"),
+    ("slot", "slot"),
+    ("since_s", "suspect for (s)"),
+    ("probes", "probes"),
+    ("last_ratio", "last probe / profile"),
+    ("detail", "why"),
+)
 """The suspect-slot table of the SLO page (``daskpipe.runtime.gray``)."""
 
 
@@ -257,26 +339,50 @@ class SLOView(DashboardComponent):
         self.breakdown_source = ColumnDataSource({"model": [], **{phase: [] for phase in PHASES}})
         self.breakdown = figure(
             title=f"Where a request's time goes: mean ms per request completed in the last {BREAKDOWN_BUCKETS * BUCKET_S:g} s",
-            height=230, sizing_mode="stretch_width", y_range=FactorRange(), x_range=Range1d(0, 1), tools="", x_axis_label="ms",
+            height=230,
+            sizing_mode="stretch_width",
+            y_range=FactorRange(),
+            x_range=Range1d(0, 1),
+            tools="",
+            x_axis_label="ms",
         )
-        self.breakdown.hbar_stack(list(PHASES), y="model", height=0.6, color=list(PHASE_COLORS), source=self.breakdown_source, legend_label=list(PHASES))
+        self.breakdown.hbar_stack(
+            list(PHASES), y="model", height=0.6, color=list(PHASE_COLORS), source=self.breakdown_source, legend_label=list(PHASES)
+        )
         self.breakdown.legend.location = "bottom_right"
         self.breakdown.legend.orientation = "horizontal"
         self.drop_source = ColumnDataSource({"time": [], "model": [], "reason": [], "requests": [], "detail": []})
         self.drop_table = DataTable(
-            source=self.drop_source, height=230, sizing_mode="stretch_width", index_position=None,
-            columns=[TableColumn(field="time", title="time (UTC)", width=100), TableColumn(field="model", title="model", width=90), TableColumn(field="reason", title="reason", width=90),
-                     TableColumn(field="requests", title="requests", width=60), TableColumn(field="detail", title="detail", width=400)],
+            source=self.drop_source,
+            height=230,
+            sizing_mode="stretch_width",
+            index_position=None,
+            columns=[
+                TableColumn(field="time", title="time (UTC)", width=100),
+                TableColumn(field="model", title="model", width=90),
+                TableColumn(field="reason", title="reason", width=90),
+                TableColumn(field="requests", title="requests", width=60),
+                TableColumn(field="detail", title="detail", width=400),
+            ],
         )
         self.newest_drop: tuple[DropEvent, int] | None = None  # the newest drop event the table shows, and its count then
         self.control_source = ColumnDataSource({field: [] for field, _ in CONTROL_COLUMNS})
         self.control_table = DataTable(
-            source=self.control_source, height=120, sizing_mode="stretch_width", index_position=None,
-            columns=[TableColumn(field=f, title=t, **({} if f == "model" else {"formatter": NumberFormatter(format="0.00")})) for f, t in CONTROL_COLUMNS],
+            source=self.control_source,
+            height=120,
+            sizing_mode="stretch_width",
+            index_position=None,
+            columns=[
+                TableColumn(field=f, title=t, **({} if f == "model" else {"formatter": NumberFormatter(format="0.00")}))
+                for f, t in CONTROL_COLUMNS
+            ],
         )
         self.suspect_source = ColumnDataSource({field: [] for field, _ in SUSPECT_COLUMNS})
         self.suspect_table = DataTable(
-            source=self.suspect_source, height=100, sizing_mode="stretch_width", index_position=None,
+            source=self.suspect_source,
+            height=100,
+            sizing_mode="stretch_width",
+            index_position=None,
             columns=[TableColumn(field=f, title=t, **({"width": 400} if f == "detail" else {})) for f, t in SUSPECT_COLUMNS],
         )
         self.root = column(
@@ -302,8 +408,21 @@ class SLOView(DashboardComponent):
     def _update_control(self, metrics: ServiceMetrics) -> None:
         """The runtime's measured control path and the margin it plans deadlines with (ms)."""
         summaries = [(name, m.control()) for name, m in metrics.models.items() if m.control is not None]
-        push(self.control_source, {field: [name if field == "model" else (round(summary[field], 3) if field in summary else None) for name, summary in summaries] for field, _ in CONTROL_COLUMNS})
-        rows = [{"model": name, "slot": slot, **summary} for name, m in metrics.models.items() if m.suspects is not None for slot, summary in m.suspects().items()]
+        push(
+            self.control_source,
+            {
+                field: [
+                    name if field == "model" else (round(summary[field], 3) if field in summary else None) for name, summary in summaries
+                ]
+                for field, _ in CONTROL_COLUMNS
+            },
+        )
+        rows = [
+            {"model": name, "slot": slot, **summary}
+            for name, m in metrics.models.items()
+            if m.suspects is not None
+            for slot, summary in m.suspects().items()
+        ]
         push(self.suspect_source, {field: [r[field] for r in rows] for field, _ in SUSPECT_COLUMNS})
 
     def _update_breakdown(self, metrics: ServiceMetrics, now: float) -> None:
@@ -322,17 +441,24 @@ class SLOView(DashboardComponent):
             return
         self.newest_drop = newest
         events = list(reversed(metrics.drops))
-        push(self.drop_source, {
-            "time": [clock_text(metrics, e.time) for e in events], "model": [e.model for e in events], "reason": [e.reason for e in events],
-            "requests": [e.count for e in events], "detail": [e.detail for e in events],
-        })
+        push(
+            self.drop_source,
+            {
+                "time": [clock_text(metrics, e.time) for e in events],
+                "model": [e.model for e in events],
+                "reason": [e.reason for e in events],
+                "requests": [e.count for e in events],
+                "detail": [e.detail for e in events],
+            },
+        )
 
 
 def _rates(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
     """Offered requests and on-time completions per second, per model."""
     return {
         f"{name} {kind}": [c / BUCKET_S for c in series.counts(first, last)]
-        for name, model in metrics.models.items() for kind, series in (("offered", model.offered), ("goodput", model.on_time))
+        for name, model in metrics.models.items()
+        for kind, series in (("offered", model.offered), ("goodput", model.on_time))
     }
 
 
@@ -350,7 +476,11 @@ def _attainment(metrics: ServiceMetrics, first: int, last: int) -> dict[str, lis
 
 def _drop_rates(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
     """Drops per second, per model and reason."""
-    return {f"{name} {reason}": [c / BUCKET_S for c in series.counts(first, last)] for name, model in metrics.models.items() for reason, series in model.dropped.items()}
+    return {
+        f"{name} {reason}": [c / BUCKET_S for c in series.counts(first, last)]
+        for name, model in metrics.models.items()
+        for reason, series in model.dropped.items()
+    }
 
 
 def _latency_lines(metrics: ServiceMetrics, first: int, last: int) -> dict[str, list[float]]:
@@ -376,15 +506,34 @@ class GPUView(DashboardComponent):
         self.read = read
         self.timeline_source = ColumnDataSource({"y": [], "left": [], "right": [], "kind": [], "color": []})
         self.timeline = figure(
-            title=f"Planned reservations vs actual busy intervals (last {TIMELINE_S:g} s)", height=360, sizing_mode="stretch_width",
-            y_range=FactorRange(), x_range=Range1d(-TIMELINE_S * 1e3, 0), tools="xpan,xwheel_zoom,reset", x_axis_label="ms before now",
+            title=f"Planned reservations vs actual busy intervals (last {TIMELINE_S:g} s)",
+            height=360,
+            sizing_mode="stretch_width",
+            y_range=FactorRange(),
+            x_range=Range1d(-TIMELINE_S * 1e3, 0),
+            tools="xpan,xwheel_zoom,reset",
+            x_axis_label="ms before now",
         )
         self.timeline.hbar(y="y", left="left", right="right", height=0.8, color="color", legend_field="kind", source=self.timeline_source)
         self.utilisation_source = ColumnDataSource({"gpu": [], "utilisation": []})
-        self.utilisation = figure(title="Utilisation per GPU type (busy share of its slots)", height=260, sizing_mode="stretch_width", x_range=FactorRange(), y_range=(0, 1.05), tools="")
+        self.utilisation = figure(
+            title="Utilisation per GPU type (busy share of its slots)",
+            height=260,
+            sizing_mode="stretch_width",
+            x_range=FactorRange(),
+            y_range=(0, 1.05),
+            tools="",
+        )
         self.utilisation.vbar(x="gpu", top="utilisation", width=0.7, source=self.utilisation_source, color="#31a354")
         self.nic_source = ColumnDataSource({"link": [], "utilisation": []})
-        self.nic = figure(title="NIC use per server (uplink / downlink busy share)", height=260, sizing_mode="stretch_width", x_range=FactorRange(), y_range=(0, 1.05), tools="")
+        self.nic = figure(
+            title="NIC use per server (uplink / downlink busy share)",
+            height=260,
+            sizing_mode="stretch_width",
+            x_range=FactorRange(),
+            y_range=(0, 1.05),
+            tools="",
+        )
         self.nic.vbar(x="link", top="utilisation", width=0.7, source=self.nic_source, color="#756bb1")
         self.root = column(self.timeline, row(self.utilisation, self.nic, sizing_mode="stretch_width"), sizing_mode="stretch_width")
 
@@ -444,7 +593,14 @@ class BatchView(DashboardComponent):
     def __init__(self, read: Reader) -> None:
         self.read = read
         self.histogram_source = ColumnDataSource({"x": [], "batches": [], "color": []})
-        self.histogram = figure(title="Batch sizes per pipeline (requests per batch)", height=300, sizing_mode="stretch_width", x_range=FactorRange(), y_range=Range1d(0, 1), tools="")
+        self.histogram = figure(
+            title="Batch sizes per pipeline (requests per batch)",
+            height=300,
+            sizing_mode="stretch_width",
+            x_range=FactorRange(),
+            y_range=Range1d(0, 1),
+            tools="",
+        )
         self.histogram.vbar(x="x", top="batches", width=0.8, color="color", source=self.histogram_source)
         self.series = TimeSeriesCharts()
         self.queue = self.series.add("Queue length per model (requests waiting for a batch)", "requests", _queues)

@@ -47,7 +47,8 @@ class DaskpipeCollector(PrometheusCollector):
             return
         name = self.build_name
         outcomes = CounterMetricFamily(
-            name("requests"), "Requests by outcome: submitted = completed + failed + invalid + dropped (by reason, in requests_dropped) + not ended yet; on_time = goodput",
+            name("requests"),
+            "Requests by outcome: submitted = completed + failed + invalid + dropped (by reason, in requests_dropped) + not ended yet; on_time = goodput",
             labels=["model", "outcome"],
         )
         dropped = CounterMetricFamily(name("requests_dropped"), "Requests dropped, by reason", labels=["model", "reason"])
@@ -58,11 +59,16 @@ class DaskpipeCollector(PrometheusCollector):
             "Completed requests' latency by phase: queue (waiting for a batch), compute, transfer (NICs), other (messages, waits between stages)",
             labels=["model", "phase"],
         )
-        batches = CounterMetricFamily(name("batches"), "Batches dispatched, by pipeline and requests in the batch", labels=["model", "pipeline", "batch_size"])
+        batches = CounterMetricFamily(
+            name("batches"), "Batches dispatched, by pipeline and requests in the batch", labels=["model", "pipeline", "batch_size"]
+        )
         for model, recorded in metrics.models.items():
             totals = {
-                "submitted": recorded.offered.total, "completed": recorded.completed.total, "on_time": recorded.on_time.total,
-                "failed": recorded.failed.total, "invalid": recorded.invalid.total,
+                "submitted": recorded.offered.total,
+                "completed": recorded.completed.total,
+                "on_time": recorded.on_time.total,
+                "failed": recorded.failed.total,
+                "invalid": recorded.invalid.total,
             }
             for outcome, total in totals.items():
                 outcomes.add_metric([model, outcome], total)
@@ -79,12 +85,21 @@ class DaskpipeCollector(PrometheusCollector):
                 batches.add_metric([model, str(pipeline), str(size)], count)
         queue = GaugeMetricFamily(name("queue_depth"), "Requests waiting for a batch, now", labels=["model"])
         in_flight = GaugeMetricFamily(name("in_flight"), "Requests in dispatched batches, now", labels=["model"])
-        margin = GaugeMetricFamily(name("control_margin_seconds"), "How much earlier than its SLO each request's deadline is planned: the measured control path (docs/runtime.md)", labels=["model"])
+        margin = GaugeMetricFamily(
+            name("control_margin_seconds"),
+            "How much earlier than its SLO each request's deadline is planned: the measured control path (docs/runtime.md)",
+            labels=["model"],
+        )
         control = GaugeMetricFamily(
-            name("control_delay_seconds"), "Measured control-path delays of recent batches: dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
+            name("control_delay_seconds"),
+            "Measured control-path delays of recent batches: dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
             labels=["model", "kind", "quantile"],
         )
-        suspects = GaugeMetricFamily(name("suspect_slots"), "Slots that get no batches because they stalled or slowed down, until a probe computes in line (docs/operations.md)", labels=["model", "slot"])
+        suspects = GaugeMetricFamily(
+            name("suspect_slots"),
+            "Slots that get no batches because they stalled or slowed down, until a probe computes in line (docs/operations.md)",
+            labels=["model", "slot"],
+        )
         for model, status in plugin.status().items():
             for slot in status["suspects"]:
                 suspects.add_metric([model, slot], 1.0)
@@ -98,13 +113,21 @@ class DaskpipeCollector(PrometheusCollector):
                         control.add_metric([model, kind, "0.5" if q == "p50" else "0.99"], summary[f"{kind}_{q}_ms"] * 1e-3)
         now = time.monotonic()
         busy = metrics.busy_seconds(now - UTILISATION_WINDOW_S, now)
-        gpus = GaugeMetricFamily(name("gpu_utilization"), f"Busy share of each GPU type's slots over the last {UTILISATION_WINDOW_S:g} s", labels=["gpu"])
+        gpus = GaugeMetricFamily(
+            name("gpu_utilization"), f"Busy share of each GPU type's slots over the last {UTILISATION_WINDOW_S:g} s", labels=["gpu"]
+        )
         for gpu, share in metrics.utilisation_by_gpu(busy, UTILISATION_WINDOW_S).items():
             gpus.add_metric([gpu], share)
-        slots = GaugeMetricFamily(name("slot_utilization"), f"Busy share of each slot over the last {UTILISATION_WINDOW_S:g} s", labels=["slot", "gpu"])
+        slots = GaugeMetricFamily(
+            name("slot_utilization"), f"Busy share of each slot over the last {UTILISATION_WINDOW_S:g} s", labels=["slot", "gpu"]
+        )
         for slot, gpu in metrics.gpu_of.items():
             slots.add_metric([slot, gpu], min(1.0, busy.get(slot, 0.0) / UTILISATION_WINDOW_S))
-        nics = GaugeMetricFamily(name("nic_utilization"), f"Busy share of each server's NIC direction over the last {UTILISATION_WINDOW_S:g} s", labels=["server", "direction"])
+        nics = GaugeMetricFamily(
+            name("nic_utilization"),
+            f"Busy share of each server's NIC direction over the last {UTILISATION_WINDOW_S:g} s",
+            labels=["server", "direction"],
+        )
         for resource, seconds in busy.items():
             server, _, direction = resource.rpartition("/")
             if direction in ("ul", "dl"):

@@ -80,7 +80,10 @@ def save_report(run: ServiceMetrics | Any, path: str | Path, *, title: str = "da
     if not isinstance(metrics, ServiceMetrics):
         raise TypeError(f"save_report needs a ServiceMetrics or a result with a .metrics one, got {type(run).__name__}")
     end = (metrics.last_time // BUCKET_S + 1) * BUCKET_S  # the end of the last event's second: its bucket is complete
-    tabs = Tabs(tabs=[TabPanel(child=root, title=page_title) for page_title, root in build_roots(lambda: (metrics, end))], sizing_mode="stretch_width")
+    tabs = Tabs(
+        tabs=[TabPanel(child=root, title=page_title) for page_title, root in build_roots(lambda: (metrics, end))],
+        sizing_mode="stretch_width",
+    )
     path = Path(path)
     save(tabs, filename=path, resources=INLINE, title=title)
     return path

@@ -48,6 +48,7 @@ def update_interval_ms() -> int:
         raise ValueError(f"{UPDATE_CONFIG} must be at least {UPDATE_MIN_S:g} s, got {value!r}")
     return round(seconds * 1000)
 
+
 NAV_PAGE = "daskpipe-plan"
 """The page the navigation bar's ``Daskpipe`` entry opens."""
 

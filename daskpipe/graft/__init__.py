@@ -18,7 +18,24 @@ from daskpipe.graft.fragments import JETSON_NANO, JETSON_TX2, DeviceType, Fragme
 from daskpipe.graft.planner import GraftPlan, GroupPlan, Level, PlanningError, ServingPlan, group, merge, plan_graft, realign
 
 __all__ = [
-    "DeviceType", "Fragment", "GraftPlan", "GroupPlan", "JETSON_NANO", "JETSON_TX2", "Level", "PlanningError",
-    "ServingPlan", "StageConfig", "StageCosts", "Uplink", "group", "merge", "neurosurgeon_split",
-    "optimum", "per_fragment", "plan_graft", "realign", "sample_fragments",
+    "DeviceType",
+    "Fragment",
+    "GraftPlan",
+    "GroupPlan",
+    "JETSON_NANO",
+    "JETSON_TX2",
+    "Level",
+    "PlanningError",
+    "ServingPlan",
+    "StageConfig",
+    "StageCosts",
+    "Uplink",
+    "group",
+    "merge",
+    "neurosurgeon_split",
+    "optimum",
+    "per_fragment",
+    "plan_graft",
+    "realign",
+    "sample_fragments",
 ]

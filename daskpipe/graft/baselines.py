@@ -32,8 +32,9 @@ from daskpipe.graft.planner import (
 MAX_EXHAUSTIVE_FRAGMENTS = 12
 
 
-def per_fragment(costs: StageCosts, fragments: Sequence[Fragment], *, merge_uniform: bool = False,
-                 budget_quantum_ms: float = DEFAULT_BUDGET_QUANTUM_MS) -> GraftPlan:
+def per_fragment(
+    costs: StageCosts, fragments: Sequence[Fragment], *, merge_uniform: bool = False, budget_quantum_ms: float = DEFAULT_BUDGET_QUANTUM_MS
+) -> GraftPlan:
     """Each fragment (or, with ``merge_uniform``, each class of uniform fragments) served alone."""
     check_fragments(costs, fragments)
     served = merge(costs, fragments, threshold=-1.0, budget_quantum_ms=budget_quantum_ms) if merge_uniform else list(fragments)

@@ -48,8 +48,9 @@ def estimated_profile(model: str, gpu: str, max_batch: int, num_blocks: int, cac
         return Profile.load(path)
     builder, kwargs, size = BENCH_MODELS[model]
     module = getattr(torchvision.models, builder)(weights=None, **kwargs).eval()
-    profile = estimate_profile(module, torch.zeros(1, 3, size, size), gpus=[gpu], name=model,
-                               batch_sizes=2 * max_batch, slices=(1, 2), num_blocks=num_blocks)
+    profile = estimate_profile(
+        module, torch.zeros(1, 3, size, size), gpus=[gpu], name=model, batch_sizes=2 * max_batch, slices=(1, 2), num_blocks=num_blocks
+    )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
@@ -120,9 +121,11 @@ def run_bench(
             "sim_per_fragment": separate_sim.to_dict(),
             "plan": graft.serving().to_dict(),
         }
-        log(f"{model}: {len(fragments)} fragments at blocks {sorted({f.start_block for f in fragments})}: "
+        log(
+            f"{model}: {len(fragments)} fragments at blocks {sorted({f.start_block for f in fragments})}: "
             f"graft {graft.gpu_share}% vs per-fragment {separate.gpu_share}% (merged {separate_merged.gpu_share}%), "
-            f"SLO attainment {graft_sim.slo_attainment:.4f}")
+            f"SLO attainment {graft_sim.slo_attainment:.4f}"
+        )
         for case in range(small_cases):
             case_fragments = sample_fragments(costs, num_devices=small_devices, rng=small_rng)
             if not case_fragments:
@@ -130,13 +133,26 @@ def run_bench(
             graft_small = plan_graft(costs, case_fragments, seed=seed + case)
             single_pass = plan_graft(costs, case_fragments, seed=seed + case, restarts=1, extra_groups=0)
             best = optimum(costs, case_fragments)
-            small.append({"model": model, "fragments": len(case_fragments), "graft": graft_small.gpu_share,
-                          "optimum": best.gpu_share, "graft_single_pass": single_pass.gpu_share,
-                          "per_fragment": per_fragment(costs, case_fragments).gpu_share})
+            small.append(
+                {
+                    "model": model,
+                    "fragments": len(case_fragments),
+                    "graft": graft_small.gpu_share,
+                    "optimum": best.gpu_share,
+                    "graft_single_pass": single_pass.gpu_share,
+                    "per_fragment": per_fragment(costs, case_fragments).gpu_share,
+                }
+            )
     return {
         "gpu": gpu,
-        "settings": {"devices_per_model": devices, "device_mix": {JETSON_NANO.name: 0.75, JETSON_TX2.name: 0.25},
-                     "max_batch": max_batch, "duration_s": duration_s, "seed": seed, "burst_risk": burst_risk},
+        "settings": {
+            "devices_per_model": devices,
+            "device_mix": {JETSON_NANO.name: 0.75, JETSON_TX2.name: 0.25},
+            "max_batch": max_batch,
+            "duration_s": duration_s,
+            "seed": seed,
+            "burst_risk": burst_risk,
+        },
         "gpu_share_graft": totals["graft"],
         "gpu_share_per_fragment": totals["per_fragment"],
         "gpu_share_per_fragment_merged": totals["per_fragment_merged"],
@@ -156,8 +172,9 @@ def _gaps(cases: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 @click.command("graft")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results to this JSON file.")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results to this JSON file."
+)
 @click.option("--models", default=",".join(BENCH_MODELS), show_default=True, help="Comma-separated bench models.")
 @click.option("--gpu", default="V100", show_default=True, help="Server GPU type (catalog name) to estimate.")
 @click.option("--devices", default=20, show_default=True, help="Devices per model in the main run.")
@@ -166,25 +183,59 @@ def _gaps(cases: list[dict[str, Any]], key: str) -> dict[str, float]:
 @click.option("--max-batch", default=8, show_default=True, help="Largest batch a stage may run.")
 @click.option("--num-blocks", default=12, show_default=True, help="Blocks to cut each model into.")
 @click.option("--duration", "duration_s", default=10.0, show_default=True, help="Simulated seconds per plan.")
-@click.option("--burst-risk", default=0.05, show_default=True,
-              help="Chance that one batch time's Poisson arrivals overflow a stage's instances (0.5 ~ mean-rate sizing).")
+@click.option(
+    "--burst-risk",
+    default=0.05,
+    show_default=True,
+    help="Chance that one batch time's Poisson arrivals overflow a stage's instances (0.5 ~ mean-rate sizing).",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for devices, bandwidths, grouping and arrivals.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_CACHE, show_default=True,
-              help="Where estimated profiles are cached.")
-def bench_graft(json_path: Path | None, models: str, gpu: str, devices: int, small_devices: int, small_cases: int,
-                max_batch: int, num_blocks: int, duration_s: float, burst_risk: float, seed: int, cache_dir: Path) -> None:
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_CACHE,
+    show_default=True,
+    help="Where estimated profiles are cached.",
+)
+def bench_graft(
+    json_path: Path | None,
+    models: str,
+    gpu: str,
+    devices: int,
+    small_devices: int,
+    small_cases: int,
+    max_batch: int,
+    num_blocks: int,
+    duration_s: float,
+    burst_risk: float,
+    seed: int,
+    cache_dir: Path,
+) -> None:
     """Graft's GPU share against per-fragment serving and the exhaustive optimum, with simulated SLOs."""
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in names if m not in BENCH_MODELS]
     if unknown or not names:
         raise click.BadParameter(f"unknown model(s) {unknown}; choose from {', '.join(BENCH_MODELS)}", param_hint="--models")
-    result = run_bench(models=names, gpu=gpu, devices=devices, small_devices=small_devices, small_cases=small_cases,
-                       max_batch=max_batch, num_blocks=num_blocks, duration_s=duration_s, seed=seed,
-                       cache_dir=cache_dir, burst_risk=burst_risk, log=click.echo)
-    click.echo(f"total GPU share: graft {result['gpu_share_graft']}%, per-fragment {result['gpu_share_per_fragment']}% "
-               f"(reduction {result['reduction_vs_per_fragment']}), SLO attainment {result['slo_attainment']}, "
-               f"gap to optimum on small cases {result['small_cases_gap']} "
-               f"(single greedy pass {result['small_cases_gap_single_pass']})")
+    result = run_bench(
+        models=names,
+        gpu=gpu,
+        devices=devices,
+        small_devices=small_devices,
+        small_cases=small_cases,
+        max_batch=max_batch,
+        num_blocks=num_blocks,
+        duration_s=duration_s,
+        seed=seed,
+        cache_dir=cache_dir,
+        burst_risk=burst_risk,
+        log=click.echo,
+    )
+    click.echo(
+        f"total GPU share: graft {result['gpu_share_graft']}%, per-fragment {result['gpu_share_per_fragment']}% "
+        f"(reduction {result['reduction_vs_per_fragment']}), SLO attainment {result['slo_attainment']}, "
+        f"gap to optimum on small cases {result['small_cases_gap']} "
+        f"(single greedy pass {result['small_cases_gap_single_pass']})"
+    )
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1))
         click.echo(f"wrote {json_path}")

@@ -74,8 +74,7 @@ class StageCosts:
     ``1 - burst_risk`` quantile of Poisson(``q L``) arrivals (see docs/hybrid.md).
     """
 
-    def __init__(self, profile: Profile, gpu: str, *, max_batch: int | None = None,
-                 burst_risk: float = DEFAULT_BURST_RISK) -> None:
+    def __init__(self, profile: Profile, gpu: str, *, max_batch: int | None = None, burst_risk: float = DEFAULT_BURST_RISK) -> None:
         if 2 not in profile.slices(gpu) or 1 not in profile.slices(gpu):
             raise ProfileError(
                 f"{profile.source}: Graft's share scaling needs tables for v=1 and v=2 on {gpu!r}; "

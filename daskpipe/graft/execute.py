@@ -31,8 +31,10 @@ def entry_shape(profile: Profile, start_block: int) -> tuple[int, ...]:
     """
     if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < profile.num_blocks:
         raise EntryError(f"{profile.model!r}: start_block must be in 0..{profile.num_blocks - 1}, got {start_block!r}")
-    expected = profile.input_shape if start_block == 0 else (
-        profile.boundary_shapes[start_block - 1] if profile.boundary_shapes is not None else None
+    expected = (
+        profile.input_shape
+        if start_block == 0
+        else (profile.boundary_shapes[start_block - 1] if profile.boundary_shapes is not None else None)
     )
     if expected is None:
         raise EntryError(f"{profile.source}: profile of {profile.model!r} records no shapes; re-profile it to accept hybrid requests")
@@ -105,7 +107,7 @@ def execute(
             result = run_stage(index, torch.cat([p.tensor for p in chunk]))
             offset = 0
             for p in chunk:
-                p.tensor, offset = result[offset:offset + len(p.tensor)], offset + len(p.tensor)
+                p.tensor, offset = result[offset : offset + len(p.tensor)], offset + len(p.tensor)
                 p.hop += 1
                 if p.hop == len(plan.routes[p.device]):
                     outputs[p.device] = p.tensor

@@ -83,10 +83,12 @@ class DeviceType:
 
 _INCEPTION_V3_GFLOP = 11.5  # 2 x 5.7 GMAC at 299x299
 # Graft Table II; its "Mob" is DeepLabV3-MobileNetV3-Large, which mobilenet_v3_large stands in for
-JETSON_NANO = DeviceType("jetson-nano", _INCEPTION_V3_GFLOP / 0.165,
-                         {"inception_v3": 165.0, "resnet101": 226.0, "vgg11": 147.0, "mobilenet_v3_large": 84.0})
-JETSON_TX2 = DeviceType("jetson-tx2", _INCEPTION_V3_GFLOP / 0.094,
-                        {"inception_v3": 94.0, "resnet101": 114.0, "vgg11": 77.0, "mobilenet_v3_large": 67.0})
+JETSON_NANO = DeviceType(
+    "jetson-nano", _INCEPTION_V3_GFLOP / 0.165, {"inception_v3": 165.0, "resnet101": 226.0, "vgg11": 147.0, "mobilenet_v3_large": 84.0}
+)
+JETSON_TX2 = DeviceType(
+    "jetson-tx2", _INCEPTION_V3_GFLOP / 0.094, {"inception_v3": 94.0, "resnet101": 114.0, "vgg11": 77.0, "mobilenet_v3_large": 67.0}
+)
 
 
 @dataclass(frozen=True)
@@ -165,4 +167,3 @@ def sample_fragments(
                 Fragment(costs.profile.model, split.start_block, split.budget_ms, rate_rps, (f"{types[type_index].name}-{i}",))
             )
     return fragments
-

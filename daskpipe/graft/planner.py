@@ -100,8 +100,14 @@ class ServingPlan:
             "gpu": self.gpu,
             "gpu_share": self.gpu_share,
             "stages": [
-                {"blocks": [s.start, s.end], "batch": s.batch, "share": s.share, "instances": s.instances,
-                 "latency_ms": round(s.latency_ms, 3), "rate_rps": s.rate_rps}
+                {
+                    "blocks": [s.start, s.end],
+                    "batch": s.batch,
+                    "share": s.share,
+                    "instances": s.instances,
+                    "latency_ms": round(s.latency_ms, 3),
+                    "rate_rps": s.rate_rps,
+                }
                 for s in self.stages
             ],
             "routes": {device: list(route) for device, route in self.routes.items()},
@@ -141,8 +147,13 @@ class GraftPlan:
 
 
 # -- step 1: merging ---------------------------------------------------------------------------
-def merge(costs: StageCosts, fragments: Sequence[Fragment], *, threshold: float = DEFAULT_MERGE_THRESHOLD,
-          budget_quantum_ms: float = DEFAULT_BUDGET_QUANTUM_MS) -> list[Fragment]:
+def merge(
+    costs: StageCosts,
+    fragments: Sequence[Fragment],
+    *,
+    threshold: float = DEFAULT_MERGE_THRESHOLD,
+    budget_quantum_ms: float = DEFAULT_BUDGET_QUANTUM_MS,
+) -> list[Fragment]:
     """Merge uniform fragments (same start block, same budget rounded down to ``budget_quantum_ms``)
     one at a time until the merged fragment's resource margin drops to ``threshold``.
 
@@ -159,9 +170,16 @@ def merge(costs: StageCosts, fragments: Sequence[Fragment], *, threshold: float 
     for _, uniform in groupby(sorted(fragments, key=lambda f: (*uniform_key(f), f.rate_rps)), key=uniform_key):
         current: Fragment | None = None
         for fragment in uniform:
-            current = fragment if current is None else Fragment(
-                fragment.model, fragment.start_block, min(current.budget_ms, fragment.budget_ms),
-                current.rate_rps + fragment.rate_rps, current.members + fragment.members,
+            current = (
+                fragment
+                if current is None
+                else Fragment(
+                    fragment.model,
+                    fragment.start_block,
+                    min(current.budget_ms, fragment.budget_ms),
+                    current.rate_rps + fragment.rate_rps,
+                    current.members + fragment.members,
+                )
             )
             config = serve_alone(costs, current)
             if config.margin <= threshold:
@@ -203,8 +221,14 @@ def _internal_variance(similarity: np.ndarray, members: list[int]) -> float:
     return float(inner.var())
 
 
-def group(fragments: Sequence[Fragment], *, size: int = DEFAULT_GROUP_SIZE, count: int | None = None,
-          weights: tuple[float, float, float] = (1.0, 1.0, 1.0), rng: np.random.Generator) -> list[list[Fragment]]:
+def group(
+    fragments: Sequence[Fragment],
+    *,
+    size: int = DEFAULT_GROUP_SIZE,
+    count: int | None = None,
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    rng: np.random.Generator,
+) -> list[list[Fragment]]:
     """Greedy balanced partition into ``count`` (default ``ceil(n / size)``) groups of at most
     ``size`` fragments (Graft §4.2).
 
@@ -221,11 +245,14 @@ def group(fragments: Sequence[Fragment], *, size: int = DEFAULT_GROUP_SIZE, coun
     similarity = similarity_matrix(fragments, weights)
     count = math.ceil(len(fragments) / size) if count is None else count
     if not math.ceil(len(fragments) / size) <= count <= len(fragments):
-        raise ValueError(f"{len(fragments)} fragments in groups of at most {size} need {math.ceil(len(fragments) / size)}.."
-                         f"{len(fragments)} groups, got {count}")
+        raise ValueError(
+            f"{len(fragments)} fragments in groups of at most {size} need {math.ceil(len(fragments) / size)}.."
+            f"{len(fragments)} groups, got {count}"
+        )
     seeds = [int(i) for i in rng.choice(len(fragments), size=count, replace=False)]
     members = [[s] for s in seeds]
     for i in (i for i in range(len(fragments)) if i not in seeds):
+
         def rise(k: int) -> float:
             variance_change = _internal_variance(similarity, members[k] + [i]) - _internal_variance(similarity, members[k])
             return variance_change - 2.0 * float(similarity[i, members[k]].mean())
@@ -279,10 +306,7 @@ def _level(costs: StageCosts, fragments: Sequence[Fragment], point: int) -> Leve
     best: Level | None = None
     for shared in costs.pareto_configs(point, costs.num_blocks, total_rate, execution_budget):
         left = execution_budget - shared.latency_ms
-        private = [
-            None if f.start_block == point else costs.min_resource(f.start_block, point, f.rate_rps, left)
-            for f in fragments
-        ]
+        private = [None if f.start_block == point else costs.min_resource(f.start_block, point, f.rate_rps, left) for f in fragments]
         if any(p is None and f.start_block != point for p, f in zip(private, fragments)):
             break  # later shared configs are slower: the alignment stages only get less time
         level = Level(point, tuple(fragments), tuple(private), shared)
@@ -339,4 +363,3 @@ def check_fragments(costs: StageCosts, fragments: Sequence[Fragment]) -> None:
             raise PlanningError(f"fragment {f.members} is of model {f.model!r}; this planner serves {costs.profile.model!r}")
         if f.start_block >= costs.num_blocks:
             raise PlanningError(f"fragment {f.members} starts at block {f.start_block}; {f.model!r} has {costs.num_blocks} blocks")
-

@@ -60,14 +60,20 @@ class SimResult:
         return self.met / self.arrivals if self.arrivals else 1.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"arrivals": self.arrivals, "met": self.met, "late": self.late, "dropped": self.dropped,
-                "slo_attainment": round(self.slo_attainment, 5), "p50_ms": round(self.p50_ms, 3),
-                "p99_ms": round(self.p99_ms, 3), "max_batch_seen": self.max_batch_seen,
-                "mixed_batches": self.mixed_batches}
+        return {
+            "arrivals": self.arrivals,
+            "met": self.met,
+            "late": self.late,
+            "dropped": self.dropped,
+            "slo_attainment": round(self.slo_attainment, 5),
+            "p50_ms": round(self.p50_ms, 3),
+            "p99_ms": round(self.p99_ms, 3),
+            "max_batch_seen": self.max_batch_seen,
+            "mixed_batches": self.mixed_batches,
+        }
 
 
-def simulate(plan: ServingPlan, costs: StageCosts, fragments: Sequence[Fragment], *, duration_s: float = 10.0,
-             seed: int = 0) -> SimResult:
+def simulate(plan: ServingPlan, costs: StageCosts, fragments: Sequence[Fragment], *, duration_s: float = 10.0, seed: int = 0) -> SimResult:
     """Run ``fragments`` (unmerged: one per device) through ``plan`` for ``duration_s`` seconds."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
@@ -84,7 +90,9 @@ def simulate(plan: ServingPlan, costs: StageCosts, fragments: Sequence[Fragment]
         device = arrival.id[0]
         route = plan.routes[device]
         if plan.stages[route[0]].start != arrival.start_block:
-            raise ValueError(f"device {device!r} enters at block {arrival.start_block} but its route starts at block {plan.stages[route[0]].start}")
+            raise ValueError(
+                f"device {device!r} enters at block {arrival.start_block} but its route starts at block {plan.stages[route[0]].start}"
+            )
         request = _Request(device, arrival.arrival, arrival.deadline, route)
         heapq.heappush(events, (arrival.arrival, next(order), "arrive", request))
 
@@ -136,5 +144,5 @@ def simulate(plan: ServingPlan, costs: StageCosts, fragments: Sequence[Fragment]
         for target in touched.values():
             start_batches(target, now)
 
-    p50, p99 = (np.percentile(latencies, [50, 99]) if latencies else (np.nan, np.nan))
+    p50, p99 = np.percentile(latencies, [50, 99]) if latencies else (np.nan, np.nan)
     return SimResult(arrivals, met, late, dropped, float(p50), float(p99), largest, mixed)

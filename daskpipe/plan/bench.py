@@ -39,8 +39,14 @@ def run_bench(
         for strategy in STRATEGIES:
             started, cpu_started = time.perf_counter(), _cpu_seconds()
             plan = make_plan(
-                profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server,
-                bw_gbps=cluster.bw_gbps, strategy=strategy, solver=solver, time_limit=time_limit,
+                profiles,
+                cluster.gpus,
+                weights=weights,
+                gpus_per_server=cluster.gpus_per_server,
+                bw_gbps=cluster.bw_gbps,
+                strategy=strategy,
+                solver=solver,
+                time_limit=time_limit,
             )
             case["seconds"][strategy] = time.perf_counter() - started
             case["cpu_seconds"][strategy] = _cpu_seconds() - cpu_started

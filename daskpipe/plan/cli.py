@@ -84,7 +84,10 @@ def profiles_dir_or_default(value: Path | None) -> Path:
 
 
 profiles_option = click.option(
-    "--profiles", "profiles_dir", type=click.Path(exists=True, path_type=Path), default=None,
+    "--profiles",
+    "profiles_dir",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
     help="Folder of profiles (PPipe table layout or daskpipe JSON); default ../shared/ppipe beside the repo.",
 )
 
@@ -99,13 +102,33 @@ profiles_option = click.option(
 @click.option("--slo-us", type=Pairs(float, "MICROSECONDS"), default=None, help="SLO per model, overriding the profiles'.")
 @click.option("--margin", type=float, default=0.4, show_default=True, help="Share of the SLO the plan keeps free.")
 @click.option("--max-parts", type=int, default=2, show_default=True, help="Most partitions per pipeline.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="ppipe", show_default=True,
-              help="ppipe, np, dart-r; or a co-location policy sharing GPUs between models (docs/colocation.md).")
+@click.option(
+    "--strategy",
+    type=click.Choice(STRATEGIES),
+    default="ppipe",
+    show_default=True,
+    help="ppipe, np, dart-r; or a co-location policy sharing GPUs between models (docs/colocation.md).",
+)
 @click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit, seconds.")
 @click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True)
 @click.option("--allow-missing-gpus", is_flag=True, help="Plan a model on the GPU types it has profiles for, ignoring the others.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write plan.json.")
-def plan(profiles_dir, models, weights, gpus, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, out) -> None:
+def plan(
+    profiles_dir,
+    models,
+    weights,
+    gpus,
+    gpus_per_server,
+    bw_gbps,
+    slo_us,
+    margin,
+    max_parts,
+    strategy,
+    time_limit,
+    solver,
+    allow_missing_gpus,
+    out,
+) -> None:
     """Solve a serving plan and write it as JSON."""
     from daskpipe.plan.milp import make_plan
     from daskpipe.progress import progress_bar
@@ -114,16 +137,27 @@ def plan(profiles_dir, models, weights, gpus, gpus_per_server, bw_gbps, slo_us, 
     from daskpipe.profiles.model import ProfileError
 
     if weights is not None and len(weights) != len(models):
-        raise click.BadParameter(f"{len(weights)} weights for {len(models)} models; give one per model, in --models order", param_hint="--weights")
+        raise click.BadParameter(
+            f"{len(weights)} weights for {len(models)} models; give one per model, in --models order", param_hint="--weights"
+        )
     try:
         profiles = load_profiles(profiles_dir_or_default(profiles_dir), models)
         names = list(profiles)  # full names, in --models order
         slo = {_full_name(k, names, "--slo-us"): v for k, v in (slo_us or {}).items()}
         with progress_bar(f"planning {len(names)} model(s) with {strategy}", total=None):
             result = make_plan(
-                profiles, gpus, weights=dict(zip(names, weights)) if weights else None, gpus_per_server=gpus_per_server,
-                bw_gbps=bw_gbps, slo_us=slo, margin=margin, max_parts=max_parts, strategy=strategy,
-                time_limit=time_limit, solver=solver, allow_missing_gpus=allow_missing_gpus,
+                profiles,
+                gpus,
+                weights=dict(zip(names, weights)) if weights else None,
+                gpus_per_server=gpus_per_server,
+                bw_gbps=bw_gbps,
+                slo_us=slo,
+                margin=margin,
+                max_parts=max_parts,
+                strategy=strategy,
+                time_limit=time_limit,
+                solver=solver,
+                allow_missing_gpus=allow_missing_gpus,
             )
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -156,7 +190,9 @@ def _print_plan(result) -> None:
     console = Console()
     console.print(table)
     used = ", ".join(f"{g} {n:g}/{result.cluster['gpus'][g]}" for g, n in sorted(result.gpus_used().items()))
-    console.print(f"GPUs used: {used or 'none'}; solver {result.solver['name']} {result.solver['status']} in {result.solver['seconds']:.2f} s")
+    console.print(
+        f"GPUs used: {used or 'none'}; solver {result.solver['name']} {result.solver['status']} in {result.solver['seconds']:.2f} s"
+    )
 
 
 def _where(part) -> str:

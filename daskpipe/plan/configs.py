@@ -79,7 +79,9 @@ def enumerate_configs(
     """All configurations meeting ``budget``, with dominated ones removed."""
     n = profile.num_blocks
     # prefix sums over blocks: cum[r][i, b-1] = latency of blocks [0, i) at batch b; blocks clipped to >= 1 µs as the artifact does
-    cum = {r: np.vstack([np.zeros(profile.table(*r).shape[1]), np.cumsum(np.clip(profile.table(*r), 1.0, None), axis=0)]) for r in resources}
+    cum = {
+        r: np.vstack([np.zeros(profile.table(*r).shape[1]), np.cumsum(np.clip(profile.table(*r), 1.0, None), axis=0)]) for r in resources
+    }
     configs: list[Config] = []
     for parts in range(1, min(max_parts, n) + 1):
         for cuts in itertools.combinations(range(1, n), parts - 1):

@@ -58,14 +58,33 @@ def make_plan(
     Raises :class:`PlanError` naming the bad input, or what would make an infeasible one feasible.
     """
     spec = _Spec.check(
-        profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route
+        profiles,
+        gpus,
+        weights,
+        gpus_per_server,
+        bw_gbps,
+        slo_us,
+        margin,
+        max_parts,
+        strategy,
+        time_limit,
+        solver,
+        allow_missing_gpus,
+        one_pipeline_per_route,
     )
     if strategy in COLOCATION_STRATEGIES:
         from daskpipe.colocation.planner import plan_colocation
 
         colocated = plan_colocation(
-            spec.profiles, spec.gpus, strategy=strategy, weights=spec.weights, slo_us=spec.slo_us, margin=spec.margin,
-            gpus_per_server=spec.gpus_per_server, bw_gbps=spec.bw_gbps, time_limit=spec.time_limit,
+            spec.profiles,
+            spec.gpus,
+            strategy=strategy,
+            weights=spec.weights,
+            slo_us=spec.slo_us,
+            margin=spec.margin,
+            gpus_per_server=spec.gpus_per_server,
+            bw_gbps=spec.bw_gbps,
+            time_limit=spec.time_limit,
         )
         return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
@@ -97,10 +116,13 @@ def make_plan(
 def _with_table_origins(models: tuple[ModelPlan, ...], profiles: Mapping[str, Profile]) -> tuple[ModelPlan, ...]:
     """Each partition marked with whether its latency table was measured or estimated (``Profile.origin``)."""
     return tuple(
-        replace(m, pipelines=tuple(
-            replace(p, partitions=tuple(replace(q, table=profiles[m.name].origin(q.gpu, q.slices) or "") for q in p.partitions))
-            for p in m.pipelines
-        ))
+        replace(
+            m,
+            pipelines=tuple(
+                replace(p, partitions=tuple(replace(q, table=profiles[m.name].origin(q.gpu, q.slices) or "") for q in p.partitions))
+                for p in m.pipelines
+            ),
+        )
         for m in models
     )
 
@@ -123,7 +145,22 @@ class _Spec:
     one_pipeline_per_route: bool
 
     @classmethod
-    def check(cls, profiles, gpus, weights, gpus_per_server, bw_gbps, slo_us, margin, max_parts, strategy, time_limit, solver, allow_missing_gpus, one_pipeline_per_route) -> _Spec:
+    def check(
+        cls,
+        profiles,
+        gpus,
+        weights,
+        gpus_per_server,
+        bw_gbps,
+        slo_us,
+        margin,
+        max_parts,
+        strategy,
+        time_limit,
+        solver,
+        allow_missing_gpus,
+        one_pipeline_per_route,
+    ) -> _Spec:
         if not profiles:
             raise PlanError("no models to plan: give at least one profile")
         if not gpus:
@@ -172,7 +209,20 @@ class _Spec:
             if not usable:
                 raise PlanError(f"model {m!r} has no profile for any GPU type of the cluster {sorted(gpus)} (it has {p.gpu_types})")
             model_gpus[m] = usable
-        return cls(profiles, dict(gpus), weights, per_server, float(bw_gbps), slos, float(margin), max_parts, float(time_limit), solver, model_gpus, one_pipeline_per_route)
+        return cls(
+            profiles,
+            dict(gpus),
+            weights,
+            per_server,
+            float(bw_gbps),
+            slos,
+            float(margin),
+            max_parts,
+            float(time_limit),
+            solver,
+            model_gpus,
+            one_pipeline_per_route,
+        )
 
     def budget(self, model: str, batch_build_rate: float | None) -> Budget:
         return Budget(
@@ -182,7 +232,9 @@ class _Spec:
             batch_build_rate=batch_build_rate,
         )
 
-    def configs(self, model: str, *, max_parts: int, max_slices: int | None, rate: float | None, gpus: Sequence[str] | None = None) -> list[Config]:
+    def configs(
+        self, model: str, *, max_parts: int, max_slices: int | None, rate: float | None, gpus: Sequence[str] | None = None
+    ) -> list[Config]:
         """The model's configurations on ``gpus`` (default: all it may use)."""
         profile = self.profiles[model]
         resources = resources_of(profile, gpus if gpus is not None else self.model_gpus[model], max_slices)
@@ -450,7 +502,9 @@ def _pipeline(config: Config, vgpus: Sequence[int]) -> Pipeline:
     """A configuration with pools of ``vgpus``; its throughput is what its smallest pool sustains."""
     parts = tuple(
         Partition((start, end), gpu, v, n, lat, tr)
-        for (gpu, v), start, end, n, lat, tr in zip(config.resources, config.bounds, config.bounds[1:], vgpus, config.latency_us, config.transfer_us)
+        for (gpu, v), start, end, n, lat, tr in zip(
+            config.resources, config.bounds, config.bounds[1:], vgpus, config.latency_us, config.transfer_us
+        )
     )
     throughput = min(n * x for n, x in zip(vgpus, config.vgpu_throughput))
     return Pipeline(config.batch_size, throughput, parts)

@@ -187,7 +187,12 @@ class Plan:
                 for qi, q in enumerate(seq(get(p, "partitions", pw), f"{pw}partitions")):
                     qw = f"{pw}partitions[{qi}]."
                     blocks = get(q, "blocks", qw)
-                    if not (isinstance(blocks, (list, tuple)) and len(blocks) == 2 and all(isinstance(b, int) for b in blocks) and 0 <= blocks[0] < blocks[1]):
+                    if not (
+                        isinstance(blocks, (list, tuple))
+                        and len(blocks) == 2
+                        and all(isinstance(b, int) for b in blocks)
+                        and 0 <= blocks[0] < blocks[1]
+                    ):
                         raise PlanError(f"{source}: field {qw}blocks must be [start, end) with 0 <= start < end, got {blocks!r}")
                     slices = integer(get(q, "slices", qw), f"{qw}slices")
                     device = q.get("device", "")
@@ -195,7 +200,9 @@ class Plan:
                         raise PlanError(f"{source}: field {qw}device must be a GPU id string, got {device!r:.60}")
                     share = num(q.get("share", 0.0), f"{qw}share")
                     if device and not (0 < share <= 1 and q.get("vgpus", 1) == 1):
-                        raise PlanError(f"{source}: co-located partition {qw[:-1]} (device {device!r}) needs 0 < share <= 1 and vgpus 1, got share {share!r}, vgpus {q.get('vgpus')!r}")
+                        raise PlanError(
+                            f"{source}: co-located partition {qw[:-1]} (device {device!r}) needs 0 < share <= 1 and vgpus 1, got share {share!r}, vgpus {q.get('vgpus')!r}"
+                        )
                     vgpus = q.get("vgpus")
                     if vgpus is None:  # accept plans that only give physical GPUs
                         vgpus = 1 if device else round(num(get(q, "num_gpus", qw), f"{qw}num_gpus") * slices)
@@ -221,7 +228,9 @@ class Plan:
                 if isinstance(entry, bool) or not isinstance(entry, int) or entry < 0:
                     raise PlanError(f"{source}: field {pw}entry_block must be an integer >= 0, got {entry!r:.60}")
                 if parts[0].blocks[0] != entry:
-                    raise PlanError(f"{source}: {pw}partitions[0] must start at block {entry} (its entry_block), starts at {parts[0].blocks[0]}")
+                    raise PlanError(
+                        f"{source}: {pw}partitions[0] must start at block {entry} (its entry_block), starts at {parts[0].blocks[0]}"
+                    )
                 slo = p.get("slo_us")
                 pipelines.append(
                     Pipeline(

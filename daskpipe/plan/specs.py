@@ -52,7 +52,9 @@ def clusters() -> dict[str, Cluster]:
     out = {}
     for name, spec in _read("clusters.json").items():
         try:
-            out[name] = Cluster(name, dict(spec["gpus"]), dict(spec.get("gpus_per_server", {})), float(spec["bw_gbps"]), dict(spec.get("paper_ratio", {})))
+            out[name] = Cluster(
+                name, dict(spec["gpus"]), dict(spec.get("gpus_per_server", {})), float(spec["bw_gbps"]), dict(spec.get("paper_ratio", {}))
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{spec_file('clusters.json')}: cluster {name!r} is malformed ({exc!r}); it needs gpus and bw_gbps") from None
     return out
@@ -71,7 +73,9 @@ def groups() -> dict[str, Group]:
     return out
 
 
-def group_cases(cluster_names: Sequence[str], group_names: Sequence[str], profiles_dir: str | Path) -> Iterator[tuple[Cluster, Group, dict[str, Profile], dict[str, float]]]:
+def group_cases(
+    cluster_names: Sequence[str], group_names: Sequence[str], profiles_dir: str | Path
+) -> Iterator[tuple[Cluster, Group, dict[str, Profile], dict[str, float]]]:
     """Each (cluster, group) of the grid, with the group's profiles and workload weights by full model name."""
     from daskpipe.profiles.loader import load_profiles
 

@@ -73,12 +73,15 @@ def fit_constants(entries: Sequence[Entry], catalog: Mapping[str, GPUSpec]) -> C
         loss = float(sum(errors.min() for errors in per_gpu.values()))
         if best is None or loss < best[0]:
             efficiency = {gpu: float(EFFICIENCY_GRID[np.argmin(errors)]) for gpu, errors in per_gpu.items()}
-            best = (loss, Constants(
-                launch_us=LAUNCH_US,
-                saturation=float(saturation),
-                default_efficiency=float(np.median(list(efficiency.values()))),
-                efficiency=efficiency,
-            ))
+            best = (
+                loss,
+                Constants(
+                    launch_us=LAUNCH_US,
+                    saturation=float(saturation),
+                    default_efficiency=float(np.median(list(efficiency.values()))),
+                    efficiency=efficiency,
+                ),
+            )
     assert best is not None
     return best[1]
 
@@ -177,7 +180,7 @@ def calibration_error(predicted: Sequence[tuple[Entry, float]], gpus: Sequence[s
     return {
         "calibration": {
             "method": "leave-one-GPU-type-out: per model, one efficiency factor (geometric mean of measured/estimated) "
-                      "on the measured type scales the estimates of its other types; estimates use the leave-one-model-out constants",
+            "on the measured type scales the estimates of its other types; estimates use the leave-one-model-out constants",
             "per_measured_gpu": per_reference,
             "rows": after["n"],
         },

@@ -135,6 +135,11 @@ def gpu_specs(types: Sequence[str]) -> dict[str, GpuSpec]:
     if unknown:
         raise ColocationError(f"GPU type(s) {unknown} are not in the GPU catalog (it has {sorted(catalog)}); add them to workers/gpus.json")
     return {
-        t: GpuSpec(t, sm_count=catalog[t].sm_count, memory_mb=catalog[t].memory_gb * 1024, pcie_gb_per_s=PCIE_GB_PER_S.get(catalog[t].pcie_gen, 12.0))
+        t: GpuSpec(
+            t,
+            sm_count=catalog[t].sm_count,
+            memory_mb=catalog[t].memory_gb * 1024,
+            pcie_gb_per_s=PCIE_GB_PER_S.get(catalog[t].pcie_gen, 12.0),
+        )
         for t in types
     }

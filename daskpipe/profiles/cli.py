@@ -73,13 +73,24 @@ def profile() -> None:
 @click.option("--device", default="cpu", show_default=True, help="Torch device to time on (cpu, cuda, cuda:1).")
 @click.option("--slices", default=1, show_default=True, help="MPS slice count this process runs in (labels the table).")
 @click.option("--repeats", default=5, show_default=True, help="Timed runs per measurement (median kept).")
-@click.option("--cpu-threads", type=int, default=None, help="Torch intra-op threads when timing on the CPU (1 is stable on a busy machine).")
+@click.option(
+    "--cpu-threads", type=int, default=None, help="Torch intra-op threads when timing on the CPU (1 is stable on a busy machine)."
+)
 @click.option("--slo-us", type=float, default=None, help="Latency SLO in µs [default: 5x the batch-1 latency].")
 @click.option("--estimate", "estimate_gpus", default=None, help="Comma-separated catalog GPU types to add estimated tables for.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Profile JSON to write.")
 def torchvision_command(
-    model: str, blocks: int, batch_sizes: str, input_shape: str | None, device: str, slices: int, repeats: int,
-    cpu_threads: int | None, slo_us: float | None, estimate_gpus: str | None, out: Path,
+    model: str,
+    blocks: int,
+    batch_sizes: str,
+    input_shape: str | None,
+    device: str,
+    slices: int,
+    repeats: int,
+    cpu_threads: int | None,
+    slo_us: float | None,
+    estimate_gpus: str | None,
+    out: Path,
 ) -> None:
     """Profile torchvision MODEL (random weights) on the local device, optionally adding estimates."""
     import torch
@@ -111,14 +122,21 @@ def torchvision_command(
             bar.update(tasks[stage], completed=done)
 
         measured, blocked = profile_model(
-            module, torch.randn(1, *shape), name=model, num_blocks=blocks, batch_sizes=sizes, device=device,
-            slices=slices, slo_us=slo_us, repeats=repeats, cpu_threads=cpu_threads, progress=report,
+            module,
+            torch.randn(1, *shape),
+            name=model,
+            num_blocks=blocks,
+            batch_sizes=sizes,
+            device=device,
+            slices=slices,
+            slo_us=slo_us,
+            repeats=repeats,
+            cpu_threads=cpu_threads,
+            progress=report,
         )
     result = measured
     if targets:
-        estimated = estimate_profile(
-            blocked, gpus=targets, name=model, batch_sizes=max(sizes), slo_us=measured.slo_us
-        )
+        estimated = estimate_profile(blocked, gpus=targets, name=model, batch_sizes=max(sizes), slo_us=measured.slo_us)
         result = replace(
             measured,
             latency_us={**estimated.latency_us, **measured.latency_us},
@@ -129,11 +147,18 @@ def torchvision_command(
 
 
 @profile.command("estimator-error")
-@click.option("--profiles", "profiles_dir", type=click.Path(exists=True, path_type=Path), required=True,
-              help="Folder of measured tables (the ../shared/ppipe layout).")
+@click.option(
+    "--profiles",
+    "profiles_dir",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="Folder of measured tables (the ../shared/ppipe layout).",
+)
 @click.option("--models", default=None, help="Comma-separated models (names or prefixes) [default: all with a torchvision build].")
 @click.option("--gpus", default=None, help="Comma-separated GPU types [default: all the models share].")
-@click.option("--calibrate", is_flag=True, help="Also calibrate on one measured GPU type and test on the others, leaving each type out in turn.")
+@click.option(
+    "--calibrate", is_flag=True, help="Also calibrate on one measured GPU type and test on the others, leaving each type out in turn."
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the report here.")
 def estimator_error_command(profiles_dir: Path, models: str | None, gpus: str | None, calibrate: bool, json_out: Path | None) -> None:
     """Print the estimator's error against measured tables as JSON (leave-one-model-out and in-sample;
@@ -148,7 +173,9 @@ def estimator_error_command(profiles_dir: Path, models: str | None, gpus: str | 
         names = list(load_profiles(profiles_dir, names))
     console = Console(stderr=True)
     with console.status("measuring FLOPs and bytes") as status:
-        report = estimator_error(profiles_dir, names, parse_names(gpus), progress=lambda m: status.update(f"costing {m}"), calibrate=calibrate)
+        report = estimator_error(
+            profiles_dir, names, parse_names(gpus), progress=lambda m: status.update(f"costing {m}"), calibrate=calibrate
+        )
     text = json.dumps(report, indent=1)
     click.echo(text)
     if json_out:
@@ -167,22 +194,35 @@ def show_command(path: Path, models: tuple[str, ...]) -> None:
 
     console = Console()
     for name, prof in load_profiles(path, list(models) or None).items():
-        table = Table(title=f"{name}: {prof.num_blocks} blocks, SLO {prof.slo_us / 1000:.2f} ms, "
-                            f"largest cut {max(prof.boundary_bytes, default=0) / 1e6:.2f} MB")
+        table = Table(
+            title=f"{name}: {prof.num_blocks} blocks, SLO {prof.slo_us / 1000:.2f} ms, "
+            f"largest cut {max(prof.boundary_bytes, default=0) / 1e6:.2f} MB"
+        )
         for column in ("GPU", "v", "batch 1 (ms)", "max batch", "at max (ms)", "req/s per slice"):
             table.add_column(column, justify="right")
         for gpu, v in sorted(prof.latency_us):
             top = prof.max_batch(gpu, v)
             at_top = prof.latency(gpu, v, top)
-            table.add_row(gpu, str(v), f"{prof.latency(gpu, v, 1) / 1000:.2f}", str(top), f"{at_top / 1000:.2f}",
-                          f"{top / at_top * 1e6:.1f}" if at_top > 0 else "-")
+            table.add_row(
+                gpu,
+                str(v),
+                f"{prof.latency(gpu, v, 1) / 1000:.2f}",
+                str(top),
+                f"{at_top / 1000:.2f}",
+                f"{top / at_top * 1e6:.1f}" if at_top > 0 else "-",
+            )
         console.print(table)
 
 
 @profile.command("colocation")
 @click.argument("models")
 @click.option("--device", default="cuda", show_default=True, help="CUDA device whose MPS shares to profile on (the MPS daemon must run).")
-@click.option("--emulate", type=click.Choice(["inss-testbed"]), default=None, help="No GPU: run the campaign on this documented parameter set instead.")
+@click.option(
+    "--emulate",
+    type=click.Choice(["inss-testbed"]),
+    default=None,
+    help="No GPU: run the campaign on this documented parameter set instead.",
+)
 @click.option("--gpu", "gpu_type", default=None, help="GPU type to label (with --emulate: one of the set's GPUs) [default: the device's].")
 @click.option("--shares", default="0.24,0.42,0.6,1.0", show_default=True, help="MPS shares of the solo grid.")
 @click.option("--batch-sizes", default="1,4,8,16", show_default=True, help="Batch sizes of the solo grid.")
@@ -191,8 +231,19 @@ def show_command(path: Path, models: tuple[str, ...]) -> None:
 @click.option("--noise", default=0.02, show_default=True, help="With --emulate: relative measurement noise.")
 @click.option("--seed", default=0, show_default=True, help="Seeds the co-runner draws (and the emulated noise).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Fitted interference model (JSON) to write.")
-def colocation_command(models: str, device: str, emulate: str | None, gpu_type: str | None, shares: str, batch_sizes: str, co_sets: int,
-                       repeats: int, noise: float, seed: int, out: Path) -> None:
+def colocation_command(
+    models: str,
+    device: str,
+    emulate: str | None,
+    gpu_type: str | None,
+    shares: str,
+    batch_sizes: str,
+    co_sets: int,
+    repeats: int,
+    noise: float,
+    seed: int,
+    out: Path,
+) -> None:
     """Profile MODELS (comma-separated) alone and side by side on MPS shares of one GPU, fit InSS's
     interference model to the runs and write it with its fit error (docs/colocation.md)."""
     from rich.console import Console
@@ -209,7 +260,19 @@ def colocation_command(models: str, device: str, emulate: str | None, gpu_type: 
 
         truth = inss_testbed()
     with Console(stderr=True).status(f"profiling {models} {'(emulated)' if truth else f'on {device}'}"):
-        fitted, report = profile_colocation(parse_names(models) or [], device=device, emulate=truth, gpu_type=gpu_type, shares=share_list,
-                                            batches=parse_batch_sizes(batch_sizes), co_sets=co_sets, noise=noise, repeats=repeats, seed=seed)
+        fitted, report = profile_colocation(
+            parse_names(models) or [],
+            device=device,
+            emulate=truth,
+            gpu_type=gpu_type,
+            shares=share_list,
+            batches=parse_batch_sizes(batch_sizes),
+            co_sets=co_sets,
+            noise=noise,
+            repeats=repeats,
+            seed=seed,
+        )
     out.write_text(json.dumps({"interference": fitted.to_dict(), "fit": report.to_dict()}, indent=1))
-    click.echo(f"wrote {out}: {len(fitted.coefficients)} (model, GPU) fits, error on the runs mean {report.mean_error_pct:.2f}%, max {report.max_error_pct:.2f}%")
+    click.echo(
+        f"wrote {out}: {len(fitted.coefficients)} (model, GPU) fits, error on the runs mean {report.mean_error_pct:.2f}%, max {report.max_error_pct:.2f}%"
+    )

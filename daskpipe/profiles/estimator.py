@@ -36,12 +36,59 @@ from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes
 
 Precision = Literal["tf32", "fp32", "fp16"]
-FREE_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "detach", "alias",
-                      "empty", "squeeze", "unsqueeze", "flatten", "slice", "select", "split", "split_with_sizes",
-                      "contiguous", "clone", "cat", "dropout", "lift_fresh"})
-FUSED_OPS = frozenset({"relu", "relu_", "add", "add_", "mul", "mul_", "sub", "div", "sigmoid", "hardtanh", "hardtanh_",
-                       "hardswish", "hardswish_", "silu", "silu_", "gelu", "clamp", "clamp_min", "rsqrt",
-                       "_native_batch_norm_legit_no_training", "native_batch_norm", "batch_norm", "leaky_relu"})
+FREE_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "detach",
+        "alias",
+        "empty",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "contiguous",
+        "clone",
+        "cat",
+        "dropout",
+        "lift_fresh",
+    }
+)
+FUSED_OPS = frozenset(
+    {
+        "relu",
+        "relu_",
+        "add",
+        "add_",
+        "mul",
+        "mul_",
+        "sub",
+        "div",
+        "sigmoid",
+        "hardtanh",
+        "hardtanh_",
+        "hardswish",
+        "hardswish_",
+        "silu",
+        "silu_",
+        "gelu",
+        "clamp",
+        "clamp_min",
+        "rsqrt",
+        "_native_batch_norm_legit_no_training",
+        "native_batch_norm",
+        "batch_norm",
+        "leaky_relu",
+    }
+)
 
 
 LAUNCH_US = 5.0  # per-kernel launch and TensorRT layer overhead, fixed (see daskpipe.profiles.accuracy)
@@ -103,9 +150,7 @@ class _OpRecorder(FlopCounterMode):
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
-def op_costs(
-    block: nn.Module, input_shape: Sequence[int], batches: Iterable[int], precision: Precision = "tf32"
-) -> dict[int, OpCosts]:
+def op_costs(block: nn.Module, input_shape: Sequence[int], batches: Iterable[int], precision: Precision = "tf32") -> dict[int, OpCosts]:
     """What ``block`` does to a batch of each size in ``batches`` (per-sample ``input_shape``), op by op.
 
     Shapes only, on the meta device. A block that reads its data (``torch._assert`` on a value,
@@ -197,8 +242,10 @@ def estimate_profile(
     if not slice_counts or slice_counts[0] < 1:
         raise ProfileError(f"slice counts must be integers >= 1, got {slice_counts}")
     max_batch = normalise_batch_sizes(batch_sizes)[-1]
-    blocked = module_or_blocked if isinstance(module_or_blocked, BlockedModel) else cut_by_estimate(
-        module_or_blocked, example_input, num_blocks, catalog[gpus[0]], constants, precision
+    blocked = (
+        module_or_blocked
+        if isinstance(module_or_blocked, BlockedModel)
+        else cut_by_estimate(module_or_blocked, example_input, num_blocks, catalog[gpus[0]], constants, precision)
     )
     costs = {
         (i, b): block_costs
@@ -210,8 +257,10 @@ def estimate_profile(
         for v in slice_counts if catalog[gpu].mps_slicing else [1]:
             top = max(1, max_batch // v)
             tables[(gpu, v)] = np.array(
-                [[op_latency_us(costs[(i, b)], catalog[gpu], v, constants, precision) for b in range(1, top + 1)]
-                 for i in range(blocked.num_blocks)]
+                [
+                    [op_latency_us(costs[(i, b)], catalog[gpu], v, constants, precision) for b in range(1, top + 1)]
+                    for i in range(blocked.num_blocks)
+                ]
             )
     whole_batch1_us = sum(op_latency_us(costs[(i, 1)], catalog[gpus[0]], 1, constants, precision) for i in range(blocked.num_blocks))
     return Profile(
@@ -239,7 +288,11 @@ def _block_input(blocked: BlockedModel, block: int) -> tuple[int, ...]:
 
 
 def cut_by_estimate(
-    module: nn.Module, example_input: torch.Tensor | None, num_blocks: int, spec: GPUSpec, constants: Constants = CALIBRATED,
+    module: nn.Module,
+    example_input: torch.Tensor | None,
+    num_blocks: int,
+    spec: GPUSpec,
+    constants: Constants = CALIBRATED,
     precision: Precision = "tf32",
 ) -> BlockedModel:
     """``module`` cut into ``num_blocks`` blocks of equal estimated batch-1 latency on ``spec``: a
@@ -275,7 +328,12 @@ def efficiency_factors(measured_us: np.ndarray, estimated_us: np.ndarray) -> np.
 
 
 def estimate_kinds(
-    blocked: BlockedModel, kinds: Iterable[tuple[str, int]], *, name: str, batch_sizes: int, slo_us: float | None = None,
+    blocked: BlockedModel,
+    kinds: Iterable[tuple[str, int]],
+    *,
+    name: str,
+    batch_sizes: int,
+    slo_us: float | None = None,
     measured: Mapping[tuple[str, int], np.ndarray] | None = None,
 ) -> tuple[dict[tuple[str, int], np.ndarray], dict]:
     """Estimated tables of the (GPU type, slices) ``kinds`` for ``blocked``, calibrated when possible.
@@ -288,8 +346,12 @@ def estimate_kinds(
     catalog = load_catalog()
     references = sorted(k for k in (measured or {}) if k[0] in catalog)
     estimated = estimate_profile(
-        blocked, gpus=sorted({g for g, _ in [*kinds, *references]}), name=name, batch_sizes=batch_sizes,
-        slices=sorted({v for _, v in [*kinds, *references]}), slo_us=slo_us,
+        blocked,
+        gpus=sorted({g for g, _ in [*kinds, *references]}),
+        name=name,
+        batch_sizes=batch_sizes,
+        slices=sorted({v for _, v in [*kinds, *references]}),
+        slo_us=slo_us,
     )
     tables = {k: t for k, t in estimated.latency_us.items() if k in kinds}
     references = [k for k in references if k in estimated.latency_us]  # e.g. no P4 table at v > 1
@@ -297,7 +359,9 @@ def estimate_kinds(
         return tables, {"calibrated_on": []}
     pairs = [(measured[k], estimated.latency_us[k]) for k in references]
     widths = [min(m.shape[1], e.shape[1]) for m, e in pairs]
-    factors = efficiency_factors(np.hstack([m[:, :w] for (m, _), w in zip(pairs, widths)]), np.hstack([e[:, :w] for (_, e), w in zip(pairs, widths)]))
+    factors = efficiency_factors(
+        np.hstack([m[:, :w] for (m, _), w in zip(pairs, widths)]), np.hstack([e[:, :w] for (_, e), w in zip(pairs, widths)])
+    )
     calibrated = {k: t * factors[:, None] for k, t in tables.items()}
     return calibrated, {"calibrated_on": [f"{g}/{v}" for g, v in references], "block_factors": [round(float(f), 4) for f in factors]}
 

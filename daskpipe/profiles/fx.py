@@ -68,9 +68,7 @@ class SegmentedModel:
         """Blocks made of segments ``[boundaries[k], boundaries[k + 1])``."""
         bounds = list(boundaries)
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != self.num_segments:
-            raise SegmentationError(
-                f"block boundaries must start at 0 and end at the segment count {self.num_segments}, got {bounds}"
-            )
+            raise SegmentationError(f"block boundaries must start at 0 and end at the segment count {self.num_segments}, got {bounds}")
         if any(b >= a for a, b in zip(bounds[1:], bounds)):
             raise SegmentationError(f"block boundaries must be strictly increasing, got {bounds}")
         blocks = [self._block(self.cuts[a], self.cuts[b]) for a, b in zip(bounds, bounds[1:])]

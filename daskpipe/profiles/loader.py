@@ -67,9 +67,7 @@ def resolve_model_names(available: list[str], requested: list[str] | None, where
 def _load_json_folder(folder: Path) -> dict[str, Profile]:
     files = sorted(folder.glob("*.json"))
     if not files:
-        raise ProfileError(
-            f"{folder}: holds neither profile JSON files nor a {TIMING_DIR}/ folder (the PPipe table layout)"
-        )
+        raise ProfileError(f"{folder}: holds neither profile JSON files nor a {TIMING_DIR}/ folder (the PPipe table layout)")
     profiles: dict[str, Profile] = {}
     for file in files:
         profile = Profile.load(file)
@@ -98,30 +96,24 @@ def _load_ppipe_folder(folder: Path, models: list[str] | None) -> dict[str, Prof
     return {name: _ppipe_profile(folder, name, timing_files[name], all_gpus, slos) for name in names}
 
 
-def _ppipe_profile(
-    folder: Path, model: str, files: dict[tuple[str, int], Path], all_gpus: list[str], slos: dict[str, float]
-) -> Profile:
+def _ppipe_profile(folder: Path, model: str, files: dict[tuple[str, int], Path], all_gpus: list[str], slos: dict[str, float]) -> Profile:
     missing = [gpu for gpu in all_gpus if (gpu, 1) not in files]
     if missing:
         expected = ", ".join(f"{model}-{gpu}-1.csv" for gpu in missing)
         raise ProfileError(
-            f"{folder / TIMING_DIR}: model {model!r} is missing GPU type(s) {missing} that other models have "
-            f"(expected {expected})"
+            f"{folder / TIMING_DIR}: model {model!r} is missing GPU type(s) {missing} that other models have (expected {expected})"
         )
     tables = {key: _read_timing_table(file) for key, file in files.items()}
     reference_key = min(tables, key=lambda k: (k[1], k[0]))
     num_blocks = tables[reference_key].shape[0]
     for key, table in tables.items():
         if table.shape[0] != num_blocks:
-            raise ProfileError(
-                f"{files[key]}: has {table.shape[0]} block rows, but {files[reference_key].name} has {num_blocks}"
-            )
+            raise ProfileError(f"{files[key]}: has {table.shape[0]} block rows, but {files[reference_key].name} has {num_blocks}")
     boundary_file = folder / BOUNDARY_DIR / f"{model}.csv"
     boundary = _read_boundary_bytes(boundary_file)
     if len(boundary) != num_blocks - 1:
         raise ProfileError(
-            f"{boundary_file}: has {len(boundary)} rows; {num_blocks} blocks (as in {files[reference_key].name}) "
-            f"need {num_blocks - 1}"
+            f"{boundary_file}: has {len(boundary)} rows; {num_blocks} blocks (as in {files[reference_key].name}) need {num_blocks - 1}"
         )
     if model not in slos:
         raise ProfileError(f"{folder / SLO_FILE}: no row for model {model!r} (column 'slo_us')")
@@ -132,7 +124,11 @@ def _ppipe_profile(
         latency_us=tables,
         boundary_bytes=tuple(boundary),
         source=str(folder),
-        meta={"format": "ppipe-csv", "precision": "TensorRT TF32 (as published)", "tables": {kind_label(g, v): MEASURED for g, v in sorted(tables)}},
+        meta={
+            "format": "ppipe-csv",
+            "precision": "TensorRT TF32 (as published)",
+            "tables": {kind_label(g, v): MEASURED for g, v in sorted(tables)},
+        },
     )
 
 

@@ -139,11 +139,18 @@ class Profile:
             slo_us=_number(need("slo_us"), f"{source}: field 'slo_us'"),
             num_blocks=int(_number(need("num_blocks"), f"{source}: field 'num_blocks'")),
             latency_us=tables,
-            boundary_bytes=tuple(_number(x, f"{source}: field 'boundary_bytes'") for x in _list(need("boundary_bytes"), f"{source}: field 'boundary_bytes'")),
+            boundary_bytes=tuple(
+                _number(x, f"{source}: field 'boundary_bytes'") for x in _list(need("boundary_bytes"), f"{source}: field 'boundary_bytes'")
+            ),
             input_bytes=_number(data.get("input_bytes", 0.0), f"{source}: field 'input_bytes'"),
             output_bytes=_number(data.get("output_bytes", 0.0), f"{source}: field 'output_bytes'"),
             input_shape=_shape(data["input_shape"], f"{source}: field 'input_shape'") if data.get("input_shape") is not None else None,
-            boundary_shapes=tuple(_shape(s, f"{source}: field 'boundary_shapes[{i}]'") for i, s in enumerate(_list(shapes, f"{source}: field 'boundary_shapes'"))) if shapes is not None else None,
+            boundary_shapes=tuple(
+                _shape(s, f"{source}: field 'boundary_shapes[{i}]'")
+                for i, s in enumerate(_list(shapes, f"{source}: field 'boundary_shapes'"))
+            )
+            if shapes is not None
+            else None,
             source=source,
             meta=_mapping(data.get("meta", {}), f"{source}: field 'meta'"),
         )

@@ -32,9 +32,7 @@ def greedy_blocks(segment_latency_us: np.ndarray, num_blocks: int) -> list[int]:
     for i, x in enumerate(lat):
         remaining_blocks = num_blocks - len(bounds)
         remaining_segments = n - i
-        if acc > 0 and remaining_blocks > 0 and (
-            abs(acc + x - target) > abs(acc - target) or remaining_segments == remaining_blocks
-        ):
+        if acc > 0 and remaining_blocks > 0 and (abs(acc + x - target) > abs(acc - target) or remaining_segments == remaining_blocks):
             bounds.append(i)
             acc = 0.0
         acc += x
@@ -65,7 +63,9 @@ def ilp_blocks(segment_latency_us: Mapping[str, np.ndarray], segment_bytes: np.n
             raise ProfileError(f"segment latencies of GPU {gpu!r} must be {n} finite non-negative numbers, got shape {lat.shape}")
     cut_bytes = np.asarray(segment_bytes, dtype=float)
     if cut_bytes.shape != (n - 1,):
-        raise ProfileError(f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), got {cut_bytes.shape[0] if cut_bytes.ndim else 0}")
+        raise ProfileError(
+            f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), got {cut_bytes.shape[0] if cut_bytes.ndim else 0}"
+        )
     if not 1 <= num_blocks <= n:
         raise ProfileError(f"cannot cut {n} segments into {num_blocks} blocks; ask for 1 to {n} blocks")
     for lb, ub in BALANCE_BANDS:
@@ -76,7 +76,9 @@ def ilp_blocks(segment_latency_us: Mapping[str, np.ndarray], segment_bytes: np.n
     raise ProfileError(f"no {num_blocks} contiguous blocks keep every GPU type within [{lb}, {ub}] x its fair share; ask for fewer blocks")
 
 
-def _balanced_min_cut(latency: Mapping[str, np.ndarray], cut_bytes: np.ndarray, num_blocks: int, lb: float, ub: float, mip) -> list[int] | None:
+def _balanced_min_cut(
+    latency: Mapping[str, np.ndarray], cut_bytes: np.ndarray, num_blocks: int, lb: float, ub: float, mip
+) -> list[int] | None:
     n = len(cut_bytes) + 1
     model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     model.verbose = 0

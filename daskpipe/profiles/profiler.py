@@ -155,9 +155,7 @@ def profile_model(
     home = next(module.parameters(), example_input).device
     segmented = segment_model(module, example_input[:1].to(home))
     if segmented.num_segments < num_blocks:
-        raise ValueError(
-            f"{name}: has only {segmented.num_segments} single-tensor cut segments; ask for at most that many blocks"
-        )
+        raise ValueError(f"{name}: has only {segmented.num_segments} single-tensor cut segments; ask for at most that many blocks")
     report = progress or (lambda stage, done, total: None)
     with _intra_op_threads(cpu_threads or worker_threads() or torch.get_num_threads()):
         segments = segmented.segments().to(device)
@@ -192,7 +190,18 @@ def profile_blocks(
     _check_settings(slices, repeats, cpu_threads)
     device = torch.device(device)
     with _intra_op_threads(cpu_threads or worker_threads() or torch.get_num_threads()):
-        return _time_blocks(blocked.to(device), name, batch_sizes, device, gpu_type, slices, slo_us, repeats, warmup, progress or (lambda stage, done, total: None))
+        return _time_blocks(
+            blocked.to(device),
+            name,
+            batch_sizes,
+            device,
+            gpu_type,
+            slices,
+            slo_us,
+            repeats,
+            warmup,
+            progress or (lambda stage, done, total: None),
+        )
 
 
 def _check_settings(slices: int, repeats: int, cpu_threads: int | None) -> None:
@@ -223,8 +232,16 @@ def _reported(items: Sequence, stage: str, report: Progress) -> Iterator[tuple[i
 
 
 def _time_blocks(
-    blocked: BlockedModel, name: str, batch_sizes: int | Sequence[int], device: torch.device, gpu_type: str | None,
-    slices: int, slo_us: float | None, repeats: int, warmup: int, report: Progress,
+    blocked: BlockedModel,
+    name: str,
+    batch_sizes: int | Sequence[int],
+    device: torch.device,
+    gpu_type: str | None,
+    slices: int,
+    slo_us: float | None,
+    repeats: int,
+    warmup: int,
+    report: Progress,
 ) -> Profile:
     measured = sorted(set(normalise_batch_sizes(batch_sizes)) | {1})
     gpu_type = gpu_type or device_gpu_type(device)
@@ -269,7 +286,10 @@ def timing_summary(timings: Sequence[Timing]) -> dict[str, Any]:
     whether some cells stayed busy after their retries (then the table is inflated, and says so)."""
     shares = [t.cpu_share for t in timings if t.cpu_share is not None]
     busy = sum(t.busy for t in timings)
-    summary: dict[str, Any] = {"median_spread": round(float(np.median([t.spread for t in timings])), 3) if timings else 0.0, "busy_cells": busy}
+    summary: dict[str, Any] = {
+        "median_spread": round(float(np.median([t.spread for t in timings])), 3) if timings else 0.0,
+        "busy_cells": busy,
+    }
     if shares:
         summary["min_cpu_share"] = round(min(shares), 3)
     if busy:
@@ -319,7 +339,7 @@ def profile_colocation(
     GPUs; ``noise`` is the relative measurement noise). Raises ``ValueError`` when neither a CUDA
     GPU nor ``emulate`` is there, or a name or grid is unusable.
     """
-    from daskpipe.colocation.fit import PAPER_BATCHES, PAPER_SHARES, ModelInfo, collect_samples, emulated_measure, fit_model, model_info
+    from daskpipe.colocation.fit import PAPER_BATCHES, PAPER_SHARES, collect_samples, emulated_measure, fit_model, model_info
 
     if not models:
         raise ValueError("co-location profiling needs at least one model")
@@ -338,7 +358,9 @@ def profile_colocation(
     else:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"co-location profiling runs on a CUDA GPU under MPS (device {device} is not one here); use the emulated mode without a GPU")
+            raise ValueError(
+                f"co-location profiling runs on a CUDA GPU under MPS (device {device} is not one here); use the emulated mode without a GPU"
+            )
         from daskpipe.profiles.catalog import gpu_specs
 
         gpu = gpu_type or device_gpu_type(device)
@@ -364,10 +386,14 @@ class _MpsRunner:
         ready = ctx.Barrier(len(others) + 1)
         stop = ctx.Event()
         results = ctx.Queue()
-        workers = [ctx.Process(target=_mps_corunner, args=(o.model, o.batch, o.share, str(self.device), ready, stop), daemon=True) for o in others]
+        workers = [
+            ctx.Process(target=_mps_corunner, args=(o.model, o.batch, o.share, str(self.device), ready, stop), daemon=True) for o in others
+        ]
         for w in workers:
             w.start()
-        prober = ctx.Process(target=_mps_probe, args=(probe.model, probe.batch, probe.share, str(self.device), self.repeats, ready, results), daemon=True)
+        prober = ctx.Process(
+            target=_mps_probe, args=(probe.model, probe.batch, probe.share, str(self.device), self.repeats, ready, results), daemon=True
+        )
         prober.start()
         try:
             outcome = results.get(timeout=600)
@@ -378,7 +404,13 @@ class _MpsRunner:
         if isinstance(outcome, str):
             raise RuntimeError(f"profiling {probe.model} at share {probe.share:.2f}, batch {probe.batch} failed: {outcome}")
         self.info.setdefault((probe.model, gpu), ModelInfo(outcome["kernels"], outcome["input_bytes"], outcome["output_bytes"]))
-        return Measurement(outcome["running_ms"], outcome["sched_ms"], outcome["total_ms"], outcome["running_ms"] / outcome["total_ms"] * probe.share, outcome["memory_mb"])
+        return Measurement(
+            outcome["running_ms"],
+            outcome["sched_ms"],
+            outcome["total_ms"],
+            outcome["running_ms"] / outcome["total_ms"] * probe.share,
+            outcome["memory_mb"],
+        )
 
 
 def _mps_process(name: str, batch: int, share: float, device: str) -> tuple[nn.Module, torch.Tensor]:
@@ -430,11 +462,16 @@ def _mps_probe(name: str, batch: int, share: float, device: str, repeats: int, r
         kernels = [e for e in events if e not in copies]
         running = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / repeats
         total = float(statistics.median(totals))
-        results.put({
-            "total_ms": total, "running_ms": running,
-            "sched_ms": max(0.0, total - running - sum(e.time_range.elapsed_us() for e in copies) / 1e3 / repeats),
-            "memory_mb": torch.cuda.max_memory_allocated() / 2**20, "kernels": max(1, len(kernels) // repeats),
-            "input_bytes": x[0].numel() * x.element_size(), "output_bytes": y[0].numel() * y.element_size(),
-        })
+        results.put(
+            {
+                "total_ms": total,
+                "running_ms": running,
+                "sched_ms": max(0.0, total - running - sum(e.time_range.elapsed_us() for e in copies) / 1e3 / repeats),
+                "memory_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "kernels": max(1, len(kernels) // repeats),
+                "input_bytes": x[0].numel() * x.element_size(),
+                "output_bytes": y[0].numel() * y.element_size(),
+            }
+        )
     except Exception as exc:  # reported to the parent, which raises it with the run's parameters
         results.put(f"{type(exc).__name__}: {exc}")

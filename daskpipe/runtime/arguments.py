@@ -71,9 +71,24 @@ def check_mapping(what: str, value: Any, names: list[str] | None, check: Callabl
 
 
 def check_deploy_arguments(
-    models: Any, example_inputs: Any, *, slo_ms: Any, weights: Any, time_dilation: Any, bw_gbps: Any, num_blocks: Any,
-    batch_sizes: Any, margin: Any, max_parts: Any, strategy: Any, dispatcher: Any, allow_nonfinite: Any, plan: Any, profiles: Any,
-    max_queued: Any, elastic: Any,
+    models: Any,
+    example_inputs: Any,
+    *,
+    slo_ms: Any,
+    weights: Any,
+    time_dilation: Any,
+    bw_gbps: Any,
+    num_blocks: Any,
+    batch_sizes: Any,
+    margin: Any,
+    max_parts: Any,
+    strategy: Any,
+    dispatcher: Any,
+    allow_nonfinite: Any,
+    plan: Any,
+    profiles: Any,
+    max_queued: Any,
+    elastic: Any,
 ) -> None:
     """``deploy``'s arguments, each checked for its type and range; the first wrong one fails, named."""
     if not isinstance(models, Mapping):

@@ -63,13 +63,20 @@ def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US):
     for name, batch in names_batches.items():
         table = np.full((2, batch), stage_us)
         profiles[name] = Profile(
-            model=name, slo_us=SLO_MS * 1e3, num_blocks=2, latency_us={("cpu", 1): table},
-            boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes), input_shape=blocked.input_shape,
-            boundary_shapes=tuple(blocked.boundary_shapes), meta={"segment_boundaries": bounds},
+            model=name,
+            slo_us=SLO_MS * 1e3,
+            num_blocks=2,
+            latency_us={("cpu", 1): table},
+            boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+            input_shape=blocked.input_shape,
+            boundary_shapes=tuple(blocked.boundary_shapes),
+            meta={"segment_boundaries": bounds},
         )
         throughput = batch / (stage_us * 1e-6)
         parts = tuple(Partition(blocks=(i, i + 1), gpu="cpu", slices=1, vgpus=1, latency_us=stage_us) for i in range(2))
-        models.append(ModelPlan(name=name, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(Pipeline(batch, throughput, parts),)))
+        models.append(
+            ModelPlan(name=name, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(Pipeline(batch, throughput, parts),))
+        )
     return profiles, Plan(objective=min(m.throughput for m in models), models=tuple(models), cluster={"bw_gbps": 10.0})
 
 
@@ -103,8 +110,15 @@ class LoopLag:
             self.lags_s.append(loop.time() - asked)
 
 
-def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = True, latency_samples: int = 200, rounds: int = 2,
-              advance: Callable[..., None] = lambda *a, **k: None) -> dict:
+def run_bench(
+    requests: int = 5000,
+    *,
+    protocol: str = "tcp",
+    processes: bool = True,
+    latency_samples: int = 200,
+    rounds: int = 2,
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> dict:
     """The figures of ``daskpipe bench runtime``, all on one cluster.
 
     Throughput rounds alternate plain Dask and daskpipe so that drift (warm-up, other load on the
@@ -124,12 +138,19 @@ def run_bench(requests: int = 5000, *, protocol: str = "tcp", processes: bool = 
 
         protocol = resolve_protocol(protocol)
     # a pipeline's two partitions need two slots; the b=1 pipeline gets two more
-    with stage_worker_environ(), LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        stage_worker_environ(),
+        LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
         model = trivial_model()
         svc = daskpipe.deploy(
-            client, {name: model for name in profiles}, example_inputs={name: torch.zeros(1, 16) for name in profiles},
-            plan=plan, profiles=profiles,
+            client,
+            {name: model for name in profiles},
+            example_inputs={name: torch.zeros(1, 16) for name in profiles},
+            plan=plan,
+            profiles=profiles,
         )
         try:
             x = torch.zeros(1, 16)
@@ -199,12 +220,20 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
     load_profiles, load_plan = profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US)
     plan = type(plan)(objective=plan.objective, models=plan.models + load_plan.models, cluster=plan.cluster)
     model, x = trivial_model(), torch.zeros(1, 16)
-    svc = daskpipe.deploy(client, {"trivial-b1": model, "trivial-load": model}, example_inputs={"trivial-b1": x, "trivial-load": x}, plan=plan, profiles={**profiles, **load_profiles})
+    svc = daskpipe.deploy(
+        client,
+        {"trivial-b1": model, "trivial-load": model},
+        example_inputs={"trivial-b1": x, "trivial-load": x},
+        plan=plan,
+        profiles={**profiles, **load_profiles},
+    )
     rate = LOAD_FACTOR * load_plan.models[0].throughput
     lag = LoopLag()
     context = multiprocessing.get_context("spawn")
     flowing, stop, report = context.Event(), context.Event(), context.Queue()
-    loader = context.Process(target=offer_load, args=(cluster.scheduler_address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True)
+    loader = context.Process(
+        target=offer_load, args=(cluster.scheduler_address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True
+    )
     try:
         wait(svc.map("trivial-load", [x] * 2 * LOAD_BATCH))
         wait(svc.map("trivial-b1", [x] * 10))
@@ -299,8 +328,19 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
 
 @click.command("runtime")
 @click.option("--requests", default=5000, show_default=True, help="Requests (and plain Dask tasks) to send.")
-@click.option("--protocol", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True, help="Comms; ucx falls back to tcp with a warning without distributed-ucxx.")
-@click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes (as daskpipe runs them), or threads of this process (all under one GIL).")
+@click.option(
+    "--protocol",
+    type=click.Choice(["tcp", "ucx"]),
+    default="tcp",
+    show_default=True,
+    help="Comms; ucx falls back to tcp with a warning without distributed-ucxx.",
+)
+@click.option(
+    "--processes/--in-process",
+    default=True,
+    show_default=True,
+    help="Workers as processes (as daskpipe runs them), or threads of this process (all under one GIL).",
+)
 @click.option("--rounds", default=3, show_default=True, help="Throughput rounds of each kind, alternated; the best of each is reported.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, json_path: str | None) -> None:

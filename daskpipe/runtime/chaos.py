@@ -95,8 +95,17 @@ def two_pool_plan(profile, first: tuple[str, int], second: tuple[str, int], cut:
 
     transfer_us = profile.cut_bytes(cut) * BATCH * 8 / (bw_gbps * 1e9) * 1e6
     parts = (
-        Partition(blocks=(0, cut), gpu=first[0], slices=1, vgpus=first[1], latency_us=profile.latency(first[0], 1, BATCH, 0, cut), transfer_us=transfer_us),
-        Partition(blocks=(cut, profile.num_blocks), gpu=second[0], slices=1, vgpus=second[1], latency_us=profile.latency(second[0], 1, BATCH, cut)),
+        Partition(
+            blocks=(0, cut),
+            gpu=first[0],
+            slices=1,
+            vgpus=first[1],
+            latency_us=profile.latency(first[0], 1, BATCH, 0, cut),
+            transfer_us=transfer_us,
+        ),
+        Partition(
+            blocks=(cut, profile.num_blocks), gpu=second[0], slices=1, vgpus=second[1], latency_us=profile.latency(second[0], 1, BATCH, cut)
+        ),
     )
     throughput = min(part.vgpus * BATCH / (part.latency_us * 1e-6) for part in parts)
     pipeline = Pipeline(batch_size=BATCH, throughput=throughput, partitions=parts)
@@ -188,7 +197,15 @@ class _Ledger:
         return sum(kind == "completed" and end - self.submitted[i] > slos * self.slo_s for i, (kind, _, end) in self.outcome.items())
 
 
-def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase_s: float = 20.0, fault: str = "kill", advance: Callable[..., None] = lambda *a, **k: None) -> dict[str, Any]:
+def run_chaos(
+    *,
+    seed: int = 0,
+    capacity: float = 40.0,
+    load: float = 0.8,
+    phase_s: float = 20.0,
+    fault: str = "kill",
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> dict[str, Any]:
     """The figures of ``daskpipe bench chaos`` (see the module docstring)."""
     import torch
     from distributed import Client, wait
@@ -304,7 +321,12 @@ def run_chaos(*, seed: int = 0, capacity: float = 40.0, load: float = 0.8, phase
         "plan_after_uses_new_gpus": _uses(plan_after, NEW_GPUS),
         "scale_up_seconds": scale_at - added_at,
         "replans": replans,
-        "events_s": {"fault": kill_at - started, "gpus_asked": added_at - started, "gpus_in_plan": scale_at - started, "end": end_at - started},
+        "events_s": {
+            "fault": kill_at - started,
+            "gpus_asked": added_at - started,
+            "gpus_in_plan": scale_at - started,
+            "end": end_at - started,
+        },
         "attainment_by_second": [[t, attainment(started + t, started + t + 1.0)] for t in range(int(end_at - started))],
     }
 
@@ -350,8 +372,20 @@ def _fault(client: Any, victim: tuple[str, str], fault: str) -> Iterator[None]:
 @click.option("--seed", default=0, show_default=True, help="Seeds the arrivals and the frames.")
 @click.option("--capacity", default=40.0, show_default=True, help="The initial plan's capacity in requests/s after time dilation.")
 @click.option("--load", default=0.8, show_default=True, help="Offered load as a fraction of that capacity.")
-@click.option("--phase-seconds", "phase_s", default=20.0, show_default=True, help="Seconds of each phase: steady, after the fault, after the scale-up.")
-@click.option("--fault", type=click.Choice(FAULTS), default="kill", show_default=True, help=f"kill: SIGKILL a worker; stop: SIGSTOP it for {STOP_S:g} s; slow: its emulated GPU {SLOW_FACTOR:g}x slower for {SLOW_S:g} s.")
+@click.option(
+    "--phase-seconds",
+    "phase_s",
+    default=20.0,
+    show_default=True,
+    help="Seconds of each phase: steady, after the fault, after the scale-up.",
+)
+@click.option(
+    "--fault",
+    type=click.Choice(FAULTS),
+    default="kill",
+    show_default=True,
+    help=f"kill: SIGKILL a worker; stop: SIGSTOP it for {STOP_S:g} s; slow: its emulated GPU {SLOW_FACTOR:g}x slower for {SLOW_S:g} s.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_chaos(seed: int, capacity: float, load: float, phase_s: float, fault: str, json_path: str | None) -> None:
     """Fail a stage worker mid-batch (kill, stop or slow it), then add two GPUs of a new type, under load: nothing may be lost."""

@@ -92,12 +92,23 @@ class MemoryLimitParam(click.ParamType):
     type=MemoryLimitParam(),
     default="auto",
     show_default=True,
-    help="Host memory per slot worker: bytes, a string like 4GB, a fraction of the machine's, or auto "
-    "(an equal share of the machine's).",
+    help="Host memory per slot worker: bytes, a string like 4GB, a fraction of the machine's, or auto (an equal share of the machine's).",
 )
-@click.option("--tls-ca-file", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate(s) to trust, PEM; with --tls-cert the workers speak tls:// only.")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="The workers' certificate, PEM (may hold the key too).")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="The certificate's private key, PEM, when --tls-cert does not hold it.")
+@click.option(
+    "--tls-ca-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="CA certificate(s) to trust, PEM; with --tls-cert the workers speak tls:// only.",
+)
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="The workers' certificate, PEM (may hold the key too)."
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The certificate's private key, PEM, when --tls-cert does not hold it.",
+)
 def worker(
     scheduler_address: str,
     slices: int | dict[str, int],
@@ -168,7 +179,11 @@ def worker_security(ca_file: str | None, cert: str | None, key: str | None):
 
 @click.command()
 @click.option(
-    "--duration", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds of request stream; start-up adds 20-40 s."
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds of request stream; start-up adds 20-40 s.",
 )
 @click.option(
     "--dashboard-address",
@@ -200,15 +215,32 @@ def demo(duration: float, dashboard_address: str, protocol: str, json_path: Path
 @profile.command("cluster")
 @click.argument("scheduler")
 @click.argument("model")
-@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Profile store folder to fill (deploy(profile_store=...) reads it).")
+@click.option(
+    "--store",
+    "store_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Profile store folder to fill (deploy(profile_store=...) reads it).",
+)
 @click.option("--name", default=None, help="Model name in the profile [default: MODEL].")
 @click.option("--blocks", default=10, show_default=True, help="Number of blocks to cut the model into (as deploy's num_blocks).")
 @click.option("--batch-sizes", default="1,2,4,8", show_default=True, help="Batch sizes to time (as deploy's batch_sizes).")
 @click.option("--input-shape", default=None, help="Per-sample input shape [default: 3,224,224; 3,299,299 for inception_v3].")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Most seconds profiling may take; kinds not done by then are left out.")
+@click.option(
+    "--timeout", "timeout_s", type=float, default=None, help="Most seconds profiling may take; kinds not done by then are left out."
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the profile JSON here.")
-def cluster_command(scheduler: str, model: str, store_dir: Path, name: str | None, blocks: int, batch_sizes: str, input_shape: str | None,
-                    timeout_s: float | None, out: Path | None) -> None:
+def cluster_command(
+    scheduler: str,
+    model: str,
+    store_dir: Path,
+    name: str | None,
+    blocks: int,
+    batch_sizes: str,
+    input_shape: str | None,
+    timeout_s: float | None,
+    out: Path | None,
+) -> None:
     """Profile MODEL on every (GPU type, slices) kind of the cluster at SCHEDULER, as deploy does, and
     keep the tables in the store. MODEL is ``package.module:factory`` (a callable returning the
     nn.Module that will be deployed: the store key hashes its weights) or a torchvision name
@@ -227,8 +259,16 @@ def cluster_command(scheduler: str, model: str, store_dir: Path, name: str | Non
     with Client(scheduler) as client:
         try:
             result = profile_on_cluster(
-                client, inventory(client), name or model, module, torch.randn(1, *shape), slo_us=None, num_blocks=blocks,
-                batch_sizes=parse_batch_sizes(batch_sizes), store=store, timeout_s=timeout_s,
+                client,
+                inventory(client),
+                name or model,
+                module,
+                torch.randn(1, *shape),
+                slo_us=None,
+                num_blocks=blocks,
+                batch_sizes=parse_batch_sizes(batch_sizes),
+                store=store,
+                timeout_s=timeout_s,
             )
         except DeployError as exc:
             raise click.ClickException(str(exc)) from None
@@ -254,7 +294,9 @@ def _build_model(model: str):
         return factory().eval()
     available = torchvision.models.list_models(module=torchvision.models)
     if model not in available:
-        raise click.BadParameter(f"{model!r} is neither package.module:factory nor a torchvision classification model ({', '.join(available)})")
+        raise click.BadParameter(
+            f"{model!r} is neither package.module:factory nor a torchvision classification model ({', '.join(available)})"
+        )
     torch.manual_seed(0)
     extra = {"aux_logits": False, "init_weights": False} if model in NO_AUX_MODELS else {}
     return torchvision.models.get_model(model, weights=None, **extra).eval()

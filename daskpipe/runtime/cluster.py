@@ -8,7 +8,6 @@ code tested here meets the same contract on a GPU cluster.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
 from collections.abc import Mapping
@@ -21,9 +20,7 @@ from daskpipe.runtime.protocols import resolve_protocol
 from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
 
 
-def emulated_slots(
-    gpus: Mapping[str, int], *, slices: int | Mapping[str, int] = 1, servers: int = 1
-) -> list[SlotSpec]:
+def emulated_slots(gpus: Mapping[str, int], *, slices: int | Mapping[str, int] = 1, servers: int = 1) -> list[SlotSpec]:
     """The slots of ``gpus`` dealt onto ``servers`` nodes named ``node-0``, ``node-1``, ...
 
     Consecutive GPUs share a node (as in a rack of same-size machines), ``ceil(total / servers)``

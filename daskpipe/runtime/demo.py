@@ -121,12 +121,21 @@ def run_demo(
         console.print(f"cluster: {', '.join(slot.name for slot in cluster.slots)}; dashboard: {cluster.dashboard_link}")
         with console.status("deploying stage actors ..."):
             service = deploy(
-                client, {MODEL: model}, example_inputs={MODEL: frames[0]}, profiles={MODEL: profile}, plan=plan,
+                client,
+                {MODEL: model},
+                example_inputs={MODEL: frames[0]},
+                profiles={MODEL: profile},
+                plan=plan,
                 time_dilation=dilation,
             )
         summary = Summary(
-            model=MODEL, duration_s=duration, time_dilation=dilation, slo_ms=profile.slo_us * dilation / 1e3,
-            rate_per_s=rate, pools=pools, dashboard=cluster.dashboard_link,
+            model=MODEL,
+            duration_s=duration,
+            time_dilation=dilation,
+            slo_ms=profile.slo_us * dilation / 1e3,
+            rate_per_s=rate,
+            pools=pools,
+            dashboard=cluster.dashboard_link,
         )
         with service:
             with console.status("warming up every stage ..."):
@@ -179,9 +188,7 @@ def _pools_and_dilation(model, example, profile, plan, slots) -> tuple[list[Pool
                 stage = torch.nn.Sequential(*blocked.blocks[start:end])
                 cpu_us = time_module(stage, torch.randn(pipeline.batch_size, *shape), repeats=3)
                 workers = sum(1 for s in slots if (s.gpu_type, s.slices) == (part.gpu, part.slices))
-                pools.append(
-                    Pool(part.gpu, part.slices, workers, (start, end), pipeline.batch_size, part.latency_us / 1e3, cpu_us / 1e3)
-                )
+                pools.append(Pool(part.gpu, part.slices, workers, (start, end), pipeline.batch_size, part.latency_us / 1e3, cpu_us / 1e3))
     for_compute = max(COMPUTE_HEADROOM * pool.cpu_compute_ms / pool.emulated_latency_ms for pool in pools)
     for_rate = plan.model(MODEL).throughput / MAX_REQUEST_RATE
     return pools, float(np.ceil(max(for_compute, for_rate, 1.0)))
@@ -289,8 +296,13 @@ def _print_plan(console, pools: list[Pool], dilation: float, slo_ms: float, capa
         table.add_column(column, justify="right")
     for pool in pools:
         table.add_row(
-            f"{pool.gpu}/v{pool.slices}", str(pool.workers), f"{pool.blocks[0]}-{pool.blocks[1]}", str(pool.planned_batch),
-            f"{pool.emulated_latency_ms:.3f}", f"{pool.emulated_latency_ms * dilation:.1f}", f"{pool.cpu_compute_ms:.1f}",
+            f"{pool.gpu}/v{pool.slices}",
+            str(pool.workers),
+            f"{pool.blocks[0]}-{pool.blocks[1]}",
+            str(pool.planned_batch),
+            f"{pool.emulated_latency_ms:.3f}",
+            f"{pool.emulated_latency_ms * dilation:.1f}",
+            f"{pool.cpu_compute_ms:.1f}",
         )
     console.print(table)
     console.print(f"capacity at k={dilation:g}: {capacity:.1f} req/s")
@@ -321,4 +333,6 @@ def _print_summary(console, summary: Summary) -> None:
         console.print(f"[red]failed:[/red] {failure}")
     if summary.dashboard:
         pages = summary.dashboard.removesuffix("/status")
-        console.print(f"dashboard (while the demo ran): {summary.dashboard}; daskpipe's pages: {pages}/daskpipe-slos, {pages}/daskpipe-plan")
+        console.print(
+            f"dashboard (while the demo ran): {summary.dashboard}; daskpipe's pages: {pages}/daskpipe-slos, {pages}/daskpipe-plan"
+        )

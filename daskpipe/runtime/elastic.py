@@ -190,12 +190,20 @@ class Holding(Dispatcher):
         return len(self.requests)
 
 
-def stage_submit_kwargs(name: str, pipeline: int, partition: int, slot: WorkerSlot, *, input_shape: Sequence[int], input_dtype: str) -> dict[str, Any]:
+def stage_submit_kwargs(
+    name: str, pipeline: int, partition: int, slot: WorkerSlot, *, input_shape: Sequence[int], input_dtype: str
+) -> dict[str, Any]:
     """The ``client.submit(Stage, name, partition, modules, **kwargs)`` keywords that pin a stage
     actor of ``name``'s (pipeline, partition) on ``slot``; shared by ``deploy`` and re-plans."""
     return dict(
-        input_shape=tuple(input_shape), input_dtype=input_dtype, device="cpu" if slot.gpu == messages.CPU or slot.emulated else messages.GPU_DEVICE,
-        emulated=slot.emulated, actor=True, workers=[slot.address], allow_other_workers=False, pure=False,
+        input_shape=tuple(input_shape),
+        input_dtype=input_dtype,
+        device="cpu" if slot.gpu == messages.CPU or slot.emulated else messages.GPU_DEVICE,
+        emulated=slot.emulated,
+        actor=True,
+        workers=[slot.address],
+        allow_other_workers=False,
+        pure=False,
         key=f"daskpipe-stage-{name}-{pipeline}-{partition}-{uuid.uuid4().hex[:8]}",
     )
 
@@ -208,7 +216,13 @@ def next_pool_peers(started: Iterable[tuple[str, int, int, str, Any]]) -> dict[t
 
 
 def kind_tables(
-    name: str, blocks: list[bytes], input_shapes: list[tuple[int, ...]], output_shape: tuple[int, ...], profile: Profile, kinds: list[tuple[str, int]], measure: bool,
+    name: str,
+    blocks: list[bytes],
+    input_shapes: list[tuple[int, ...]],
+    output_shape: tuple[int, ...],
+    profile: Profile,
+    kinds: list[tuple[str, int]],
+    measure: bool,
 ) -> dict[tuple[str, int], Any]:
     """On a worker: the latency tables of ``kinds`` for the model whose blocks (pickled one by one)
     ``profile`` describes: timed here (``measure``: the one kind of this worker, as ``deploy`` does),
@@ -223,14 +237,22 @@ def kind_tables(
     with LOADING:  # unpickling re-traces: no stage of this process may compute meanwhile
         modules = [block for chunk in blocks for block in pickle.loads(chunk)]
     blocked = BlockedModel(
-        modules, tuple(input_shapes[0]), tuple(output_shape), [tuple(s) for s in input_shapes[1:]],
-        [int(b) for b in profile.boundary_bytes], list(profile.meta.get("segment_boundaries", [])),
+        modules,
+        tuple(input_shapes[0]),
+        tuple(output_shape),
+        [tuple(s) for s in input_shapes[1:]],
+        [int(b) for b in profile.boundary_bytes],
+        list(profile.meta.get("segment_boundaries", [])),
     )
     top = max(profile.max_batch(*kind) for kind in profile.latency_us)
     if measure:
         ((gpu, slices),) = kinds
         sizes = profile.meta.get("batch_sizes") or list(range(1, top + 1))
-        return {(gpu, slices): measure_kind(blocked, name=name, batch_sizes=sizes, gpu=gpu, slices=slices, slo_us=profile.slo_us).table(gpu, slices)}
+        return {
+            (gpu, slices): measure_kind(blocked, name=name, batch_sizes=sizes, gpu=gpu, slices=slices, slo_us=profile.slo_us).table(
+                gpu, slices
+            )
+        }
     measured = {kind: table for kind, table in profile.latency_us.items() if profile.origin(*kind) == MEASURED}
     return estimate_kinds(blocked, kinds, name=name, batch_sizes=top, slo_us=profile.slo_us, measured=measured)[0]
 
@@ -264,7 +286,19 @@ class ServingControl(Protocol):
 
     def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]: ...
 
-    def switch(self, model: str, held: Served, plan: Plan, profile: Profile, stages: list[list], *, dispatcher: str, time_dilation: float, bw_gbps: float, first_id: int) -> None: ...
+    def switch(
+        self,
+        model: str,
+        held: Served,
+        plan: Plan,
+        profile: Profile,
+        stages: list[list],
+        *,
+        dispatcher: str,
+        time_dilation: float,
+        bw_gbps: float,
+        first_id: int,
+    ) -> None: ...
 
     def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None: ...
 
@@ -297,8 +331,17 @@ class Elastic:
 
     # -- rpc handlers ----------------------------------------------------------------------------
     def register(
-        self, group: str, models: dict, plan: dict, stages: dict, options: dict, weights: dict | None = None,
-        time_dilation: float = 1.0, dispatcher: str = "ppipe", settings: dict | None = None, profile_store: str | None = None,
+        self,
+        group: str,
+        models: dict,
+        plan: dict,
+        stages: dict,
+        options: dict,
+        weights: dict | None = None,
+        time_dilation: float = 1.0,
+        dispatcher: str = "ppipe",
+        settings: dict | None = None,
+        profile_store: str | None = None,
     ) -> str:
         """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
         to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``."""
@@ -310,15 +353,22 @@ class Elastic:
             profile = Profile.from_dict(spec["profile"])
             blocks, shapes = list(spec["blocks"]), [tuple(int(x) for x in s) for s in spec["input_shapes"]]
             if len(blocks) != profile.num_blocks or len(shapes) != profile.num_blocks:
-                raise DeployError(f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were given")
+                raise DeployError(
+                    f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were given"
+                )
             specs[name] = ModelSpec(blocks, shapes, tuple(int(x) for x in spec["output_shape"]), str(spec["input_dtype"]), profile)
         if settings is not None:
             self.settings = ElasticSettings.from_dict(settings)
         for stale in [g for g, dep in self.deployments.items() if set(dep.models) & set(specs)]:
             del self.deployments[stale]  # a closed service whose model names are deployed again
         self.deployments[group] = Deployment(
-            models=specs, plan=Plan.from_dict(plan), rows={m: [list(r) for r in rows] for m, rows in stages.items()}, options=dict(options),
-            weights=dict(weights or {m: 1.0 for m in specs}), time_dilation=float(time_dilation), dispatcher=dispatcher,
+            models=specs,
+            plan=Plan.from_dict(plan),
+            rows={m: [list(r) for r in rows] for m, rows in stages.items()},
+            options=dict(options),
+            weights=dict(weights or {m: 1.0 for m in specs}),
+            time_dilation=float(time_dilation),
+            dispatcher=dispatcher,
             profile_store=profile_store,
         )
         if self._ticker is None:
@@ -420,13 +470,21 @@ class Elastic:
         await self._profile_missing(dep, slots)
         profiles = {m: spec.profile for m, spec in dep.models.items()}
         plan_call = functools.partial(
-            make_plan, profiles, physical_gpus(slots), weights=dep.weights, gpus_per_server=gpus_per_server(slots),
-            allow_missing_gpus=True, time_limit=self.settings.plan_time_limit_s, **dep.options,
+            make_plan,
+            profiles,
+            physical_gpus(slots),
+            weights=dep.weights,
+            gpus_per_server=gpus_per_server(slots),
+            allow_missing_gpus=True,
+            time_limit=self.settings.plan_time_limit_s,
+            **dep.options,
         )
         try:
             plan = await asyncio.get_running_loop().run_in_executor(None, plan_call)
         except Exception as exc:
-            logger.warning("daskpipe: re-plan of %s for %s failed (%s); the plan in force stays", sorted(dep.models), "; ".join(reasons), exc)
+            logger.warning(
+                "daskpipe: re-plan of %s for %s failed (%s); the plan in force stays", sorted(dep.models), "; ".join(reasons), exc
+            )
             self.leaving.clear()  # they cannot be drained: keep them
             return
         alive = {s.address for s in self._inventory(dep)}
@@ -450,7 +508,9 @@ class Elastic:
         self.history.append(
             {"deployment": group, "epoch": dep.epoch, "reasons": reasons, "seconds": time.perf_counter() - started, "plan": plan.to_dict()}
         )
-        logger.info("daskpipe: %s now served by a new plan (%s) after %.2fs", sorted(dep.models), "; ".join(reasons), time.perf_counter() - started)
+        logger.info(
+            "daskpipe: %s now served by a new plan (%s) after %.2fs", sorted(dep.models), "; ".join(reasons), time.perf_counter() - started
+        )
 
     async def _profile_missing(self, dep: Deployment, slots: list[WorkerSlot]) -> None:
         """Tables of the (GPU type, slices) kinds that joined and a model's profile lacks, so that
@@ -480,58 +540,98 @@ class Elastic:
             if estimate:
                 host = next(s.address for s in slots if (s.gpu, s.slices) in estimate)
                 try:
-                    estimated = await client.submit(kind_tables, name, spec.blocks, spec.input_shapes, spec.output_shape, profile, estimate, False, workers=[host], pure=False)
+                    estimated = await client.submit(
+                        kind_tables,
+                        name,
+                        spec.blocks,
+                        spec.input_shapes,
+                        spec.output_shape,
+                        profile,
+                        estimate,
+                        False,
+                        workers=[host],
+                        pure=False,
+                    )
                     tables.update(estimated)
                     origins.update({kind_label(*k): ESTIMATED for k in estimated})
                 except Exception as exc:
-                    logger.warning("daskpipe: could not estimate %s for %s on %s (%r); the re-plan leaves them out", estimate, name, host, exc)
+                    logger.warning(
+                        "daskpipe: could not estimate %s for %s on %s (%r); the re-plan leaves them out", estimate, name, host, exc
+                    )
             meta = {**profile.meta, "tables": {**profile.meta.get("tables", {}), **origins}}
             spec.profile = replace(profile, latency_us={**profile.latency_us, **tables}, meta=meta)
             logger.info("daskpipe: profiled %s for %s", origins, name)
 
-    async def _measure_chain(self, client: Client, dep: Deployment, name: str, spec: ModelSpec, chain: list[tuple[tuple[str, int], str]]) -> dict:
+    async def _measure_chain(
+        self, client: Client, dep: Deployment, name: str, spec: ModelSpec, chain: list[tuple[tuple[str, int], str]]
+    ) -> dict:
         """Measure the kinds of one physical GPU one after another; a kind that fails is left out (logged)."""
         from daskpipe.profiles.store import ProfileStore
         from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, describe_device, measurement_key
 
         profile = spec.profile
-        store = ProfileStore(dep.profile_store) if dep.profile_store and Path(dep.profile_store).expanduser().is_dir() and profile.meta.get("fingerprint") else None
+        store = (
+            ProfileStore(dep.profile_store)
+            if dep.profile_store and Path(dep.profile_store).expanduser().is_dir() and profile.meta.get("fingerprint")
+            else None
+        )
         tables = {}
         for kind, address in chain:
             try:
                 key = None
                 if store is not None:
                     described = (await client.run(describe_device, kind[0], workers=[address]))[address]
-                    key = measurement_key(profile.meta["fingerprint"], profile.meta["segment_boundaries"], profile.meta["batch_sizes"], kind, described)
+                    key = measurement_key(
+                        profile.meta["fingerprint"], profile.meta["segment_boundaries"], profile.meta["batch_sizes"], kind, described
+                    )
                     found = store.get(key)
                     if found is not None:
                         tables[kind] = found
                         continue
                 measured = await client.submit(
-                    kind_tables, name, spec.blocks, spec.input_shapes, spec.output_shape, profile, [kind], True, workers=[address], allow_other_workers=False,
-                    pure=False, key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
+                    kind_tables,
+                    name,
+                    spec.blocks,
+                    spec.input_shapes,
+                    spec.output_shape,
+                    profile,
+                    [kind],
+                    True,
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
                 )
                 tables.update(measured)
                 if key is not None:
                     store.put(key, measured[kind], {"model": name, "measured_at": time.time()})
             except Exception as exc:
-                logger.warning("daskpipe: could not profile %s on %s for %s (%r); the re-plan leaves it out", kind_label(*kind), address, name, exc)
+                logger.warning(
+                    "daskpipe: could not profile %s on %s for %s (%r); the re-plan leaves it out", kind_label(*kind), address, name, exc
+                )
         return tables
 
     def _carries_load(self, dep: Deployment, plan: Plan) -> bool:
         """Whether ``plan`` serves every model's observed rate at the target utilisation."""
         rates = self._rates(self.settings.load_window_s)
-        return all(plan.model(m).throughput / dep.time_dilation * self.settings.target_utilisation >= rates.get(m, (0.0, 0.0))[0] for m in dep.models)
+        return all(
+            plan.model(m).throughput / dep.time_dilation * self.settings.target_utilisation >= rates.get(m, (0.0, 0.0))[0]
+            for m in dep.models
+        )
 
     async def _get_client(self) -> Client:
         if self._client is None:
             from distributed import Client
 
             scheduler = self.plugin.scheduler
-            self._client = await Client(scheduler.address, asynchronous=True, security=_client_security(scheduler.security), name="daskpipe-elastic")
+            self._client = await Client(
+                scheduler.address, asynchronous=True, security=_client_security(scheduler.security), name="daskpipe-elastic"
+            )
         return self._client
 
-    async def _start_stages(self, dep: Deployment, plan: Plan, placed: Mapping[str, list[tuple[int, int, WorkerSlot]]]) -> dict[str, list[list]] | None:
+    async def _start_stages(
+        self, dep: Deployment, plan: Plan, placed: Mapping[str, list[tuple[int, int, WorkerSlot]]]
+    ) -> dict[str, list[list]] | None:
         """Start and connect the new plan's stages while the old ones serve (PPipe's preload)."""
         from distributed import wait
 
@@ -554,7 +654,11 @@ class Elastic:
                 raise RuntimeError(f"stage actor {errors[0][0]} could not start: {errors[0][1]!r}")
             peers = next_pool_peers(started)
             await asyncio.gather(
-                *(client.run(_connect_stage, future.key, peers[(m, p, q)], workers=[address]) for m, p, q, address, future in started if peers[(m, p, q)])
+                *(
+                    client.run(_connect_stage, future.key, peers[(m, p, q)], workers=[address])
+                    for m, p, q, address, future in started
+                    if peers[(m, p, q)]
+                )
             )
         except Exception as exc:
             logger.warning("daskpipe: the new plan's stages could not start (%r); the plan in force stays", exc)
@@ -586,8 +690,15 @@ class Elastic:
                 continue  # closed during the flush: ``Holding.drain`` dropped what it held
             try:
                 plugin.switch(
-                    model, served, plan, dep.models[model].profile, rows[model], dispatcher=dep.dispatcher, time_dilation=dep.time_dilation,
-                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))), first_id=dep.epoch * DISPATCH_ID_STRIDE,
+                    model,
+                    served,
+                    plan,
+                    dep.models[model].profile,
+                    rows[model],
+                    dispatcher=dep.dispatcher,
+                    time_dilation=dep.time_dilation,
+                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))),
+                    first_id=dep.epoch * DISPATCH_ID_STRIDE,
                 )
             except Exception:
                 logger.exception("daskpipe: %s could not switch to the new plan; it stays on the old one", model)
@@ -640,7 +751,15 @@ class Elastic:
             if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
                 self._release_stages(row[3] for rows in dep.rows.values() for row in rows)
                 del self.deployments[group]
-        self._samples.append((now, {m: (s.counts["submitted"], sum(s.dropped.values()) + s.counts["failed"] + s.counts["completed"] - s.counts["on_time"]) for m, s in self.plugin.served.items()}))
+        self._samples.append(
+            (
+                now,
+                {
+                    m: (s.counts["submitted"], sum(s.dropped.values()) + s.counts["failed"] + s.counts["completed"] - s.counts["on_time"])
+                    for m, s in self.plugin.served.items()
+                },
+            )
+        )
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.settings.load_window_s:
             self._samples.popleft()
         self._check_load_mix(now)
@@ -669,7 +788,9 @@ class Elastic:
             total_offered, total_weight = sum(offered.values()), sum(dep.weights.values())
             if total_offered <= 0:
                 continue
-            shifted = max(abs(offered[m] / total_offered - dep.weights[m] / total_weight) / (dep.weights[m] / total_weight) for m in dep.models)
+            shifted = max(
+                abs(offered[m] / total_offered - dep.weights[m] / total_weight) / (dep.weights[m] / total_weight) for m in dep.models
+            )
             if shifted > self.settings.load_shift:
                 dep.weights = {m: max(offered[m] / total_offered, 1e-3) for m in dep.models}
                 dep.replanned_at = now
@@ -692,7 +813,7 @@ class Elastic:
                     if 1 / band <= ratio <= band:
                         continue
                     part = served.model.pipelines[p].partitions[q]
-                    factors.setdefault((part.gpu, part.slices), np.ones(spec.profile.num_blocks))[part.blocks[0]:part.blocks[1]] = ratio
+                    factors.setdefault((part.gpu, part.slices), np.ones(spec.profile.num_blocks))[part.blocks[0] : part.blocks[1]] = ratio
                     drifted.append(f"{model} blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at {ratio:.2f}x their profile")
                 if factors:
                     tables = dict(spec.profile.latency_us)

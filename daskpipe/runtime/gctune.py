@@ -34,7 +34,9 @@ def raise_gc_thresholds() -> tuple[int, int, int]:
     """
     factor = dask.config.get(GC_CONFIG, GC_FACTOR_DEFAULT)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:
-        logger.error("daskpipe: %s must be a number from 1 to 1000, got %r; the GC thresholds stay %s", GC_CONFIG, factor, gc.get_threshold())
+        logger.error(
+            "daskpipe: %s must be a number from 1 to 1000, got %r; the GC thresholds stay %s", GC_CONFIG, factor, gc.get_threshold()
+        )
         return gc.get_threshold()
     wanted = tuple(max(now, round(default * factor)) for now, default in zip(gc.get_threshold(), CPYTHON_THRESHOLDS))
     if wanted != gc.get_threshold():

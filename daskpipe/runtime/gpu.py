@@ -47,10 +47,7 @@ class Inventory:
             kinds = ", ".join(f"{gpu.index}: {gpu.type} ({gpu.memory_bytes / 2**30:.0f} GiB)" for gpu in self.gpus)
             return f"found {len(self.gpus)} GPU(s): {kinds}"
         reason = f" ({self.problem})" if self.problem else ""
-        return (
-            f"no GPU found{reason}; to run on this machine anyway, emulate GPUs "
-            "with `daskpipe worker ADDRESS --emulate L4:2,T4:2`"
-        )
+        return f"no GPU found{reason}; to run on this machine anyway, emulate GPUs with `daskpipe worker ADDRESS --emulate L4:2,T4:2`"
 
 
 class GPUBackend(Protocol):

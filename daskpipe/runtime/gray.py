@@ -7,9 +7,10 @@ reservations), so it watches them. A slot becomes a *suspect* when a hop has not
 ``suspect_factor`` planned latencies past its planned start, plus ``overdue_floor_slos`` of the SLO
 (at least the measured control-path margin), and still has not that long again (two strikes, so
 that a report delayed by the scheduler's own loop lag is read in between): it stalled. It also becomes one when ``slow_batches``
-batches in a row computed over ``suspect_factor`` x their planned latency while another slot of its
-pools keeps in line: it slowed down (a whole pool that runs slow is the machine, which the
-dispatcher's measured latencies follow; ``daskpipe.sched.latency``). A suspect gets no new batches; its
+batches in a row computed over ``suspect_factor`` x their planned latency, and over that many times
+the pace its pool-mates keep now, while another slot of its pools keeps in line: it slowed down (a
+whole pool that runs slow is the machine, which the dispatcher's measured latencies and the
+profile-drift re-plan follow; ``daskpipe.sched.latency``). A suspect gets no new batches; its
 batches are re-dispatched while their deadlines allow (else dropped as ``slow-worker``), and
 whatever it reports for them later is discarded. It is then probed, one batch-1 computation at a
 time: when a probe computes within ``readmit_ratio`` of the profiled latency, the slot rejoins its

@@ -82,7 +82,9 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
         raise DeployError(f"the profile is of {profile.model!r}, the plan serves {serving.model!r}")
     offered = sorted(set(offered_slices) & set(profile.slices(serving.gpu)))
     if not offered:
-        raise DeployError(f"the cluster offers {serving.gpu} slots with v={sorted(set(offered_slices))}; the profile of {profile.model!r} has tables for v={profile.slices(serving.gpu)}")
+        raise DeployError(
+            f"the cluster offers {serving.gpu} slots with v={sorted(set(offered_slices))}; the profile of {profile.model!r} has tables for v={profile.slices(serving.gpu)}"
+        )
     slices = {i: slice_for(stage.share, offered) for i, stage in enumerate(serving.stages)}
     devices: dict[tuple[int, ...], list[tuple[float, float]]] = defaultdict(list)  # route -> (budget ms, rate) per device
     for fragment in fragments:
@@ -91,7 +93,9 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
             if route is None:
                 raise DeployError(f"the plan for {serving.model!r} has no route for device {member!r}")
             if serving.stages[route[0]].start != fragment.start_block:
-                raise DeployError(f"device {member!r} enters at block {fragment.start_block} but its route starts at block {serving.stages[route[0]].start}")
+                raise DeployError(
+                    f"device {member!r} enters at block {fragment.start_block} but its route starts at block {serving.stages[route[0]].start}"
+                )
             devices[route].append((fragment.budget_ms, fragment.rate_rps / len(fragment.members)))
     if not devices:
         raise DeployError(f"no fragment of {serving.model!r} to serve")
@@ -100,15 +104,32 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
         stages = [serving.stages[i] for i in route]
         batch = min([s.batch for s in stages] + [profile.max_batch(serving.gpu, slices[i]) for i in route])
         partitions = tuple(
-            Partition(blocks=(s.start, s.end), gpu=serving.gpu, slices=slices[i], vgpus=s.instances,
-                      latency_us=profile.latency(serving.gpu, slices[i], batch, s.start, s.end))
+            Partition(
+                blocks=(s.start, s.end),
+                gpu=serving.gpu,
+                slices=slices[i],
+                vgpus=s.instances,
+                latency_us=profile.latency(serving.gpu, slices[i], batch, s.start, s.end),
+            )
             for i, s in zip(route, stages)
         )
         stage_of.update({(p, q): i for q, i in enumerate(route)})
-        pipelines.append(Pipeline(batch_size=batch, throughput=sum(r for _, r in members), partitions=partitions,
-                                  entry_block=stages[0].start, slo_us=min(b for b, _ in members) * 1e3))
-    model = ModelPlan(name=serving.model, slo_us=max(p.slo_us for p in pipelines), weight=1.0,
-                      throughput=sum(p.throughput for p in pipelines), pipelines=tuple(pipelines))
+        pipelines.append(
+            Pipeline(
+                batch_size=batch,
+                throughput=sum(r for _, r in members),
+                partitions=partitions,
+                entry_block=stages[0].start,
+                slo_us=min(b for b, _ in members) * 1e3,
+            )
+        )
+    model = ModelPlan(
+        name=serving.model,
+        slo_us=max(p.slo_us for p in pipelines),
+        weight=1.0,
+        throughput=sum(p.throughput for p in pipelines),
+        pipelines=tuple(pipelines),
+    )
     plan = Plan(objective=model.throughput, models=(model,), strategy="graft", settings={"gpu_share_percent": serving.gpu_share})
     return HybridPlan(plan, serving, stage_of, slices)
 
@@ -144,7 +165,9 @@ class SharedStage(Stage):
 
     def __init__(self, model: str, partition: int, modules: bytes, *, max_batch: int, latency_s: Sequence[float], **kwargs: Any):
         if max_batch < 1 or len(latency_s) < max_batch:
-            raise ValueError(f"a shared stage needs max_batch >= 1 and a latency for every batch size up to it, got {max_batch} and {len(latency_s)}")
+            raise ValueError(
+                f"a shared stage needs max_batch >= 1 and a latency for every batch size up to it, got {max_batch} and {len(latency_s)}"
+            )
         super().__init__(model, partition, modules, **kwargs)
         self.max_batch = max_batch
         self._latency_s = tuple(float(t) for t in latency_s)
@@ -192,7 +215,14 @@ class SharedStage(Stage):
         for batch, _, received_at in group:
             own = [next(outputs) for _ in batch["sizes"]]
             forwarded = len(batch["route"]) > 1
-            self._deliver(batch, torch.cat(own).to(FEATURE_MAP_DTYPE) if forwarded else own, batch["route"][0]["partition"], (start, end), received_at, overrun)
+            self._deliver(
+                batch,
+                torch.cat(own).to(FEATURE_MAP_DTYPE) if forwarded else own,
+                batch["route"][0]["partition"],
+                (start, end),
+                received_at,
+                overrun,
+            )
 
     def _as_tensor(self, data: torch.Tensor | Sequence[bytes]) -> torch.Tensor:
         """A batch's input: a previous stage's feature map, or entering requests' raw bytes."""
@@ -246,8 +276,14 @@ def deploy_hybrid(
     entries = {(name, k): EntrySpec(entry_shape(profile, k), FEATURE_MAP_DTYPE, most, start_block=k) for k, most in largest.items() if k}
     try:
         client.sync(
-            client.scheduler.daskpipe_serve, model=name, plan=hybrid.plan.to_dict(), profile=profile.to_dict(), stages=rows,
-            time_dilation=float(time_dilation), bw_gbps=float(bw_gbps), dispatcher="hybrid",
+            client.scheduler.daskpipe_serve,
+            model=name,
+            plan=hybrid.plan.to_dict(),
+            profile=profile.to_dict(),
+            stages=rows,
+            time_dilation=float(time_dilation),
+            bw_gbps=float(bw_gbps),
+            dispatcher="hybrid",
             sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
         )
     except Exception:
@@ -274,8 +310,15 @@ def _place_stages(hybrid: HybridPlan, slots: list[WorkerSlot]) -> dict[int, list
     return placed
 
 
-def _start_stage_actors(client: Client, hybrid: HybridPlan, placed: Mapping[int, list[WorkerSlot]], blocked: Any, profile: Profile,
-                        input_dtype: torch.dtype, time_dilation: float) -> dict[tuple[int, str], Future]:
+def _start_stage_actors(
+    client: Client,
+    hybrid: HybridPlan,
+    placed: Mapping[int, list[WorkerSlot]],
+    blocked: Any,
+    profile: Profile,
+    input_dtype: torch.dtype,
+    time_dilation: float,
+) -> dict[tuple[int, str], Future]:
     """One actor per (stage, slot), shared stages as :class:`SharedStage`, streams to the next stages open."""
     gpu, shared = hybrid.serving.gpu, hybrid.shared
     actors: dict[tuple[int, str], Future] = {}
@@ -286,11 +329,28 @@ def _start_stage_actors(client: Client, hybrid: HybridPlan, placed: Mapping[int,
         extra: dict[str, Any] = {}
         if index in shared:
             most = min(stage.batch, profile.max_batch(gpu, hybrid.slices[index]))
-            extra = {"max_batch": most, "latency_s": [profile.latency(gpu, hybrid.slices[index], b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)]}
+            extra = {
+                "max_batch": most,
+                "latency_s": [
+                    profile.latency(gpu, hybrid.slices[index], b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)
+                ],
+            }
         for slot in stage_slots:  # actor keys name the plan stage where deploy's name the pipeline
-            kwargs = stage_submit_kwargs(hybrid.serving.model, index, partition, slot, input_shape=entry_shape(profile, stage.start), input_dtype=str(dtype).removeprefix("torch."))
+            kwargs = stage_submit_kwargs(
+                hybrid.serving.model,
+                index,
+                partition,
+                slot,
+                input_shape=entry_shape(profile, stage.start),
+                input_dtype=str(dtype).removeprefix("torch."),
+            )
             actors[(index, slot.address)] = client.submit(
-                SharedStage if index in shared else Stage, hybrid.serving.model, partition, pickle.dumps(blocked.blocks[stage.start:stage.end]), **kwargs, **extra,
+                SharedStage if index in shared else Stage,
+                hybrid.serving.model,
+                partition,
+                pickle.dumps(blocked.blocks[stage.start : stage.end]),
+                **kwargs,
+                **extra,
             )
     try:
         wait(list(actors.values()))
@@ -303,7 +363,8 @@ def _start_stage_actors(client: Client, hybrid: HybridPlan, placed: Mapping[int,
                 following[index].add(hybrid.stage_of[(p, q + 1)])
         calls = [
             future.result().connect([slot.address for nxt in following[index] for slot in placed[nxt]])
-            for (index, _), future in actors.items() if following[index]
+            for (index, _), future in actors.items()
+            if following[index]
         ]
         for call in calls:
             call.result()

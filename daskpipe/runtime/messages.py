@@ -92,8 +92,8 @@ def worker_slot(address: str, name: object, resources: Mapping[str, float], host
     """
     if SLOT_RESOURCE not in resources:
         return WorkerSlot(address, CPU, 1, host, emulated=False)
-    gpus = [r[len(GPU_RESOURCE_PREFIX):] for r in resources if r.startswith(GPU_RESOURCE_PREFIX)]
-    slices = [r[len(SLICES_RESOURCE_PREFIX):] for r in resources if r.startswith(SLICES_RESOURCE_PREFIX)]
+    gpus = [r[len(GPU_RESOURCE_PREFIX) :] for r in resources if r.startswith(GPU_RESOURCE_PREFIX)]
+    slices = [r[len(SLICES_RESOURCE_PREFIX) :] for r in resources if r.startswith(SLICES_RESOURCE_PREFIX)]
     if len(gpus) != 1 or len(slices) != 1 or not slices[0].isdigit():
         return None
     server = str(name).split("/")[0] if isinstance(name, str) and "/" in name else host

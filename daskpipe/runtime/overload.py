@@ -128,8 +128,15 @@ def small_cnn():
 
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     ).eval()
 
 
@@ -166,14 +173,25 @@ def run_overload(
     from daskpipe.runtime.service import deploy
 
     if not duration > 0 or not capacity > 0 or not loads or min(loads) <= 0:
-        raise ValueError(f"duration, capacity and every load must be > 0; got duration={duration!r}, capacity={capacity!r}, loads={loads!r}")
+        raise ValueError(
+            f"duration, capacity and every load must be > 0; got duration={duration!r}, capacity={capacity!r}, loads={loads!r}"
+        )
     torch.set_num_threads(1)  # the workers share these cores; oversubscribed OpenMP threads spin
     model = small_cnn()
     frames = torch.randn(DISTINCT_FRAMES, *INPUT_SHAPE, generator=torch.Generator().manual_seed(seed)).unsqueeze(1)
     profile, plan = profile_and_plan(model, frames[0])
     dilation = plan.model(MODEL).throughput / capacity
     with EmulatedCluster(GPUS, processes=processes, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = deploy(client, {MODEL: model}, example_inputs={MODEL: frames[0]}, plan=plan, profiles={MODEL: profile}, time_dilation=dilation, max_queued=max_queued, dispatcher=dispatcher)
+        svc = deploy(
+            client,
+            {MODEL: model},
+            example_inputs={MODEL: frames[0]},
+            plan=plan,
+            profiles={MODEL: profile},
+            time_dilation=dilation,
+            max_queued=max_queued,
+            dispatcher=dispatcher,
+        )
         with svc:
             batch = plan.model(MODEL).max_batch
             wait(svc.map(MODEL, [frames[i % DISTINCT_FRAMES] for i in range(3 * batch)]))  # one-time costs of fresh workers
@@ -226,7 +244,9 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
         on_time=on_time,
         goodput_per_s=on_time / duration,
         attainment=on_time / max(submitted, 1),
-        dropped={reason: n - before["dropped"].get(reason, 0) for reason, n in after["dropped"].items() if n > before["dropped"].get(reason, 0)},
+        dropped={
+            reason: n - before["dropped"].get(reason, 0) for reason, n in after["dropped"].items() if n > before["dropped"].get(reason, 0)
+        },
         failed=after["failed"] - before["failed"],
         lost=submitted - ended["finished"] - ended["error"],
         queued_peak=peaks["queued"],
@@ -239,15 +259,25 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
 
 
 @click.command("overload")
-@click.option("--loads", default=",".join(f"{x:g}" for x in LOADS), show_default=True, help="Offered loads, as multiples of the plan's capacity.")
+@click.option(
+    "--loads", default=",".join(f"{x:g}" for x in LOADS), show_default=True, help="Offered loads, as multiples of the plan's capacity."
+)
 @click.option("--duration", default=10.0, show_default=True, help="Seconds of Poisson stream per load.")
 @click.option("--capacity", default=30.0, show_default=True, help="The plan's capacity after time dilation, in req/s (sets k).")
 @click.option("--max-queued", type=int, default=None, help="The service's queue bound (default: the runtime's, two SLOs at capacity).")
-@click.option("--dispatcher", type=click.Choice(["ppipe", "ppipe-two-pass"]), default="ppipe", show_default=True, help="The runtime's dispatcher (ppipe-two-pass: PPipe with two-pass admission).")
+@click.option(
+    "--dispatcher",
+    type=click.Choice(["ppipe", "ppipe-two-pass"]),
+    default="ppipe",
+    show_default=True,
+    help="The runtime's dispatcher (ppipe-two-pass: PPipe with two-pass admission).",
+)
 @click.option("--processes/--in-process", default=True, show_default=True, help="Workers as processes, or threads of this process.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the Poisson arrivals and the input frames.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_overload(loads: str, duration: float, capacity: float, max_queued: int | None, dispatcher: str, processes: bool, seed: int, json_path: str | None) -> None:
+def bench_overload(
+    loads: str, duration: float, capacity: float, max_queued: int | None, dispatcher: str, processes: bool, seed: int, json_path: str | None
+) -> None:
     """Goodput, drops by reason, lost requests and scheduler memory from 0.5x to 3x of the plan's capacity."""
     try:
         levels = tuple(float(x) for x in loads.split(","))
@@ -261,7 +291,16 @@ def bench_overload(loads: str, duration: float, capacity: float, max_queued: int
     from daskpipe.progress import progress_bar
 
     with progress_bar("load levels", total=len(levels)) as advance:
-        report = run_overload(levels, duration=duration, capacity=capacity, max_queued=max_queued, dispatcher=dispatcher, processes=processes, seed=seed, advance=advance)
+        report = run_overload(
+            levels,
+            duration=duration,
+            capacity=capacity,
+            max_queued=max_queued,
+            dispatcher=dispatcher,
+            processes=processes,
+            seed=seed,
+            advance=advance,
+        )
     text = json.dumps(report.to_dict(), indent=1)
     click.echo(text)
     if json_path:

@@ -88,7 +88,9 @@ def guarded(method: Callable) -> Callable:
     return wrapper
 
 
-def check_feasible(model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float) -> float:
+def check_feasible(
+    model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float
+) -> float:
     """Refuse a model whose every entry cannot be served even for a lone request on an idle
     pipeline (batch 1, no queueing) plus the control path's margin: it would drop everything.
     Else the headroom: the least, over its entries, of the budget beyond a lone request's latency,
@@ -152,7 +154,12 @@ def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, P
     if k == 1.0:
         return model, profile
     pipelines = tuple(
-        replace(p, throughput=p.throughput / k, slo_us=None if p.slo_us is None else p.slo_us * k, partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions))
+        replace(
+            p,
+            throughput=p.throughput / k,
+            slo_us=None if p.slo_us is None else p.slo_us * k,
+            partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions),
+        )
         for p in model.pipelines
     )
     tables = {key: table * k for key, table in profile.latency_us.items()}
@@ -224,7 +231,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         ws = scheduler.workers[worker]
         slot = worker_slot(worker, ws.name, ws.resources, ws.host)
         if slot is None:
-            logger.warning("daskpipe: worker %s (%s) has incomplete daskpipe resources %s; not used as a slot", worker, ws.name, dict(ws.resources))
+            logger.warning(
+                "daskpipe: worker %s (%s) has incomplete daskpipe resources %s; not used as a slot", worker, ws.name, dict(ws.resources)
+            )
             return
         self.slots[worker] = slot
         self.elastic.worker_joined(worker)
@@ -296,21 +305,39 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if address not in served.suspects:
             served.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in served.stages if a == address}))
             served.counts["suspected"] += 1
-            logger.warning("daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail)
+            logger.warning(
+                "daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail
+            )
             self._remove_slot(served, model, address, now, "slow-worker")
             self._probe(served, model, address)
         self._retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
 
     def _pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
-        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan;
-        suspect it after ``slow_batches``, unless that would leave one of its pools without a slot in line."""
+        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
+        and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
+        slot); suspect it after ``slow_batches``, unless that would leave one of its pools without a
+        slot in line."""
         gray = served.gray
-        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if seconds > gray.suspect_factor * planned_s else 0
+        ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
+        mine = {(p, q) for p, q, a in served.stages if a == address}
+        mates = [
+            served.last_ratios[a]
+            for p, q, a in served.stages
+            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
+        ]
+        pace = max(1.0, float(np.median(mates))) if mates else 1.0
+        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
         if streak < gray.slow_batches or address in served.suspects:
             return
         in_line = {(p, q) for p, q, a in served.stages if a != address and a in self.slots and a not in served.suspects}
-        if all(pool in in_line for pool in {(p, q) for p, q, a in served.stages if a == address}):
-            self._suspect(served, model, address, f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms)", now)
+        if mine <= in_line:
+            self._suspect(
+                served,
+                model,
+                address,
+                f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
+                now,
+            )
 
     @staticmethod
     def _abandon(served: Served, dispatch: int, address: str) -> None:
@@ -330,7 +357,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         suspect.probe = (token, profiled)
         suspect.probes += 1
         hold = profiled if address in served.emulated else 0.0
-        self.to_workers.send(address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold})
+        self.to_workers.send(
+            address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold}
+        )
 
     @guarded
     def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
@@ -361,7 +390,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             except ValueError:  # a re-plan has put it back already
                 continue
             self._act(served, model, actions)
-        logger.warning("daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again", model, address, suspect.last_ratio, now - suspect.since)
+        logger.warning(
+            "daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again",
+            model,
+            address,
+            suspect.last_ratio,
+            now - suspect.since,
+        )
         self.arm()
 
     def _arm_watch(self) -> None:
@@ -373,7 +408,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._watch_timer.cancel()
         self._watch_at = due
         now = time.monotonic()
-        self._watch_timer = asyncio.get_running_loop().call_later(max(0.0, due - now, self._watch_fired + WATCH_TICK_S - now), self._on_watch)
+        self._watch_timer = asyncio.get_running_loop().call_later(
+            max(0.0, due - now, self._watch_fired + WATCH_TICK_S - now), self._on_watch
+        )
 
     @guarded
     def _on_watch(self) -> None:
@@ -389,7 +426,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._expire(served, model, dispatch, flight, now)
             elif flight.planned[index][0] not in flight.ran:
                 if strike == 1:  # once more: a report that waits behind this loop's own lag gets read meanwhile
-                    self._watch.push(now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6), (model, dispatch, index, 2))
+                    self._watch.push(
+                        now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
+                        (model, dispatch, index, 2),
+                    )
                     continue
                 partition = flight.planned[index][0]
                 detail = f"missed its reservation for stage {partition} of batch {dispatch} twice over ({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
@@ -399,7 +439,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     def _watch_hop(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
         """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
-        self._watch.push(start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6), (model, dispatch, index, 1))
+        self._watch.push(
+            start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
+            (model, dispatch, index, 1),
+        )
         self._arm_watch()
 
     def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
@@ -577,10 +620,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.served[model] = Served(
             model=model_plan,
             profile=model_profile,
-            dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
+            dispatcher=make_dispatcher(
+                dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k
+            ),
             stages=stage_keys,
             emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
-            durations=BatchDurations(model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)),
+            durations=BatchDurations(
+                model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
+            ),
             max_queued=queue_bound(model_plan, max_queued),
             sample_nbytes=int(sample_nbytes),
             budgets=budgets,
@@ -588,7 +635,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             gray=gray,
         )
         self.metrics.serve(model, model_plan, placement, control=control.summary, suspects=functools.partial(self.suspects, model))
-        logger.info("daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms", model, len(stage_keys), len(model_plan.pipelines), k, control.margin_s * 1e3)
+        logger.info(
+            "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
+            model,
+            len(stage_keys),
+            len(model_plan.pipelines),
+            k,
+            control.margin_s * 1e3,
+        )
 
     def close_models(self, models: Iterable[str] | None = None, reason: str = "shutdown") -> dict[str, int]:
         """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
@@ -638,7 +692,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         return out
 
     # -- stream handlers -----------------------------------------------------------------------
-    async def on_submit(self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any) -> None:
+    async def on_submit(
+        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
+    ) -> None:
         """New requests from ``client``: make their keys, queue them, step the dispatcher.
 
         ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
@@ -652,24 +708,42 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             problem = _malformed(model, keys, inputs, sizes, start_block, unknown)
             served = self.served.get(model) if problem is None else None
             if problem is None and served is not None and not served.closing and start_block not in served.budgets:
-                problem = f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+                problem = (
+                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+                )
             for first in range(0, len(keys), SUBMIT_SLICE):
                 if first:
                     await asyncio.sleep(0)
                     served = self.served.get(model) if problem is None else None  # it may have closed meanwhile
                 stop = first + SUBMIT_SLICE
-                self._submit_slice(client, model, served, keys[first:stop], problem, inputs[first:stop] if problem is None else (), sizes[first:stop] if problem is None else (), start_block)
+                self._submit_slice(
+                    client,
+                    model,
+                    served,
+                    keys[first:stop],
+                    problem,
+                    inputs[first:stop] if problem is None else (),
+                    sizes[first:stop] if problem is None else (),
+                    start_block,
+                )
             self.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
-    def _submit_slice(self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int) -> None:
+    def _submit_slice(
+        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
+    ) -> None:
         """Refuse what cannot be served before it becomes a key (:meth:`_refuse`); make keys of,
         queue and dispatch the rest."""
         tasks = self.scheduler.tasks
         usable = [k for k in keys if _is_key(k) and k not in tasks]
         if len(usable) < len(keys):
-            logger.warning("daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored", len(keys) - len(usable), model, client)
+            logger.warning(
+                "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
+                len(keys) - len(usable),
+                model,
+                client,
+            )
         if problem is not None:
             self._refuse(client, model, [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable])
             return
@@ -736,7 +810,17 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.arm()
 
     @guarded
-    def on_done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool = False, outputs: list | None = None) -> None:
+    def on_done(
+        self,
+        worker: str,
+        model: str,
+        dispatch: int,
+        keys: list,
+        nbytes: list,
+        timings: list,
+        overrun: bool = False,
+        outputs: list | None = None,
+    ) -> None:
         """The last stage stored the batch's outputs on ``worker``: resolve the clients' futures,
         with the small ``outputs`` (packed tensors, never unpacked here) that came along.
 
@@ -762,7 +846,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
         if pending:
             self.scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
-        orphans = [k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))]
+        orphans = [
+            k
+            for k in keys
+            if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
+        ]
         if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
             self.scheduler.worker_send(worker, {"op": "free-keys", "keys": orphans, "stimulus_id": f"daskpipe-released-{time.time()}"})
         served = self.served.get(model)
@@ -801,7 +889,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         flight = served.flights.pop(dispatch, None)
         now = time.monotonic()
         live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
-        failing = self._isolate(served, model, flight, live, now) if len(live) > 1 and not flight.staged else [key for key in keys if key in served.deadlines]
+        failing = (
+            self._isolate(served, model, flight, live, now)
+            if len(live) > 1 and not flight.staged
+            else [key for key in keys if key in served.deadlines]
+        )
         served.counts["failed"] += len(failing)
         self.metrics.fail(model, dispatch, len(failing), now)
         for key in failing:
@@ -818,9 +910,18 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         half = len(live) // 2
         for part in (live[:half], live[half:]):
             fits = now + span <= min(served.deadlines[r.id] for r, _, _ in part)
-            if fits and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"]) and flight.addresses <= set(self.scheduler.workers):
+            if (
+                fits
+                and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"])
+                and flight.addresses <= set(self.scheduler.workers)
+            ):
                 served.counts["isolated"] += 1
-                self._send(served, model, next(self._isolation_ids), Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True))
+                self._send(
+                    served,
+                    model,
+                    next(self._isolation_ids),
+                    Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True),
+                )
             else:
                 failing.extend(r.id for r, _, _ in part)
         return failing
@@ -834,7 +935,19 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         drained = self._step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
         return old, [action.request for action in drained if isinstance(action, Drop)]
 
-    def switch(self, model: str, held: Served, plan: Plan, profile: Profile, stages: list[list], *, dispatcher: str, time_dilation: float, bw_gbps: float, first_id: int) -> None:
+    def switch(
+        self,
+        model: str,
+        held: Served,
+        plan: Plan,
+        profile: Profile,
+        stages: list[list],
+        *,
+        dispatcher: str,
+        time_dilation: float,
+        bw_gbps: float,
+        first_id: int,
+    ) -> None:
         """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
         path, queue bound and every request in its care; dispatch ids start at ``first_id``. If the
         new plan cannot be served, this raises and ``held`` stays in place."""
@@ -842,8 +955,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         explicit_bound = held.max_queued != queue_bound(held.model, None)
         try:
             self.start_serving(
-                model, plan.to_dict(), profile.to_dict(), stages, control=held.control, time_dilation=time_dilation, bw_gbps=bw_gbps,
-                dispatcher=dispatcher, max_queued=held.max_queued if explicit_bound else None, sample_nbytes=held.sample_nbytes,
+                model,
+                plan.to_dict(),
+                profile.to_dict(),
+                stages,
+                control=held.control,
+                time_dilation=time_dilation,
+                bw_gbps=bw_gbps,
+                dispatcher=dispatcher,
+                max_queued=held.max_queued if explicit_bound else None,
+                sample_nbytes=held.sample_nbytes,
             )
         except Exception:
             self.served[model] = held
@@ -871,7 +992,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         except Exception as exc:
             logger.exception("daskpipe: the dispatcher of %s raised", model)
             stake = list(served.inputs) if failing is None else failing
-            self._err(served, model, stake, lambda key: RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc))
+            failure = RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc)
+            self._err(served, model, stake, lambda key: failure)
             served.counts["failed"] += len(stake)
             return []
 
@@ -890,7 +1012,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
                     self._watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
-                elif flight.staged and flight.route[-1].get("park"):  # before the dispatcher hears of it: it may send the next stage at once
+                elif flight.staged and flight.route[-1].get(
+                    "park"
+                ):  # before the dispatcher hears of it: it may send the next stage at once
                     self._park(served, model, dispatch, flight, now)
                 self._pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
             self.metrics.feedback(model, fb)
@@ -935,15 +1059,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         sources = [served.parked.pop(key, None) for key in keys] if first > 0 else []
         samples = sum(sizes)
         try:
-            holds = [served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0 for hop in action.hops]
+            holds = [
+                served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0
+                for hop in action.hops
+            ]
             if None in sources:
                 raise ValueError(f"partition {first} for requests that ran no partition {first - 1}")
         except ValueError as exc:  # a dispatcher bug: the batch fails, with the cause
-            self._err(served, model, keys, lambda key: RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc))
+            failure = RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc)
+            self._err(served, model, keys, lambda key: failure)
             served.counts["failed"] += len(keys)
             return
         route = [
-            {"address": hop.slot, "stage": served.stages[(action.pipeline, hop.partition, hop.slot)], "partition": hop.partition, "hold_s": hold}
+            {
+                "address": hop.slot,
+                "stage": served.stages[(action.pipeline, hop.partition, hop.slot)],
+                "partition": hop.partition,
+                "hold_s": hold,
+            }
             for hop, hold in zip(action.hops, holds)
         ]
         if last < len(pipeline.partitions) - 1:
@@ -955,11 +1088,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._drop(served, model, key, "worker-lost", f"worker {missing[0]} of its pipeline is gone")
             return
         requests = {request.id: request for request in action.requests}
-        planned = [(h.partition, h.compute.start, 0.0 if h.transfer_in is None else h.transfer_in[1].end - h.transfer_in[1].start) for h in action.hops]
+        planned = [
+            (h.partition, h.compute.start, 0.0 if h.transfer_in is None else h.transfer_in[1].end - h.transfer_in[1].start)
+            for h in action.hops
+        ]
         spans = [h.compute.end - h.compute.start for h in action.hops]
         served.counts["batches"] += 1
         self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
-        flight = Flight(keys, addresses, [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)], planned, route=route, spans=spans, sources=sources)
+        flight = Flight(
+            keys,
+            addresses,
+            [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)],
+            planned,
+            route=route,
+            spans=spans,
+            sources=sources,
+        )
         self._send(served, model, action.id, flight)
 
     def _park(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
@@ -986,7 +1130,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
         self._arm_watch()
         retries = flight.retries
-        batch = {"model": model, "dispatch": dispatch, "keys": flight.keys, "sizes": [n for _, _, n in retries], "route": flight.route, "expires": max(limits) + time.time() - time.monotonic()}
+        batch = {
+            "model": model,
+            "dispatch": dispatch,
+            "keys": flight.keys,
+            "sizes": [n for _, _, n in retries],
+            "route": flight.route,
+            "expires": max(limits) + time.time() - time.monotonic(),
+        }
         if not flight.sources:
             self.to_workers.send(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
             return

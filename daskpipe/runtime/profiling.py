@@ -103,10 +103,16 @@ def profile_on_cluster(
     blocked = cut_by_estimate(module, example[:1], num_blocks, catalog[reference])
     sizes = normalise_batch_sizes(batch_sizes)
     fingerprint = model_fingerprint(module, example) if store is not None else None
-    keys = {
-        kind: measurement_key(fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address])
-        for kind, (address, _) in probes.items()
-    } if fingerprint else {}
+    keys = (
+        {
+            kind: measurement_key(
+                fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address]
+            )
+            for kind, (address, _) in probes.items()
+        }
+        if fingerprint
+        else {}
+    )
     tables: dict[Kind, np.ndarray] = {}
     origin: dict[str, str] = {}
     measurements: dict[str, dict] = {}
@@ -114,13 +120,23 @@ def profile_on_cluster(
         found = store.get(key)
         if found is not None:
             tables[kind] = found
-            measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": key.device, "cpu_threads": key.threads or None, "store": str(store.path(key))}
+            measurements[kind_label(*kind)] = {
+                "worker": probes[kind][0],
+                "device": key.device,
+                "cpu_threads": key.threads or None,
+                "store": str(store.path(key)),
+            }
     to_measure = {kind: where for kind, where in probes.items() if kind not in tables}
     measured, excluded = _measure(client, to_measure, name, blocked, sizes, slo_us, timeout_s) if to_measure else ({}, {})
     for kind, profile in measured.items():
         tables[kind] = profile.table(*kind)
         timing = profile.meta.get("timing", {})
-        measurements[kind_label(*kind)] = {"worker": probes[kind][0], "device": profile.meta["device"], "cpu_threads": profile.meta["cpu_threads"], "timing": timing}
+        measurements[kind_label(*kind)] = {
+            "worker": probes[kind][0],
+            "device": profile.meta["device"],
+            "cpu_threads": profile.meta["cpu_threads"],
+            "timing": timing,
+        }
         if "warning" in timing:  # an inflated table: said, and not kept for the next deploy
             logger.warning("daskpipe: %s on %s: %s", name, kind_label(*kind), timing["warning"])
             from rich.console import Console
@@ -134,7 +150,10 @@ def profile_on_cluster(
     real = {(s.gpu, s.slices) for s in slots if not s.emulated}
     unmeasured = sorted({(s.gpu, s.slices) for s in slots} - real)
     if not tables and not unmeasured:
-        raise DeployError(f"profiling {name!r} failed on every kind of the cluster: " + "; ".join(f"{kind_label(*k)}: {r}" for k, r in sorted(excluded.items())))
+        raise DeployError(
+            f"profiling {name!r} failed on every kind of the cluster: "
+            + "; ".join(f"{kind_label(*k)}: {r}" for k, r in sorted(excluded.items()))
+        )
     slo = slo_us if slo_us is not None else _default_slo(tables)
     calibration: dict = {}
     if unmeasured:
@@ -146,11 +165,20 @@ def profile_on_cluster(
         origin.update({kind_label(*k): ESTIMATED for k in estimated})
         slo = slo if slo is not None else _default_slo(estimated)
     profile = Profile(
-        model=name, slo_us=slo, num_blocks=blocked.num_blocks, latency_us=tables,
-        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes), input_bytes=float(blocked.input_bytes), output_bytes=float(blocked.output_bytes),
-        input_shape=blocked.input_shape, boundary_shapes=tuple(blocked.boundary_shapes),
+        model=name,
+        slo_us=slo,
+        num_blocks=blocked.num_blocks,
+        latency_us=tables,
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_bytes=float(blocked.input_bytes),
+        output_bytes=float(blocked.output_bytes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
         meta={
-            **next((p.meta for p in measured.values()), {"cpu_threads": next((m["cpu_threads"] for m in measurements.values() if m["cpu_threads"]), None)}),
+            **next(
+                (p.meta for p in measured.values()),
+                {"cpu_threads": next((m["cpu_threads"] for m in measurements.values() if m["cpu_threads"]), None)},
+            ),
             "segment_boundaries": blocked.segment_boundaries,
             "batch_sizes": sizes,
             **({"fingerprint": fingerprint} if fingerprint else {}),
@@ -194,13 +222,21 @@ def device_of(address: str, names: dict[str, str]) -> str:
     return name.rpartition("/")[0] if name.count("/") >= 2 else address
 
 
-def measurement_key(fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any]) -> MeasurementKey:
+def measurement_key(
+    fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any]
+) -> MeasurementKey:
     """The store key of ``kind``'s table, ``described`` by :func:`describe_device` on a worker of it."""
     return MeasurementKey(fingerprint, tuple(boundaries), tuple(sizes), kind[0], kind[1], **described)
 
 
 def _measure(
-    client: Client, probes: dict[Kind, tuple[str, str]], name: str, blocked: BlockedModel, sizes: list[int], slo_us: float | None, timeout_s: float | None,
+    client: Client,
+    probes: dict[Kind, tuple[str, str]],
+    name: str,
+    blocked: BlockedModel,
+    sizes: list[int],
+    slo_us: float | None,
+    timeout_s: float | None,
 ) -> tuple[dict[Kind, Profile], dict[Kind, str]]:
     """One task per kind on its worker; per physical device one after another, devices at once."""
     from daskpipe.progress import progress_rows
@@ -223,8 +259,16 @@ def _measure(
                 continue
             update(label, f"profiling on {probes[kind][0]}")
             future = client.submit(
-                measure_kind, scattered, name=name, batch_sizes=sizes, gpu=kind[0], slices=kind[1], slo_us=slo_us,
-                workers=[probes[kind][0]], allow_other_workers=False, pure=False,
+                measure_kind,
+                scattered,
+                name=name,
+                batch_sizes=sizes,
+                gpu=kind[0],
+                slices=kind[1],
+                slo_us=slo_us,
+                workers=[probes[kind][0]],
+                allow_other_workers=False,
+                pure=False,
                 key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
             )
             try:

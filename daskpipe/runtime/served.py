@@ -32,12 +32,16 @@ class Flight:
     keys: list[Any]
     addresses: frozenset[str]
     retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
-    planned: list[tuple[int, float, float]] = field(default_factory=list)  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
+    planned: list[tuple[int, float, float]] = field(
+        default_factory=list
+    )  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
     ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
     route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
-    sources: list[str] = field(default_factory=list)  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
+    sources: list[str] = field(
+        default_factory=list
+    )  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
 
     @property
     def staged(self) -> bool:
@@ -69,11 +73,26 @@ class Served:
     inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, Flight] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"submitted": 0, "completed": 0, "on_time": 0, "failed": 0, "invalid": 0, "batches": 0, "overruns": 0, "isolated": 0, "suspected": 0, "readmitted": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {
+            "submitted": 0,
+            "completed": 0,
+            "on_time": 0,
+            "failed": 0,
+            "invalid": 0,
+            "batches": 0,
+            "overruns": 0,
+            "isolated": 0,
+            "suspected": 0,
+            "readmitted": 0,
+        }
+    )
     dropped: dict[str, int] = field(default_factory=dict)
     closing: bool = False
     durations: BatchDurations | None = None  # what an emulated slot holds a batch for (time-dilated); the simulator's model
-    parked: dict[Any, str] = field(default_factory=dict)  # key -> the worker holding its intermediate data between two stages of a staged data plane
+    parked: dict[Any, str] = field(
+        default_factory=dict
+    )  # key -> the worker holding its intermediate data between two stages of a staged data plane
     max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
     sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
     budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
@@ -81,6 +100,7 @@ class Served:
     gray: GrayPolicy = field(default_factory=GrayPolicy)
     suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
     slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
+    last_ratios: dict[str, float] = field(default_factory=dict)  # address -> its latest batch's measured / planned compute
     abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
 
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:

@@ -77,13 +77,17 @@ class InputSpec:
         Whatever ``x`` is, the answer is one of the two: a tensor torch cannot read as values (a
         subclass's own failure, say) is refused with torch's words, never raised as they are."""
         if not isinstance(x, torch.Tensor):
-            raise InvalidRequest(f"input of model {model!r} must be a torch.Tensor of shape (n, {', '.join(map(str, self.shape))}), got {type(x).__name__}")
+            raise InvalidRequest(
+                f"input of model {model!r} must be a torch.Tensor of shape (n, {', '.join(map(str, self.shape))}), got {type(x).__name__}"
+            )
         try:
             return self._admit_tensor(model, x)
         except InvalidRequest:
             raise
         except Exception as exc:
-            raise InvalidRequest(f"input of model {model!r} cannot be read as a dense tensor of values: {type(exc).__name__}: {exc}") from exc
+            raise InvalidRequest(
+                f"input of model {model!r} cannot be read as a dense tensor of values: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _admit_tensor(self, model: str, x: torch.Tensor) -> tuple[int, bytes]:
         if x.is_nested:
@@ -93,11 +97,15 @@ class InputSpec:
         if x.device.type == "meta":
             raise InvalidRequest(f"input of model {model!r} is on the meta device and holds no values; send a tensor with data")
         if x.dim() != len(self.shape) + 1 or tuple(x.shape[1:]) != self.shape or x.shape[0] < 1:
-            raise InvalidRequest(f"input of model {model!r} must have shape (n, {', '.join(map(str, self.shape))}) with n >= 1, got {tuple(x.shape)}")
+            raise InvalidRequest(
+                f"input of model {model!r} must have shape (n, {', '.join(map(str, self.shape))}) with n >= 1, got {tuple(x.shape)}"
+            )
         if x.dtype != self.dtype:
             raise InvalidRequest(f"input of model {model!r} must be {self.dtype}, got {x.dtype}")
         if x.shape[0] > self.max_samples:
-            raise InvalidRequest(f"a request of model {model!r} may hold at most {self.max_samples} samples (the largest planned batch), got {x.shape[0]}")
+            raise InvalidRequest(
+                f"a request of model {model!r} may hold at most {self.max_samples} samples (the largest planned batch), got {x.shape[0]}"
+            )
         values = host_array(x)
         if not self.allow_nonfinite and not _finite(x, values):
             raise InvalidRequest(f"input of model {model!r} holds NaN or Inf values; deploy with allow_nonfinite=True to serve such inputs")
@@ -119,7 +127,13 @@ def host_array(x: torch.Tensor) -> np.ndarray | None:
         return None
 
 
-_NOT_IN_NUMPY = frozenset({torch.bfloat16, torch.complex32, *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, name))})
+_NOT_IN_NUMPY = frozenset(
+    {
+        torch.bfloat16,
+        torch.complex32,
+        *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, name)),
+    }
+)
 
 
 def _finite(x: torch.Tensor, values: np.ndarray | None) -> bool:
@@ -148,7 +162,13 @@ class Service:
     """
 
     def __init__(
-        self, client: Client, plan: Plan, profiles: Mapping[str, Profile], specs: Mapping[str, InputSpec], stages: Sequence[Future], time_dilation: float,
+        self,
+        client: Client,
+        plan: Plan,
+        profiles: Mapping[str, Profile],
+        specs: Mapping[str, InputSpec],
+        stages: Sequence[Future],
+        time_dilation: float,
         entries: Mapping[tuple[str, int], InputSpec] | None = None,
     ):
         self.client = client
@@ -222,7 +242,9 @@ class Service:
             futures.append(future)
         for first in range(0, len(keys), SUBMIT_CHUNK):
             chunk = admitted[first : first + SUBMIT_CHUNK]
-            self._send(model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block)
+            self._send(
+                model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block
+            )
         return futures
 
     def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0) -> None:
@@ -239,7 +261,9 @@ class Service:
             if model not in self.models:
                 raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
             entries = [0] * (model in self._specs) + sorted(k for m, k in self._entries if m == model)
-            raise InvalidRequest(f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at blocks {entries}")
+            raise InvalidRequest(
+                f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at blocks {entries}"
+            )
         return spec.admit(model, x)
 
     def status(self) -> dict[str, dict]:
@@ -362,9 +386,23 @@ def deploy(
     ``await svc.status()``, ``await svc.close()`` or ``async with svc``).
     """
     check_deploy_arguments(
-        models, example_inputs, slo_ms=slo_ms, weights=weights, time_dilation=time_dilation, bw_gbps=bw_gbps, num_blocks=num_blocks,
-        batch_sizes=batch_sizes, margin=margin, max_parts=max_parts, strategy=strategy, dispatcher=dispatcher,
-        allow_nonfinite=allow_nonfinite, plan=plan, profiles=profiles, max_queued=max_queued, elastic=elastic,
+        models,
+        example_inputs,
+        slo_ms=slo_ms,
+        weights=weights,
+        time_dilation=time_dilation,
+        bw_gbps=bw_gbps,
+        num_blocks=num_blocks,
+        batch_sizes=batch_sizes,
+        margin=margin,
+        max_parts=max_parts,
+        strategy=strategy,
+        dispatcher=dispatcher,
+        allow_nonfinite=allow_nonfinite,
+        plan=plan,
+        profiles=profiles,
+        max_queued=max_queued,
+        elastic=elastic,
     )
     names = list(models)
     slots = inventory(client)
@@ -392,8 +430,16 @@ def deploy(
             else:
                 slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
                 measured = profile_on_cluster(
-                    client, slots, name, models[name], example_inputs[name], slo_us=slo_us, num_blocks=num_blocks, batch_sizes=batch_sizes,
-                    store=store, timeout_s=profile_timeout_s,
+                    client,
+                    slots,
+                    name,
+                    models[name],
+                    example_inputs[name],
+                    slo_us=slo_us,
+                    num_blocks=num_blocks,
+                    batch_sizes=batch_sizes,
+                    store=store,
+                    timeout_s=profile_timeout_s,
                 )
                 profiles[name], blocked[name] = measured.profile, measured.blocked
                 slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
@@ -426,7 +472,9 @@ def deploy(
             raise DeployError(f"the plan gives model {name!r} no pipeline on this cluster")
         deepest = max(part.blocks[1] for pipeline in model_plan.pipelines for part in pipeline.partitions)
         if deepest > profiles[name].num_blocks:
-            raise DeployError(f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from")
+            raise DeployError(
+                f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from"
+            )
         shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
         specs[name] = InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
@@ -466,7 +514,13 @@ def deploy(
                 },
                 plan=plan.to_dict(),
                 stages=stage_rows,
-                options={"bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)), "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()}, "margin": margin, "max_parts": max_parts, "strategy": strategy},
+                options={
+                    "bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)),
+                    "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()},
+                    "margin": margin,
+                    "max_parts": max_parts,
+                    "strategy": strategy,
+                },
                 weights=dict(weights) if weights else None,
                 time_dilation=float(time_dilation),
                 dispatcher=dispatcher,
@@ -534,7 +588,9 @@ def _start_stages(
             for p, q, slot in placements:
                 start, end = model_plan.pipelines[p].partitions[q].blocks
                 input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
-                kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch."))
+                kwargs = stage_submit_kwargs(
+                    name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch.")
+                )
                 future = client.submit(Stage, name, q, scattered[name][start:end], **kwargs)
                 started.append((name, p, q, slot.address, future))
         futures = [row[-1] for row in started]

@@ -67,7 +67,9 @@ class _SlotRuntime:
     tasks: set[asyncio.Task] = field(default_factory=set)
     slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
     parked: dict[tuple[str, Any], torch.Tensor] = field(default_factory=dict)  # (model, key) -> its feature map between two staged batches
-    gathering: dict[tuple[str, int], dict[Any, torch.Tensor]] = field(default_factory=dict)  # (model, dispatch) -> the parts of it arrived so far
+    gathering: dict[tuple[str, int], dict[Any, torch.Tensor]] = field(
+        default_factory=dict
+    )  # (model, dispatch) -> the parts of it arrived so far
 
     def hold_factor(self) -> float:
         factor, until = self.slowdown
@@ -150,7 +152,14 @@ class Stage:
 
     # -- introspection through the actor (tests, dashboards) -----------------------------------
     def info(self) -> dict[str, Any]:
-        return {"model": self.model, "partition": self.partition, "device": str(self.device), "emulated": self.emulated, "batches": self.batches, "overruns": self.overruns}
+        return {
+            "model": self.model,
+            "partition": self.partition,
+            "device": str(self.device),
+            "emulated": self.emulated,
+            "batches": self.batches,
+            "overruns": self.overruns,
+        }
 
     # -- the batch path (worker event loop) ----------------------------------------------------
     async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
@@ -160,7 +169,9 @@ class Stage:
         try:
             output, start, end, overrun = await self._compute_held(data, split, float(hop.get("hold_s") or 0.0), batch.get("expires"))
         except BatchExpired:
-            _SLOTS[self.worker].report(self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])})
+            _SLOTS[self.worker].report(
+                self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])}
+            )
             return
         except Exception as exc:  # a stage error fails this batch only, with its cause
             self._fail(batch, exc)
@@ -178,7 +189,9 @@ class Stage:
             return
         _SLOTS[self.worker].report(self.worker, {"op": messages.PROBED, "model": self.model, "token": token, "start": start, "end": end})
 
-    async def _compute_held(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float, expires: float | None = None) -> tuple[Any, float, float, bool]:
+    async def _compute_held(
+        self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float, expires: float | None = None
+    ) -> tuple[Any, float, float, bool]:
         """(output, start, end, overrun): compute on the slot's thread, one batch at a time on the
         slot; an emulated stage then holds the slot until ``hold`` seconds from the start (longer
         while it is slowed down). A batch whose turn comes after ``expires`` is not computed."""
@@ -195,11 +208,19 @@ class Stage:
             if self.emulated:
                 if overrun:
                     self.overruns += 1
-                    logger.warning("emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms", self.model, self.partition, (computed - start) * 1e3, hold * 1e3)
+                    logger.warning(
+                        "emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms",
+                        self.model,
+                        self.partition,
+                        (computed - start) * 1e3,
+                        hold * 1e3,
+                    )
                 await asyncio.sleep(max(0.0, start + hold - time.time()))
             return output, start, time.time(), overrun
 
-    def _deliver(self, batch: dict[str, Any], output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool) -> None:
+    def _deliver(
+        self, batch: dict[str, Any], output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool
+    ) -> None:
         """Forward ``output`` to the batch's next stage, or store it under its keys (last stage),
         reporting the timings of hop ``partition`` (its input's transfer, its compute over ``ran``)."""
         worker = self.worker
@@ -212,26 +233,42 @@ class Stage:
         if not rest and batch["route"][0].get("park"):  # a staged batch's last stage: the data waits here for the next one
             for key, rows in zip(batch["keys"], torch.split(output, list(batch["sizes"]))):
                 slot.parked[(self.model, key)] = rows
-            slot.report(worker, {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
+            slot.report(
+                worker,
+                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
+            )
             return
         if rest:
             nxt = rest[0]
             forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
             forwarded.update(route=rest, sent_at=time.time())
             slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
-            slot.report(worker, {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun})
+            slot.report(
+                worker,
+                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
+            )
             return
         outputs = dict(zip(batch["keys"], output))
         nbytes = [t.nbytes for t in output]
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
-        done = {"op": messages.DONE, "model": self.model, "dispatch": batch["dispatch"], "keys": list(outputs), "nbytes": nbytes, "timings": timings, "overrun": overrun}
+        done = {
+            "op": messages.DONE,
+            "model": self.model,
+            "dispatch": batch["dispatch"],
+            "keys": list(outputs),
+            "nbytes": nbytes,
+            "timings": timings,
+            "overrun": overrun,
+        }
         if sum(nbytes) <= INLINE_OUTPUT_BYTES:
             done["outputs"] = [pack_tensor(t) for t in output]
         slot.report(worker, done)
         # stored after DONE has left (its write is the next loop turn's first step): nothing can ask
         # this worker for the keys before the scheduler has read DONE and a client has asked it
-        asyncio.get_running_loop().call_soon(functools.partial(worker.update_data, data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}"))
+        asyncio.get_running_loop().call_soon(
+            functools.partial(worker.update_data, data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
+        )
 
     def _compute(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None) -> torch.Tensor | list[torch.Tensor]:
         """Runs in the slot's compute thread: never on the event loop or the actor thread.
@@ -281,8 +318,12 @@ def install(worker: Any) -> None:
         return
     raise_gc_thresholds()
     slot = _SLOTS[worker] = _SlotRuntime(
-        ThreadPoolExecutor(1, thread_name_prefix=f"daskpipe-slot-{worker.name}", initializer=compute_thread_setup, initargs=(worker.state.nthreads,)),
-        to_scheduler=Streams(worker.connection_args, {"op": messages.STREAM, "worker": worker.address, "reply": False}, "daskpipe Worker->Scheduler"),
+        ThreadPoolExecutor(
+            1, thread_name_prefix=f"daskpipe-slot-{worker.name}", initializer=compute_thread_setup, initargs=(worker.state.nthreads,)
+        ),
+        to_scheduler=Streams(
+            worker.connection_args, {"op": messages.STREAM, "worker": worker.address, "reply": False}, "daskpipe Worker->Scheduler"
+        ),
         to_peers=Streams(worker.connection_args, PEER_HANDSHAKE, "daskpipe Worker->Worker"),
     )
     worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
@@ -300,10 +341,18 @@ def _forward(worker: Any, *, take: list, **batch: Any) -> None:
     model = batch["model"]
     missing = [key for key in take if (model, key) not in slot.parked]
     if missing:
-        report_failure(worker, batch, RequestFailed(f"the data of {len(missing)} requests of {model!r} between two stages is not on worker {worker.address} (was it discarded?)"))
+        report_failure(
+            worker,
+            batch,
+            RequestFailed(
+                f"the data of {len(missing)} requests of {model!r} between two stages is not on worker {worker.address} (was it discarded?)"
+            ),
+        )
         return
     data = torch.cat([slot.parked.pop((model, key)) for key in take])
-    slot.to_peers.send(batch["route"][0]["address"], {"op": messages.BATCH, **batch, "part": take, "sent_at": time.time(), "data": wire_tensor(data)})
+    slot.to_peers.send(
+        batch["route"][0]["address"], {"op": messages.BATCH, **batch, "part": take, "sent_at": time.time(), "data": wire_tensor(data)}
+    )
 
 
 def _discard(worker: Any, *, model: str, keys: list) -> None:
@@ -346,7 +395,16 @@ class _BatchHandler:
     def __init__(self, worker: Any):
         self.worker = worker
 
-    def __call__(self, *, route: list[dict[str, Any]], data: Any = None, inputs: Any = None, sent_at: float | None = None, part: list | None = None, **batch: Any) -> None:
+    def __call__(
+        self,
+        *,
+        route: list[dict[str, Any]],
+        data: Any = None,
+        inputs: Any = None,
+        sent_at: float | None = None,
+        part: list | None = None,
+        **batch: Any,
+    ) -> None:
         received_at = time.time() if sent_at is not None else None
         batch.update(route=route, sent_at=sent_at)
         worker = self.worker
@@ -364,8 +422,11 @@ class _BatchHandler:
             task.add_done_callback(slot.tasks.discard)
         except Exception as exc:  # never let a bad batch close the worker's stream
             logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
-            report_failure(worker, batch, RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)))
-
+            report_failure(
+                worker,
+                batch,
+                RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)),
+            )
 
     def _gather(self, batch: dict[str, Any], part: list, data: torch.Tensor) -> torch.Tensor | None:
         """Keep ``part``'s rows of ``data``; the whole input, in the batch's key order, once the last part came."""
@@ -390,4 +451,13 @@ def _hello(data: Any = None) -> None:
 
 def report_failure(worker: Any, batch: dict[str, Any], error: RequestFailed) -> None:
     """Every request of ``batch`` errs with ``error``; the scheduler keeps it opaque."""
-    _SLOTS[worker].report(worker, {"op": messages.FAILED, "model": batch["model"], "dispatch": batch["dispatch"], "keys": list(batch["keys"]), "exception": to_serialize(error)})
+    _SLOTS[worker].report(
+        worker,
+        {
+            "op": messages.FAILED,
+            "model": batch["model"],
+            "dispatch": batch["dispatch"],
+            "keys": list(batch["keys"]),
+            "exception": to_serialize(error),
+        },
+    )

@@ -129,8 +129,7 @@ def parse_pairs(text: str, separator: str, *, option: str) -> dict[str, int]:
         key, sep, value = item.partition(separator)
         if not sep or not key.strip() or not value.strip().isdigit() or int(value) < 1:
             raise WorkerSpecError(
-                f"{option} takes TYPE{separator}COUNT pairs with COUNT >= 1, like "
-                f"'L4{separator}2,T4{separator}1'; got {item!r}"
+                f"{option} takes TYPE{separator}COUNT pairs with COUNT >= 1, like 'L4{separator}2,T4{separator}1'; got {item!r}"
             )
         pairs[key.strip()] = int(value)
     if not pairs:
@@ -209,13 +208,10 @@ def _emulated_gpus(emulate: Mapping[str, int]) -> tuple[GPU, ...]:
     catalog = load_catalog()
     unknown = sorted(set(emulate) - set(catalog))
     if unknown:
-        raise WorkerSpecError(
-            f"cannot emulate unknown GPU type(s) {', '.join(unknown)}; the catalog has {', '.join(sorted(catalog))}"
-        )
+        raise WorkerSpecError(f"cannot emulate unknown GPU type(s) {', '.join(unknown)}; the catalog has {', '.join(sorted(catalog))}")
     kinds = [gpu_type for gpu_type, count in emulate.items() for _ in range(positive_int(count, f"emulate[{gpu_type!r}]"))]
     return tuple(
-        GPU(index, f"emulated {kind}", kind, int(catalog[kind].memory_gb * 2**30), f"emulated-{index}")
-        for index, kind in enumerate(kinds)
+        GPU(index, f"emulated {kind}", kind, int(catalog[kind].memory_gb * 2**30), f"emulated-{index}") for index, kind in enumerate(kinds)
     )
 
 
@@ -256,7 +252,9 @@ def check_memory_limit(value: str | int | float) -> str | int | float:
     try:
         parsed = parse_memory_limit(value, 1, logger=logging.getLogger(__name__))
     except (ValueError, TypeError) as error:
-        raise WorkerSpecError(f"memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got {value!r} ({error})") from None
+        raise WorkerSpecError(
+            f"memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got {value!r} ({error})"
+        ) from None
     if isinstance(value, bool) or parsed is not None and parsed < 0:
         raise WorkerSpecError(f"memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got {value!r}")
     return value

@@ -207,8 +207,9 @@ def heap_pair_us(size: int, pairs: int = 200_000, seed: int = 0) -> float:
     return (time.perf_counter() - start) / pairs * 1e6
 
 
-def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | None = None, seed: int = 0,
-              advance: Callable[..., None] | None = None) -> dict:
+def run_bench(
+    requests: int, *, load: float = 1.0, settings: PPipeSettings | None = None, seed: int = 0, advance: Callable[..., None] | None = None
+) -> dict:
     """Push ``requests`` through a PPipe dispatcher on the synthetic 100-GPU plan; return the figures.
 
     ``advance(steps)`` hears of each twentieth of the requests, outside the timed sections."""
@@ -263,13 +264,34 @@ def run_bench(requests: int, *, load: float = 1.0, settings: PPipeSettings | Non
 
 
 @click.command("scheduler")
-@click.option("--requests", "requests", type=click.IntRange(min=1), default=1_000_000, show_default=True, help="Requests to push through the dispatcher.")
-@click.option("--load", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Arrival rate as a fraction of the plan's throughput.")
-@click.option("--timeline", type=click.Choice(["gaps", "append"]), default="gaps", show_default=True, help="Reservation tables: the paper's (gaps) or the artifact's (append).")
+@click.option(
+    "--requests",
+    "requests",
+    type=click.IntRange(min=1),
+    default=1_000_000,
+    show_default=True,
+    help="Requests to push through the dispatcher.",
+)
+@click.option(
+    "--load",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Arrival rate as a fraction of the plan's throughput.",
+)
+@click.option(
+    "--timeline",
+    type=click.Choice(["gaps", "append"]),
+    default="gaps",
+    show_default=True,
+    help="Reservation tables: the paper's (gaps) or the artifact's (append).",
+)
 @click.option("--artifact", is_flag=True, help="Use all of the published simulator's choices (PPipeSettings.artifact()).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the Poisson arrivals.")
 @click.option("--profile", "profile_top", type=int, default=0, help="Also print the top N functions by cProfile (slower run).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Also write the figures to this file.")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Also write the figures to this file."
+)
 def bench_scheduler(requests: int, load: float, timeline: str, artifact: bool, seed: int, profile_top: int, json_path: str | None) -> None:
     """Cost per request of PPipe's dispatcher on a synthetic 100-GPU plan (25 L4 + 75 P4)."""
     settings = PPipeSettings.artifact(timeline=timeline) if artifact else PPipeSettings(timeline=timeline)

@@ -50,7 +50,9 @@ class BatchDurations:
         if value is None:
             limit = self.profile.max_batch(gpu, slices)
             if not 1 <= batch <= limit:
-                raise ValueError(f"a batch of {batch} of {self.model.name!r} on {gpu}/v{slices}, which is profiled for batches 1 to {limit}")
+                raise ValueError(
+                    f"a batch of {batch} of {self.model.name!r} on {gpu}/v{slices}, which is profiled for batches 1 to {limit}"
+                )
             latency_us = self.colocated.latency_us(pipeline, partition, batch) if self.colocated is not None else None
             if latency_us is None:
                 latency_us = self.profile.latency(gpu, slices, batch, *part.blocks)

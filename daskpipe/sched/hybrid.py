@@ -54,7 +54,9 @@ class FragmentDispatcher(Dispatcher):
 
     supports_pools = True
 
-    def __init__(self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: PPipeSettings | None = None) -> None:
+    def __init__(
+        self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: PPipeSettings | None = None
+    ) -> None:
         if not model.pipelines:
             raise ValueError(f"the plan of {model.name!r} has no pipeline")
         settings = settings or PPipeSettings()
@@ -68,12 +70,24 @@ class FragmentDispatcher(Dispatcher):
         self._slots: list[set[str]] = []  # per entry: the slots its pools use
         for index, block in enumerate(self.entry_blocks):
             indices = [i for i, p in enumerate(model.pipelines) if p.entry_block == block]
-            pools = {(local, q): placement.pools[(i, q)] for local, i in enumerate(indices) for q in range(len(model.pipelines[i].partitions)) if (i, q) in placement.pools}
-            self._entries.append(_EntryDispatcher(
-                replace(model, slo_us=budgets[block], pipelines=tuple(model.pipelines[i] for i in indices)),
-                Placement(model=model.name, pools=pools, slots=placement.slots),
-                profile, bw_gbps=bw_gbps, settings=settings, timeline=self.timeline, first_id=index, stride=stride,
-            ))
+            pools = {
+                (local, q): placement.pools[(i, q)]
+                for local, i in enumerate(indices)
+                for q in range(len(model.pipelines[i].partitions))
+                if (i, q) in placement.pools
+            }
+            self._entries.append(
+                _EntryDispatcher(
+                    replace(model, slo_us=budgets[block], pipelines=tuple(model.pipelines[i] for i in indices)),
+                    Placement(model=model.name, pools=pools, slots=placement.slots),
+                    profile,
+                    bw_gbps=bw_gbps,
+                    settings=settings,
+                    timeline=self.timeline,
+                    first_id=index,
+                    stride=stride,
+                )
+            )
             self._pipelines.append(indices)
             self._slots.append({slot for pool in pools.values() for slot in pool})
 
@@ -84,7 +98,9 @@ class FragmentDispatcher(Dispatcher):
     # -- Dispatcher interface ------------------------------------------------------------------
     def submit(self, request: Request, now: Time) -> list[Action]:
         if request.start_block not in self.entry_blocks:
-            raise ValueError(f"request {request.id!r} enters {self.model.name!r} at block {request.start_block}; the plan has entries {self.entry_blocks}")
+            raise ValueError(
+                f"request {request.id!r} enters {self.model.name!r} at block {request.start_block}; the plan has entries {self.entry_blocks}"
+            )
         index = self.entry_blocks.index(request.start_block)
         request.start_block = 0  # its entry's sub-plan starts there, as PPipe expects; restored on the way out
         return self._global(index, self._entries[index].submit(request, now))

@@ -240,13 +240,24 @@ class ServiceMetrics:
 
     # -- events ---------------------------------------------------------------------------------
     def serve(
-        self, model: str, plan: ModelPlan, placement: Placement, control: Callable[[], dict[str, float]] | None = None, suspects: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        self,
+        model: str,
+        plan: ModelPlan,
+        placement: Placement,
+        control: Callable[[], dict[str, float]] | None = None,
+        suspects: Callable[[], dict[str, dict[str, Any]]] | None = None,
     ) -> None:
         """``model`` is served by ``plan`` on ``placement`` from now on; ``control`` reads its
         measured control path (``daskpipe.runtime.control.ControlPath.summary``), ``suspects``
         its suspect slots (``daskpipe.runtime.gray.Suspect.summary`` by address)."""
         metrics = self.model(model)
-        metrics.plan, metrics.placement, metrics.slo_s, metrics.control, metrics.suspects = plan, placement, plan.slo_us * 1e-6, control, suspects
+        metrics.plan, metrics.placement, metrics.slo_s, metrics.control, metrics.suspects = (
+            plan,
+            placement,
+            plan.slo_us * 1e-6,
+            control,
+            suspects,
+        )
         for slot in placement.slots.values():
             self.gpu_of[slot.id] = slot.gpu
 
@@ -264,7 +275,9 @@ class ServiceMetrics:
         metrics.batch_sizes[key] = metrics.batch_sizes.get(key, 0) + 1
         metrics.dispatches.append((now, dispatch.hops))
         pending = metrics.pending
-        pending[dispatch.id] = Pending(dispatch.hops, np.fromiter((r.arrival for r in dispatch.requests), float, len(dispatch.requests)), now)
+        pending[dispatch.id] = Pending(
+            dispatch.hops, np.fromiter((r.arrival for r in dispatch.requests), float, len(dispatch.requests)), now
+        )
         if len(pending) > PENDING_LIMIT:
             del pending[next(iter(pending))]
         metrics.queue.add(now, queued)

@@ -51,7 +51,21 @@ from typing import Iterator
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.profiles.model import Profile
-from daskpipe.sched.api import Action, Dispatch, Dispatcher, Drop, DropReason, Feedback, Hop, Placement, Request, Reservation, Slot, Stats, Time
+from daskpipe.sched.api import (
+    Action,
+    Dispatch,
+    Dispatcher,
+    Drop,
+    DropReason,
+    Feedback,
+    Hop,
+    Placement,
+    Request,
+    Reservation,
+    Slot,
+    Stats,
+    Time,
+)
 from daskpipe.sched.latency import MeasuredLatency
 from daskpipe.sched.timeline import NEVER, TIMELINE_MODES, Timeline, make_timeline
 
@@ -121,19 +135,25 @@ class PPipeSettings:
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:
             raise ValueError(f"PPipeSettings.timeline must be one of {', '.join(TIMELINE_MODES)}, got {self.timeline!r}")
-        if self.max_queued is not None and (isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1):
+        if self.max_queued is not None and (
+            isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1
+        ):
             raise ValueError(f"PPipeSettings.max_queued must be None or an integer >= 1, got {self.max_queued!r}")
         if not self.feedback_horizon_s > 0:
             raise ValueError(f"PPipeSettings.feedback_horizon_s must be > 0, got {self.feedback_horizon_s!r}")
         if self.slack_quantile is not None and not 0.5 <= self.slack_quantile < 1:
             raise ValueError(f"PPipeSettings.slack_quantile must be None or in [0.5, 1), got {self.slack_quantile!r}")
         if not 1 <= self.latency_min_samples <= self.latency_window:
-            raise ValueError(f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and {self.latency_window!r}")
+            raise ValueError(
+                f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and {self.latency_window!r}"
+            )
 
     @classmethod
     def artifact(cls, **overrides: object) -> PPipeSettings:
         """The published simulator's behaviour (digest §3.6)."""
-        choices: dict[str, object] = dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True, slack_quantile=None)
+        choices: dict[str, object] = dict(
+            timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True, slack_quantile=None
+        )
         choices.update(overrides)
         return cls(**choices)  # type: ignore[arg-type]
 
@@ -167,7 +187,16 @@ class _Stage:
 
     __slots__ = ("index", "slots", "ul", "dl", "order", "keys", "gappy", "profiled", "compute", "headroom", "transfer", "measured")
 
-    def __init__(self, index: int, slots: list[str], ul: list[str], dl: list[str], compute: list[float], transfer: list[float], measured: MeasuredLatency | None):
+    def __init__(
+        self,
+        index: int,
+        slots: list[str],
+        ul: list[str],
+        dl: list[str],
+        compute: list[float],
+        transfer: list[float],
+        measured: MeasuredLatency | None,
+    ):
         self.index = index
         self.slots = slots
         self.ul = ul  # uplink resource of each slot's server
@@ -264,7 +293,9 @@ class PPipeDispatcher(Dispatcher):
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
-        self._live: dict[int, tuple[tuple[Hop, ...], int, _Pipe, int]] = {}  # dispatch id -> (hops, timeline corrections then, pipeline, samples), until feedback is complete
+        self._live: dict[
+            int, tuple[tuple[Hop, ...], int, _Pipe, int]
+        ] = {}  # dispatch id -> (hops, timeline corrections then, pipeline, samples), until feedback is complete
         self._live_order: deque[int] = deque()  # dispatch ids in dispatch order, to forget old records
 
     # -- construction --------------------------------------------------------------------------
@@ -296,7 +327,11 @@ class PPipeDispatcher(Dispatcher):
         stats.submitted += 1
         size = request.size
         if size > self._max_batch:
-            detail = "no pipeline of this model has slots in every pool" if not self._active else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            detail = (
+                "no pipeline of this model has slots in every pool"
+                if not self._active
+                else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            )
             return [self._drop(request, "no-capacity", detail)]
         if now + self._min_work[size] > request.deadline:
             return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
@@ -388,7 +423,12 @@ class PPipeDispatcher(Dispatcher):
         return len(self._queue)
 
     def measured_ratios(self) -> dict[tuple[int, int], float]:
-        return {(pipe.index, stage.index): median for pipe in self._pipes for stage in pipe.stages if stage.measured is not None and (median := stage.measured.median) is not None}
+        return {
+            (pipe.index, stage.index): median
+            for pipe in self._pipes
+            for stage in pipe.stages
+            if stage.measured is not None and (median := stage.measured.median) is not None
+        }
 
     # -- elasticity ------------------------------------------------------------------------------
     def continue_ids(self, first: int) -> None:
@@ -422,7 +462,9 @@ class PPipeDispatcher(Dispatcher):
             raise ValueError(f"model {self.model.name!r} has no pool (pipeline {pipeline}, partition {partition})")
         part = self.model.pipelines[pipeline].partitions[partition]
         if slot.gpu != part.gpu or slot.slices != part.slices:
-            raise ValueError(f"slot {slot.id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}")
+            raise ValueError(
+                f"slot {slot.id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}"
+            )
         stage = self._pipes[pipeline].stages[partition]
         if any(s is stage for s, _ in self._slot_entries.get(slot.id, ())):
             raise ValueError(f"slot {slot.id!r} is already in pool (pipeline {pipeline}, partition {partition})")
@@ -718,9 +760,13 @@ def pool_slots(placement: Placement, pipeline: int, partition: int, part: Partit
     for slot_id in pool:
         slot = placement.slots.get(slot_id)
         if slot is None:
-            raise ValueError(f"pool (pipeline {pipeline}, partition {partition}) names slot {slot_id!r}, which the placement does not define")
+            raise ValueError(
+                f"pool (pipeline {pipeline}, partition {partition}) names slot {slot_id!r}, which the placement does not define"
+            )
         if slot.gpu != part.gpu or slot.slices != part.slices:
-            raise ValueError(f"slot {slot_id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}")
+            raise ValueError(
+                f"slot {slot_id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}"
+            )
         slots.append(slot)
     return slots
 
@@ -751,7 +797,9 @@ def check_request(request: Request, model: str) -> None:
     if request.model != model:
         raise ValueError(f"request {request.id!r} is for model {request.model!r}, this dispatcher serves {model!r}")
     if request.start_block != 0:
-        raise ValueError(f"request {request.id!r} enters at block {request.start_block}; pooled pipelines serve whole models (start_block 0)")
+        raise ValueError(
+            f"request {request.id!r} enters at block {request.start_block}; pooled pipelines serve whole models (start_block 0)"
+        )
     if isinstance(request.size, bool) or not isinstance(request.size, int) or request.size < 1:
         raise ValueError(f"request {request.id!r} has size {request.size!r}; it must be an integer >= 1")
 

@@ -53,7 +53,9 @@ class ReactiveSettings:
     def __post_init__(self) -> None:
         if not 0 < self.first_look_fraction <= 1:
             raise ValueError(f"ReactiveSettings.first_look_fraction must be in (0, 1], got {self.first_look_fraction!r}")
-        if self.max_queued is not None and (isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1):
+        if self.max_queued is not None and (
+            isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1
+        ):
             raise ValueError(f"ReactiveSettings.max_queued must be None or an integer >= 1, got {self.max_queued!r}")
 
 
@@ -78,7 +80,9 @@ class _Pool:
 class ReactiveDispatcher(Dispatcher):
     """The per-pool reactive scheduler (see the module docstring)."""
 
-    def __init__(self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: ReactiveSettings | None = None):
+    def __init__(
+        self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, settings: ReactiveSettings | None = None
+    ):
         self.settings = settings or ReactiveSettings()
         check_inputs(model, placement, profile, bw_gbps)
         self.model = model
@@ -119,7 +123,11 @@ class ReactiveDispatcher(Dispatcher):
         self.stats.submitted += 1
         size = request.size
         if size > self._max_batch:
-            detail = "the plan gives this model no pipeline" if not self._entry else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            detail = (
+                "the plan gives this model no pipeline"
+                if not self._entry
+                else f"size {size} exceeds the largest planned batch ({self._max_batch})"
+            )
             return [self._drop(request, "no-capacity", detail)]
         if now + self._min_work[size] > request.deadline:
             return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
@@ -217,7 +225,11 @@ class ReactiveDispatcher(Dispatcher):
             self._looked_at.add(seq)
             if bs < head.size or (settings.first_look_drop and first_look and bs < round(settings.first_look_fraction * pool.batch_size)):
                 self._pop(pool)
-                actions.append(self._drop(head, "deadline", f"pool (pipeline {pool.pipeline}, partition {pool.partition}): largest batch in budget is {bs}"))
+                actions.append(
+                    self._drop(
+                        head, "deadline", f"pool (pipeline {pool.pipeline}, partition {pool.partition}): largest batch in budget is {bs}"
+                    )
+                )
                 continue
             actions.append(self._dispatch(pool, i, bs, now))
         return actions

@@ -49,7 +49,6 @@ GpuChoice = Literal["lowest-id", "earliest-free"]
 DropPolicy = Literal["head", "window"]
 
 
-
 class Route(Protocol):
     """How a batch started on a first slot travels on (a plan's later partitions)."""
 
@@ -99,7 +98,9 @@ class DeferredSettings:
             raise ValueError(f"gpu_choice must be 'lowest-id' or 'earliest-free', got {self.gpu_choice!r}")
         if self.drop_policy not in ("head", "window"):
             raise ValueError(f"drop_policy must be 'head' or 'window', got {self.drop_policy!r}")
-        if self.target_batch is not None and (isinstance(self.target_batch, bool) or not isinstance(self.target_batch, int) or self.target_batch < 1):
+        if self.target_batch is not None and (
+            isinstance(self.target_batch, bool) or not isinstance(self.target_batch, int) or self.target_batch < 1
+        ):
             raise ValueError(f"target_batch must be an integer >= 1 or None, got {self.target_batch!r}")
         if not (self.rate_window_s > 0 and math.isfinite(self.rate_window_s)):
             raise ValueError(f"rate_window_s must be a positive number of seconds, got {self.rate_window_s!r}")
@@ -282,12 +283,22 @@ class DeferredDispatcher(Dispatcher):
 
     # -- construction on a plan --------------------------------------------------------------
     @classmethod
-    def for_plan(cls, model_plan, placement: Placement, profile, *, bw_gbps: float, settings: DeferredSettings | None = None, **policy) -> DeferredDispatcher:
+    def for_plan(
+        cls, model_plan, placement: Placement, profile, *, bw_gbps: float, settings: DeferredSettings | None = None, **policy
+    ) -> DeferredDispatcher:
         """One dispatcher for one model of a plan, over its pipelines' first slots: see :class:`PlanRoute`."""
         route = PlanRoute(model_plan, placement, profile, bw_gbps=bw_gbps)
         cap = policy.pop("max_batch", None)
         max_batch = route.max_batch if cap is None else min(route.max_batch, cap)
-        return cls({model_plan.name: route.slo}, route.first, lambda _model, batch: route.latency(batch), max_batch=max_batch, route=route, settings=settings, **policy)
+        return cls(
+            {model_plan.name: route.slo},
+            route.first,
+            lambda _model, batch: route.latency(batch),
+            max_batch=max_batch,
+            route=route,
+            settings=settings,
+            **policy,
+        )
 
     # -- policy (overridden by the baselines) ------------------------------------------------
     def _exec_bound(self, model: ModelQueue, samples: int, deadline: Time) -> Time:
@@ -298,7 +309,9 @@ class DeferredDispatcher(Dispatcher):
     def submit(self, request: Request, now: Time) -> list[Action]:
         model = self._models.get(request.model)
         if model is None:
-            raise ValueError(f"request {request.id!r} is for model {request.model!r}, which this dispatcher does not serve (serves {sorted(self._models)})")
+            raise ValueError(
+                f"request {request.id!r} is for model {request.model!r}, which this dispatcher does not serve (serves {sorted(self._models)})"
+            )
         if not (isinstance(request.size, int) and request.size >= 1):
             raise ValueError(f"request {request.id!r}: size must be an integer >= 1, got {request.size!r}")
         self.stats.submitted += 1
@@ -459,7 +472,9 @@ class DeferredDispatcher(Dispatcher):
             _, _, name, _ = heapq.heappop(self._pending)
             model = self._models[name]
             candidate = model.candidate
-            if now + model.l(candidate.samples) > candidate.deadline:  # expired (GetBatch's own test, not latest < now, so rounding cannot loop)
+            if (
+                now + model.l(candidate.samples) > candidate.deadline
+            ):  # expired (GetBatch's own test, not latest < now, so rounding cannot loop)
                 self._update_candidate(model, now, actions)
                 if model.candidate is not None and model.candidate.exec <= now:
                     model.candidate.pending = True
@@ -533,7 +548,9 @@ class PlanRoute:
                 self.first.append(self.slots[slot_id])
                 self._pipeline_of[slot_id] = p
         self.max_batch = min(profile.max_batch(part.gpu, part.slices) for pl in model_plan.pipelines for part in pl.partitions)
-        self._later: dict[tuple[int, int], list[tuple[Time, str]]] = {key: [(0.0, s) for s in ids] for key, ids in placement.pools.items() if key[1] > 0}
+        self._later: dict[tuple[int, int], list[tuple[Time, str]]] = {
+            key: [(0.0, s) for s in ids] for key, ids in placement.pools.items() if key[1] > 0
+        }
         self._nic_free: dict[str, Time] = {}
 
     def _compute_s(self, p: int, q: int, batch: int) -> float:

@@ -81,28 +81,90 @@ def write_report(plan: Any, result: SimResult, path: str) -> None:
 
 @click.command("simulate")
 @click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False), help="Plan JSON (daskpipe plan).")
-@click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True), help="Profiles: a PPipe-layout folder, a folder of JSON profiles or one file.")
-@click.option("--dataplane", type=click.Choice(DATAPLANES), default="ppipe", show_default=True, help="Data plane that dispatches the requests (the names deploy(dispatcher=...) takes; docs/dataplane.md).")
-@click.option("--arrivals", default="poisson", show_default=True, help="poisson, bursty (gamma gaps, see --bursty-cv) or a trace FILE (docs/simulator.md).")
-@click.option("--load-factor", type=float, default=0.9, show_default=True, help="Offered rate as a multiple of each model's plan throughput.")
-@click.option("--find-max-load", "search_max_load", is_flag=True, help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.")
+@click.option(
+    "--profiles",
+    "profiles_dir",
+    required=True,
+    type=click.Path(exists=True),
+    help="Profiles: a PPipe-layout folder, a folder of JSON profiles or one file.",
+)
+@click.option(
+    "--dataplane",
+    type=click.Choice(DATAPLANES),
+    default="ppipe",
+    show_default=True,
+    help="Data plane that dispatches the requests (the names deploy(dispatcher=...) takes; docs/dataplane.md).",
+)
+@click.option(
+    "--arrivals",
+    default="poisson",
+    show_default=True,
+    help="poisson, bursty (gamma gaps, see --bursty-cv) or a trace FILE (docs/simulator.md).",
+)
+@click.option(
+    "--load-factor", type=float, default=0.9, show_default=True, help="Offered rate as a multiple of each model's plan throughput."
+)
+@click.option(
+    "--find-max-load",
+    "search_max_load",
+    is_flag=True,
+    help="Search the highest load factor (steps of 0.05) with >= 99% attainment per model.",
+)
 @click.option("--max-load", type=float, default=1.0, show_default=True, help="Upper end of the --find-max-load search.")
 @click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of arrivals per run.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seeds arrivals and noise; a run is fixed by it.")
 @click.option("--noise", type=float, default=0.0, show_default=True, help="Sigma of a mean-one log-normal factor on every duration.")
-@click.option("--latency-ratios", "ratios_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="File of measured/profiled compute ratios, one per line: each compute takes its profiled time times one drawn from them.")
-@click.option("--slack-quantile", callback=parse_quantile, default=None,
-              help="ppipe: the quantile of measured latency a waiting batch keeps slack for (default 0.95), or 'off' for last-moment dispatch.")
+@click.option(
+    "--latency-ratios",
+    "ratios_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="File of measured/profiled compute ratios, one per line: each compute takes its profiled time times one drawn from them.",
+)
+@click.option(
+    "--slack-quantile",
+    callback=parse_quantile,
+    default=None,
+    help="ppipe: the quantile of measured latency a waiting batch keeps slack for (default 0.95), or 'off' for last-moment dispatch.",
+)
 @click.option("--bursty-cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the bursty gaps.")
 @click.option("--bw-gbps", type=float, default=None, help="Network bandwidth (default: the plan's cluster record).")
-@click.option("--timeout-ms", type=float, default=2.0, show_default=True, help="timeout data plane: a batch goes when its oldest request has waited this long.")
+@click.option(
+    "--timeout-ms",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="timeout data plane: a batch goes when its oldest request has waited this long.",
+)
 @click.option("--max-batch", type=int, default=None, help="timeout/eager/deferred: largest batch (default: the profiles' largest).")
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True), help="Where to write the figures.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Also write the dashboard's pages for the reported run (at the max load with --find-max-load) as one HTML file.")
-def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, search_max_load, max_load, duration, seed, noise, ratios_path, slack_quantile,
-                     bursty_cv, bw_gbps, timeout_ms, max_batch, json_path, report_path) -> None:
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Also write the dashboard's pages for the reported run (at the max load with --find-max-load) as one HTML file.",
+)
+def simulate_command(
+    plan_path,
+    profiles_dir,
+    dataplane,
+    arrivals,
+    load_factor,
+    search_max_load,
+    max_load,
+    duration,
+    seed,
+    noise,
+    ratios_path,
+    slack_quantile,
+    bursty_cv,
+    bw_gbps,
+    timeout_ms,
+    max_batch,
+    json_path,
+    report_path,
+) -> None:
     """Simulate PLAN under a workload and write per-model SLO attainment, drops, latency and
     batch size, and utilisation per GPU type, to --json."""
     from daskpipe.plan.schema import Plan, PlanError
@@ -126,16 +188,28 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
             settings = PPipeSettings(slack_quantile=None if slack_quantile == "off" else slack_quantile)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--slack-quantile") from None
-    kwargs = dict(dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, bursty_cv=bursty_cv,
-                  latency_ratios=read_ratios(ratios_path) if ratios_path else None, bw_gbps=bw_gbps, timeout_s=timeout_ms / 1e3,
-                  max_batch=max_batch, settings=settings)
+    kwargs = dict(
+        dataplane=dataplane,
+        arrivals=arrivals,
+        duration=duration,
+        seed=seed,
+        noise=noise,
+        bursty_cv=bursty_cv,
+        latency_ratios=read_ratios(ratios_path) if ratios_path else None,
+        bw_gbps=bw_gbps,
+        timeout_s=timeout_ms / 1e3,
+        max_batch=max_batch,
+        settings=settings,
+    )
     try:
         if search_max_load:
             from daskpipe.progress import progress_bar
 
             grid = load_grid(0.05, max_load)
             with progress_bar("finding max load", total=len(plan.models) * max(1, len(grid).bit_length())) as advance:
-                result = find_max_load(plan, profiles, max_load=max_load, progress=lambda model, lf: advance(note=f"{model[:24]} LF {lf:.2f}"), **kwargs)
+                result = find_max_load(
+                    plan, profiles, max_load=max_load, progress=lambda model, lf: advance(note=f"{model[:24]} LF {lf:.2f}"), **kwargs
+                )
         else:
             result = run_simulation(plan, profiles, load_factor=load_factor, **kwargs)
     except ValueError as exc:
@@ -146,7 +220,9 @@ def simulate_command(plan_path, profiles_dir, dataplane, arrivals, load_factor, 
         write_report(plan, result, report_path)
     for name, entry in out["models"].items():
         extra = f"  max LF {entry['max_load_factor']:.2f}" if "max_load_factor" in entry else ""
-        click.echo(f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}")
+        click.echo(
+            f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}"
+        )
     click.echo("utilization: " + ", ".join(f"{gpu} {u:.1%}" for gpu, u in out["utilization"].items()))
 
 

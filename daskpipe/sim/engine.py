@@ -189,7 +189,9 @@ class Engine:
             nxt = next(stream, None)
             if nxt is not None:
                 if nxt.arrival < request.arrival:
-                    raise ValueError(f"arrivals must be sorted by time: {nxt.id!r} at {nxt.arrival} after {request.id!r} at {request.arrival}")
+                    raise ValueError(
+                        f"arrivals must be sorted by time: {nxt.id!r} at {nxt.arrival} after {request.id!r} at {request.arrival}"
+                    )
                 current[0] = nxt
                 self.at(nxt.arrival, ARRIVAL, arrive)
             self._submit(request, now)
@@ -219,7 +221,9 @@ class Engine:
     def _submit(self, request: Request, now: Time) -> None:
         dispatcher = self.models.get(request.model)
         if dispatcher is None:
-            raise ValueError(f"request {request.id!r} is for model {request.model!r}, which no dispatcher serves (have {sorted(self.models)})")
+            raise ValueError(
+                f"request {request.id!r} is for model {request.model!r}, which no dispatcher serves (have {sorted(self.models)})"
+            )
         if request.id in self.trace.requests:
             raise ValueError(f"request id {request.id!r} was submitted twice")
         self.trace.requests[request.id] = RequestRecord(request.model, request.arrival, request.deadline)
@@ -231,7 +235,9 @@ class Engine:
             if isinstance(action, Drop):
                 record = self._record(action.request)
                 if record.dropped is not None or record.finish is not None:  # completed or dropped already
-                    raise RuntimeError(f"dispatcher dropped request {action.request.id!r}, which was already {record.dropped or 'completed'}")
+                    raise RuntimeError(
+                        f"dispatcher dropped request {action.request.id!r}, which was already {record.dropped or 'completed'}"
+                    )
                 record.dropped = action.reason
                 self._last_compute.pop(action.request.id, None)  # a request may be dropped between partitions
             elif isinstance(action, Dispatch):
@@ -258,7 +264,9 @@ class Engine:
             again = dispatcher.next_wake()
             self._idle_wakes[source] = self._idle_wakes[source] + 1 if not actions and again is not None and again <= time else 0
             if self._idle_wakes[source] > 1000:
-                raise RuntimeError(f"dispatcher {type(dispatcher).__name__} keeps asking to be woken at {again} (now {time}) without acting")
+                raise RuntimeError(
+                    f"dispatcher {type(dispatcher).__name__} keeps asking to be woken at {again} (now {time}) without acting"
+                )
             self._apply(dispatcher, actions, time)
 
         self.at(when, WAKE, fire)
@@ -277,7 +285,7 @@ class Engine:
             seconds *= self.latency_ratios[int(self._rng.integers(len(self.latency_ratios)))]
         if self.noise == 0.0:
             return seconds
-        return seconds * float(np.exp(self._rng.normal(-self.noise**2 / 2, self.noise)))
+        return seconds * float(np.exp(self._rng.normal(-(self.noise**2) / 2, self.noise)))
 
     def _execute(self, source: int, dispatch: Dispatch, now: Time) -> None:
         if not dispatch.hops or not dispatch.requests:
@@ -291,7 +299,9 @@ class Engine:
             held = self._last_compute.get(request.id)
             expected = 0 if held is None else held.partition + 1
             if first != expected:
-                raise RuntimeError(f"dispatch {dispatch.id} runs partition {first} of request {request.id!r}, which needs partition {expected} next")
+                raise RuntimeError(
+                    f"dispatch {dispatch.id} runs partition {first} of request {request.id!r}, which needs partition {expected} next"
+                )
         last_partition = self.durations.partitions(dispatch.model, dispatch.pipeline) - 1
         ops: list[_Op] = []
         previous = self._last_compute.get(dispatch.requests[0].id)
@@ -300,26 +310,56 @@ class Engine:
             if slot is None:
                 raise ValueError(f"dispatch {dispatch.id} names unknown slot {hop.slot!r}")
             if previous is not None and hop.partition != previous.partition + 1:
-                raise ValueError(f"dispatch {dispatch.id}: hops must follow partitions in order, got {hop.partition} after {previous.partition}")
+                raise ValueError(
+                    f"dispatch {dispatch.id}: hops must follow partitions in order, got {hop.partition} after {previous.partition}"
+                )
             feeder = previous
             if previous is not None and self.slots[previous.resources[0]].server != slot.server:
                 planned = hop.transfer_in[0].start if hop.transfer_in else hop.compute.start  # the api.Dispatch contract
                 sender, receiver = self.slots[previous.resources[0]].server, slot.server
-                feeder = self._op(source, dispatch, hop.partition, "transfer", (f"{sender}/ul", f"{receiver}/dl"), planned,
-                                  self._scaled(self.durations.transfer(dispatch, hop.partition), "transfer"), previous)
+                feeder = self._op(
+                    source,
+                    dispatch,
+                    hop.partition,
+                    "transfer",
+                    (f"{sender}/ul", f"{receiver}/dl"),
+                    planned,
+                    self._scaled(self.durations.transfer(dispatch, hop.partition), "transfer"),
+                    previous,
+                )
                 ops.append(feeder)
-            compute = self._op(source, dispatch, hop.partition, "compute", (hop.slot,), hop.compute.start,
-                               self._scaled(self.durations.compute(dispatch, hop.partition, slot), "compute"), feeder)
+            compute = self._op(
+                source,
+                dispatch,
+                hop.partition,
+                "compute",
+                (hop.slot,),
+                hop.compute.start,
+                self._scaled(self.durations.compute(dispatch, hop.partition, slot), "compute"),
+                feeder,
+            )
             ops.append(compute)
             previous = compute
             if hop.partition > last_partition:
-                raise ValueError(f"dispatch {dispatch.id} runs partition {hop.partition}; pipeline {dispatch.pipeline} of {dispatch.model!r} has {last_partition + 1}")
+                raise ValueError(
+                    f"dispatch {dispatch.id} runs partition {hop.partition}; pipeline {dispatch.pipeline} of {dispatch.model!r} has {last_partition + 1}"
+                )
         for request in dispatch.requests:
             self._last_compute[request.id] = previous
         for op in ops:
             self._enqueue(op)
 
-    def _op(self, source: int, dispatch: Dispatch, partition: int, kind: str, resources: tuple[str, ...], planned: Time, duration: float, after: _Op | None) -> _Op:
+    def _op(
+        self,
+        source: int,
+        dispatch: Dispatch,
+        partition: int,
+        kind: str,
+        resources: tuple[str, ...],
+        planned: Time,
+        duration: float,
+        after: _Op | None,
+    ) -> _Op:
         op = _Op(planned, next(self._seq), kind, resources, duration, source, dispatch, partition)
         if after is not None and after.end is None:
             op.waiting = 1

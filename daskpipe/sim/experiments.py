@@ -54,7 +54,9 @@ class LinearModel:
 TABLE2_MODELS = (LinearModel("ResNet50", 1.053, 5.072, 25.0), LinearModel("InceptionResNetV2", 5.090, 18.368, 70.0))
 
 
-def constant_load(model: LinearModel, gpus: int, rate: float, duration: float, *, staggered: bool, max_batch: int = 64) -> tuple[float, float]:
+def constant_load(
+    model: LinearModel, gpus: int, rate: float, duration: float, *, staggered: bool, max_batch: int = 64
+) -> tuple[float, float]:
     """(attainment, mean batch) of ``gpus`` GPUs under constant arrivals at ``rate``."""
     slots = [Slot(f"gpu{i}", "X") for i in range(gpus)]
     slo = model.slo_ms / 1e3
@@ -75,7 +77,9 @@ def constant_load(model: LinearModel, gpus: int, rate: float, duration: float, *
     return good / count, sum(sizes) / len(sizes)
 
 
-def max_rate(model: LinearModel, gpus: int, *, staggered: bool, duration: float = 1.0, target: float = 0.99, precision: float = 0.002) -> tuple[float, float]:
+def max_rate(
+    model: LinearModel, gpus: int, *, staggered: bool, duration: float = 1.0, target: float = 0.99, precision: float = 0.002
+) -> tuple[float, float]:
     """Highest constant rate with ``target`` attainment, by bisection (attainment assumed to fall
     with the rate), to a relative ``precision``; returns (rate, mean batch there)."""
     upper = gpus * model.gpu_rate_bound()
@@ -98,14 +102,16 @@ def symphony_table2(gpus: int = 8, duration: float = 1.0, precision: float = 0.0
         for staggered in (True, False):
             batch, throughput = model.analytic(gpus, staggered)
             rate, mean_batch = max_rate(model, gpus, staggered=staggered, duration=duration, precision=precision)
-            rows.append({
-                "model": model.name,
-                "scheme": "staggered (deferred)" if staggered else "uncoordinated (per-GPU)",
-                "analytic_batch": batch,
-                "analytic_throughput": round(throughput, 1),
-                "simulated_throughput": round(rate, 1),
-                "simulated_mean_batch": round(mean_batch, 2),
-            })
+            rows.append(
+                {
+                    "model": model.name,
+                    "scheme": "staggered (deferred)" if staggered else "uncoordinated (per-GPU)",
+                    "analytic_batch": batch,
+                    "analytic_throughput": round(throughput, 1),
+                    "simulated_throughput": round(rate, 1),
+                    "simulated_mean_batch": round(mean_batch, 2),
+                }
+            )
     return rows
 
 
@@ -156,8 +162,17 @@ def ppipe_experiment(
         plans = {}
         for strategy in strategies:
             try:
-                plans[strategy] = make_plan(profiles, cluster.gpus, weights=weights, gpus_per_server=cluster.gpus_per_server, bw_gbps=cluster.bw_gbps,
-                                            margin=0.4, max_parts=2, strategy=strategy, time_limit=time_limit)
+                plans[strategy] = make_plan(
+                    profiles,
+                    cluster.gpus,
+                    weights=weights,
+                    gpus_per_server=cluster.gpus_per_server,
+                    bw_gbps=cluster.bw_gbps,
+                    margin=0.4,
+                    max_parts=2,
+                    strategy=strategy,
+                    time_limit=time_limit,
+                )
             except PlanError as exc:
                 runs.append({**where, "strategy": strategy, "error": str(exc)})
         if "ppipe" not in plans:
@@ -168,26 +183,47 @@ def ppipe_experiment(
             cases.append(("ppipe", "reactive", "poisson"))
         for strategy, dataplane, kind in cases:
             note(f"{cluster.name} {group.name} {strategy} plan, {dataplane} data plane, {kind}")
-            result = find_max_load(plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates)
-            runs.append({
-                **where, "strategy": strategy, "dataplane": dataplane, "arrivals": kind,
-                "max_load_factor": result.max_load_factor,
-                "attainment": {m: r.attainment for m, r in result.models.items()},
-                "low_class_utilization": result.utilization.get(low_class(cluster.gpus), 0.0),
-                "utilization": result.utilization,
-                "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
-            })
-    return {"settings": {"clusters": list(clusters), "groups": list(groups), "arrivals": list(arrivals), "strategies": list(strategies),
-                         "ablation_cluster": ablation_cluster, "duration": duration, "seed": seed, "seconds": round(time.perf_counter() - started, 1)},
-            "summary": summarize(runs), "runs": runs}
+            result = find_max_load(
+                plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates
+            )
+            runs.append(
+                {
+                    **where,
+                    "strategy": strategy,
+                    "dataplane": dataplane,
+                    "arrivals": kind,
+                    "max_load_factor": result.max_load_factor,
+                    "attainment": {m: r.attainment for m, r in result.models.items()},
+                    "low_class_utilization": result.utilization.get(low_class(cluster.gpus), 0.0),
+                    "utilization": result.utilization,
+                    "plan_throughput": {m.name: m.throughput for m in plans[strategy].models},
+                }
+            )
+    return {
+        "settings": {
+            "clusters": list(clusters),
+            "groups": list(groups),
+            "arrivals": list(arrivals),
+            "strategies": list(strategies),
+            "ablation_cluster": ablation_cluster,
+            "duration": duration,
+            "seed": seed,
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "summary": summarize(runs),
+        "runs": runs,
+    }
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The paper's figures: mean max LF per strategy and workload (Fig. 6), PPipe's gain over each
     baseline per cluster (ratio of mean max LFs minus 1), the ablation (Fig. 10) and low-class
     utilisation under Poisson (Fig. 8)."""
+
     def lfs(**match: str) -> list[float]:
-        return [lf for r in runs if "error" not in r and all(r.get(k) == v for k, v in match.items()) for lf in r["max_load_factor"].values()]
+        return [
+            lf for r in runs if "error" not in r and all(r.get(k) == v for k, v in match.items()) for lf in r["max_load_factor"].values()
+        ]
 
     done = [r for r in runs if "error" not in r]
     out: dict[str, Any] = {"mean_max_load_factor": {}, "gain_over": {}, "low_class_utilization": {}, "ablation": {}}
@@ -200,22 +236,37 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 continue
             gains = {}
             for cluster in sorted({r["cluster"] for r in done}):
-                ours, theirs = _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals=kind)), _mean(lfs(cluster=cluster, strategy=base, dataplane="ppipe", arrivals=kind))
+                ours, theirs = (
+                    _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals=kind)),
+                    _mean(lfs(cluster=cluster, strategy=base, dataplane="ppipe", arrivals=kind)),
+                )
                 gains[cluster] = ours / theirs - 1 if ours and theirs else None
             out["gain_over"].setdefault(base, {})[kind] = gains
     for s in strategies:
-        out["low_class_utilization"][s] = _mean([r["low_class_utilization"] for r in done if r["strategy"] == s and r["dataplane"] == "ppipe" and r["arrivals"] == "poisson"])
+        out["low_class_utilization"][s] = _mean(
+            [r["low_class_utilization"] for r in done if r["strategy"] == s and r["dataplane"] == "ppipe" and r["arrivals"] == "poisson"]
+        )
     for r in done:
         if r["dataplane"] == "reactive":
             cluster = r["cluster"]
-            out["ablation"][cluster] = {"reactive": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="reactive", arrivals="poisson")),
-                                        "ppipe": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals="poisson"))}
+            out["ablation"][cluster] = {
+                "reactive": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="reactive", arrivals="poisson")),
+                "ppipe": _mean(lfs(cluster=cluster, strategy="ppipe", dataplane="ppipe", arrivals="poisson")),
+            }
     return out
 
 
 @click.command("experiments")
-@click.option("--profiles", "profiles_dir", required=True, type=click.Path(exists=True, file_okay=False), help="The PPipe profile folder (../shared/ppipe).")
-@click.option("--clusters", default=",".join(PAPER_CLUSTERS), show_default=True, help="Comma-separated cluster names (plans/clusters.json).")
+@click.option(
+    "--profiles",
+    "profiles_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The PPipe profile folder (../shared/ppipe).",
+)
+@click.option(
+    "--clusters", default=",".join(PAPER_CLUSTERS), show_default=True, help="Comma-separated cluster names (plans/clusters.json)."
+)
 @click.option("--groups", default=",".join(PAPER_GROUPS), show_default=True, help="Comma-separated model groups (plans/groups.json).")
 @click.option("--arrivals", default="poisson,bursty", show_default=True, help="Comma-separated workloads.")
 @click.option("--strategies", default="ppipe,np", show_default=True, help="Planning strategies (ppipe, np, dart-r).")
@@ -225,8 +276,11 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 @click.option("--time-limit", type=float, default=60.0, show_default=True, help="MILP time limit per plan.")
 @click.option("--table2/--no-table2", default=True, show_default=True, help="Also simulate Symphony's Table 2.")
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False, writable=True))
-def experiments(profiles_dir, clusters, groups, arrivals, strategies, ablation_cluster, duration, seed, time_limit, table2, json_path) -> None:
+def experiments(
+    profiles_dir, clusters, groups, arrivals, strategies, ablation_cluster, duration, seed, time_limit, table2, json_path
+) -> None:
     """Reproduce PPipe's Figs. 6, 8, 10 (and Symphony's Table 2) in the simulator; write JSON."""
+
     def split(text: str) -> list[str]:
         return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -234,9 +288,18 @@ def experiments(profiles_dir, clusters, groups, arrivals, strategies, ablation_c
 
     try:
         with progress_bar("simulating", total=None) as advance:
-            out = ppipe_experiment(profiles_dir, clusters=split(clusters), groups=split(groups), arrivals=split(arrivals), strategies=split(strategies),
-                                   ablation_cluster=ablation_cluster or None, duration=duration, seed=seed, time_limit=time_limit,
-                                   progress=lambda msg: advance(note=msg))
+            out = ppipe_experiment(
+                profiles_dir,
+                clusters=split(clusters),
+                groups=split(groups),
+                arrivals=split(arrivals),
+                strategies=split(strategies),
+                ablation_cluster=ablation_cluster or None,
+                duration=duration,
+                seed=seed,
+                time_limit=time_limit,
+                progress=lambda msg: advance(note=msg),
+            )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if table2:

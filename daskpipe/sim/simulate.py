@@ -28,6 +28,7 @@ from daskpipe.sim.engine import Engine, Trace, check_ratios, on_time
 from daskpipe.sim.workload import Trace as ArrivalTrace
 from daskpipe.sim.workload import arrivals as make_arrivals
 
+
 class ProfileDurations:
     """The engine's ground truth for a whole plan: each model's
     :class:`~daskpipe.sched.durations.BatchDurations` (the emulated runtime holds its batches by
@@ -128,7 +129,9 @@ def model_result(trace: Trace, model: str, load_factor: float, offered_rate: flo
             late += 1
     first = [d.batch_size for _, d in trace.dispatches if d.model == model and d.hops[0].partition == 0]
     p50, p99 = (float(x * 1e3) for x in np.percentile(latencies, [50, 99])) if latencies else (None, None)
-    return ModelResult(model, load_factor, offered_rate, len(records), good, late, dropped, p50, p99, float(np.mean(first)) if first else None)
+    return ModelResult(
+        model, load_factor, offered_rate, len(records), good, late, dropped, p50, p99, float(np.mean(first)) if first else None
+    )
 
 
 @dataclass
@@ -204,7 +207,9 @@ def _prepare(
         if not (rate >= 0 and math.isfinite(rate)):
             raise ValueError(f"model {name!r}: reference rate must be a non-negative number, got {rate!r}")
     kwargs: dict[str, Any] = {"settings": settings, "max_batch": max_batch, "timeout_s": timeout_s}
-    return _Setup(plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, latency_ratios, bursty_cv, kwargs)
+    return _Setup(
+        plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, latency_ratios, bursty_cv, kwargs
+    )
 
 
 def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: float) -> tuple[ModelResult, Trace, Placement]:
@@ -220,14 +225,23 @@ def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: fl
         return ModelResult(model_plan.name, load_factor, rate, len(times), 0, 0, dropped, None, None, None), Trace(), placement
     slo = model_plan.slo_us / 1e6
     dispatcher = make_dispatcher(setup.dataplane, model_plan, placement, profile, bw_gbps=setup.bw_gbps, **setup.dispatcher_kwargs)
-    engine = Engine({model_plan.name: dispatcher}, placement.slots, ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),
-                    noise=setup.noise, latency_ratios=setup.latency_ratios, seed=setup.seed * 1000 + index, horizon=setup.duration)
+    engine = Engine(
+        {model_plan.name: dispatcher},
+        placement.slots,
+        ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),
+        noise=setup.noise,
+        latency_ratios=setup.latency_ratios,
+        seed=setup.seed * 1000 + index,
+        horizon=setup.duration,
+    )
     engine.add_arrivals(Request(i, model_plan.name, float(t), float(t) + slo) for i, t in enumerate(times))
     trace = engine.run()
     return model_result(trace, model_plan.name, load_factor, rate), trace, placement
 
 
-def _utilization(plan: Plan, busy: Mapping[str, float], slots: Mapping[str, Slot], duration: float) -> tuple[dict[str, float], dict[str, float]]:
+def _utilization(
+    plan: Plan, busy: Mapping[str, float], slots: Mapping[str, Slot], duration: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """Busy fraction per GPU type; a 1/v slice's busy second counts 1/v of a GPU-second."""
     work: dict[str, float] = {}
     placed: dict[str, float] = {}
@@ -273,9 +287,24 @@ def simulate(
     """
     if not (load_factor >= 0 and math.isfinite(load_factor)):
         raise ValueError(f"load_factor must be a non-negative number, got {load_factor!r}")
-    setup = _prepare(plan, profiles, dataplane=dataplane, arrivals=arrivals, duration=duration, seed=seed, noise=noise, latency_ratios=latency_ratios, bursty_cv=bursty_cv,
-                     bw_gbps=bw_gbps, gpus_per_server=gpus_per_server, base_rates=base_rates, placements=placements,
-                     timeout_s=timeout_s, max_batch=max_batch, settings=settings)
+    setup = _prepare(
+        plan,
+        profiles,
+        dataplane=dataplane,
+        arrivals=arrivals,
+        duration=duration,
+        seed=seed,
+        noise=noise,
+        latency_ratios=latency_ratios,
+        bursty_cv=bursty_cv,
+        bw_gbps=bw_gbps,
+        gpus_per_server=gpus_per_server,
+        base_rates=base_rates,
+        placements=placements,
+        timeout_s=timeout_s,
+        max_batch=max_batch,
+        settings=settings,
+    )
     results, busy, slots, runs = {}, {}, {}, {}
     for index, model_plan in enumerate(plan.models):
         result, trace, placement = _run_model(setup, index, model_plan, load_factor)

@@ -93,7 +93,9 @@ def load_trace(path: str | Path) -> Trace:
         try:
             value = float(text)
         except ValueError:
-            raise ValueError(f"{path}:{n}: expected a number, got {text!r} (a per-minute trace starts with a line {PER_MINUTE_HEADER!r})") from None
+            raise ValueError(
+                f"{path}:{n}: expected a number, got {text!r} (a per-minute trace starts with a line {PER_MINUTE_HEADER!r})"
+            ) from None
         if not math.isfinite(value) or (per_minute and value < 0):
             raise ValueError(f"{path}:{n}: expected a {'non-negative count' if per_minute else 'finite timestamp'}, got {text!r}")
         values.append(value)
@@ -167,12 +169,22 @@ class Stream:
             raise ValueError(f"stream {self.source!r}: start_block must be an integer >= 0, got {self.start_block!r}")
 
 
-def stream_requests(streams: Sequence[Stream], duration: float, rng: np.random.Generator, *, kind: str | Trace = "poisson", cv: float = 2.0) -> list[Request]:
+def stream_requests(
+    streams: Sequence[Stream], duration: float, rng: np.random.Generator, *, kind: str | Trace = "poisson", cv: float = 2.0
+) -> list[Request]:
     """The arrivals of every stream (``arrivals(kind, ...)`` each, drawn in order) as ``Request``s
     in time order: id ``(source, i)``, deadline = arrival + the stream's budget, its ``start_block``."""
     requests = []
     for stream in streams:
         for i, t in enumerate(arrivals(kind, stream.rate, duration, rng, cv=cv)):
-            requests.append(Request(id=(stream.source, i), model=stream.model, arrival=float(t), deadline=float(t) + stream.budget_s, start_block=stream.start_block))
+            requests.append(
+                Request(
+                    id=(stream.source, i),
+                    model=stream.model,
+                    arrival=float(t),
+                    deadline=float(t) + stream.budget_s,
+                    start_block=stream.start_block,
+                )
+            )
     requests.sort(key=lambda r: r.arrival)
     return requests

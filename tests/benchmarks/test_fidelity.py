@@ -17,8 +17,13 @@ from daskpipe.profiles.model import Profile
 def profile(shapes: tuple | None = None) -> Profile:
     """Four blocks; with ``shapes``, the input's and each boundary's per-sample shape."""
     return Profile(
-        model="four", slo_us=50_000.0, num_blocks=4, latency_us={("L4", 1): np.full((4, 2), 1000.0)}, boundary_bytes=(64.0, 64.0, 64.0),
-        input_shape=shapes[0] if shapes else None, boundary_shapes=shapes[1:] if shapes else None,
+        model="four",
+        slo_us=50_000.0,
+        num_blocks=4,
+        latency_us={("L4", 1): np.full((4, 2), 1000.0)},
+        boundary_bytes=(64.0, 64.0, 64.0),
+        input_shape=shapes[0] if shapes else None,
+        boundary_shapes=shapes[1:] if shapes else None,
     )
 
 
@@ -84,7 +89,23 @@ def test_models_and_plans_that_cannot_be_benched_are_refused_by_option(ppipe_dir
 def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tmp_path):
     """textsnake (SLO 99.5 ms) on one L4 slot: short trials, the whole path, a sane report."""
     out = tmp_path / "fidelity.json"
-    result = CliRunner().invoke(main, ["bench", "fidelity", "--profiles", str(ppipe_dir), "--models", "textsnake", "--gpus", "L4:1", "--duration", "1", "--json", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "fidelity",
+            "--profiles",
+            str(ppipe_dir),
+            "--models",
+            "textsnake",
+            "--gpus",
+            "L4:1",
+            "--duration",
+            "1",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     (name,) = report["models"]

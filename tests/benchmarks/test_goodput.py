@@ -18,7 +18,18 @@ def _threshold_trials(capacity: float):
     def trial(rate: float) -> Trial:
         rates.append(rate)
         on_time = 100 if rate <= capacity else 90
-        return Trial(rate, submitted=100, in_hand=100, on_time=on_time, dropped=0, failed=0, pending=0, latency_p50_ms=1.0, latency_p99_ms=2.0, mean_batch=1.0)
+        return Trial(
+            rate,
+            submitted=100,
+            in_hand=100,
+            on_time=on_time,
+            dropped=0,
+            failed=0,
+            pending=0,
+            latency_p50_ms=1.0,
+            latency_p99_ms=2.0,
+            mean_batch=1.0,
+        )
 
     return trial, rates
 

@@ -63,7 +63,22 @@ def test_bench_cli_writes_per_policy_figures(tmp_path):
     from daskpipe.cli import main
 
     out = tmp_path / "colo.json"
-    args = ["bench", "colocation", "--json", str(out), "--duration", "1", "--scales", "0.5,1", "--strategy", "inss", "--strategy", "gpulet", "--fit-noise", "0.01"]
+    args = [
+        "bench",
+        "colocation",
+        "--json",
+        str(out),
+        "--duration",
+        "1",
+        "--scales",
+        "0.5,1",
+        "--strategy",
+        "inss",
+        "--strategy",
+        "gpulet",
+        "--fit-noise",
+        "0.01",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())

@@ -77,11 +77,15 @@ def test_malformed_colocated_partitions_are_refused(change, match):
 def test_oversubscribed_devices_slow_down_and_impossible_ones_are_refused():
     model = cache_model()
     oversubscribed = shared_gpu_plan(model, [("a", 0.6), ("b", 0.6)])  # MPS allows it: the SMs are time-shared
-    assert colocated_latency(oversubscribed, "a").latency_us(0, 0, 1) > colocated_latency(shared_gpu_plan(model, [("a", 0.6), ("b", 0.4)]), "a").latency_us(0, 0, 1)
+    assert colocated_latency(oversubscribed, "a").latency_us(0, 0, 1) > colocated_latency(
+        shared_gpu_plan(model, [("a", 0.6), ("b", 0.4)]), "a"
+    ).latency_us(0, 0, 1)
     plan = shared_gpu_plan(model, [("a", 0.5), ("b", 0.5)])
     b = plan.model("b")
     mixed_part = dataclasses.replace(b.pipelines[0].partitions[0], gpu="T4")
-    mixed = dataclasses.replace(plan, models=(plan.model("a"), dataclasses.replace(b, pipelines=(dataclasses.replace(b.pipelines[0], partitions=(mixed_part,)),))))
+    mixed = dataclasses.replace(
+        plan, models=(plan.model("a"), dataclasses.replace(b, pipelines=(dataclasses.replace(b.pipelines[0], partitions=(mixed_part,)),)))
+    )
     with pytest.raises(ColocationError, match=r"GPU types \['L4', 'T4'\]"):
         colocated_stages(mixed)
     with pytest.raises(ColocationError, match="carries no interference model"):

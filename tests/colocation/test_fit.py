@@ -42,8 +42,12 @@ def test_fit_model_recovers_every_parameter_from_noiseless_profiling():
     for name in truth.models:
         want, got = truth.coeff(name, "RTX2060S"), fitted.coeff(name, "RTX2060S")
         assert got.running == pytest.approx(want.running, rel=1e-3, abs=1e-3)
-        assert (got.l2_alpha, got.l2_beta, got.cache_sensitivity) == pytest.approx((want.l2_alpha, want.l2_beta, want.cache_sensitivity), abs=1e-6)
-        assert (got.mem_base_mb, got.mem_per_sample_mb, got.sched_us_per_kernel) == pytest.approx((want.mem_base_mb, want.mem_per_sample_mb, want.sched_us_per_kernel))
+        assert (got.l2_alpha, got.l2_beta, got.cache_sensitivity) == pytest.approx(
+            (want.l2_alpha, want.l2_beta, want.cache_sensitivity), abs=1e-6
+        )
+        assert (got.mem_base_mb, got.mem_per_sample_mb, got.sched_us_per_kernel) == pytest.approx(
+            (want.mem_base_mb, want.mem_per_sample_mb, want.sched_us_per_kernel)
+        )
 
 
 def test_fit_error_with_measurement_noise_is_reported():

@@ -8,8 +8,18 @@ from daskpipe.colocation.latency import Colocated, ColocationError, GpuSpec, Int
 
 def coefficients(model: str = "m", **changes) -> ModelCoefficients:
     values = dict(
-        model=model, gpu="g", kernels=100, sched_us_per_kernel=5.0, running=(0.0, 10.0, 5.0, 0.0, 1.0),
-        l2_alpha=0.5, l2_beta=0.1, cache_sensitivity=0.2, input_bytes=1e6, output_bytes=1e3, mem_base_mb=500, mem_per_sample_mb=10,
+        model=model,
+        gpu="g",
+        kernels=100,
+        sched_us_per_kernel=5.0,
+        running=(0.0, 10.0, 5.0, 0.0, 1.0),
+        l2_alpha=0.5,
+        l2_beta=0.1,
+        cache_sensitivity=0.2,
+        input_bytes=1e6,
+        output_bytes=1e3,
+        mem_base_mb=500,
+        mem_per_sample_mb=10,
     )
     values.update(changes)
     return ModelCoefficients(**values)

@@ -74,7 +74,9 @@ def test_deploy_with_a_colocation_strategy_shares_one_gpu_between_models(l4_halv
 
     names = ("tiny-a", "tiny-b")
     profiles = {"tiny-a": sliced_tiny_profile("tiny-a", 4.0), "tiny-b": sliced_tiny_profile("tiny-b", 6.0)}
-    svc = daskpipe.deploy(l4_halves, {n: tiny_model() for n in names}, example_inputs={n: example() for n in names}, profiles=profiles, strategy="inss")
+    svc = daskpipe.deploy(
+        l4_halves, {n: tiny_model() for n in names}, example_inputs={n: example() for n in names}, profiles=profiles, strategy="inss"
+    )
     try:
         parts = [p.partitions[0] for m in svc.plan.models for p in m.pipelines]
         assert {p.device for p in parts} == {"L4-0"} and len(parts) == 2 and all(p.slices == 2 for p in parts)

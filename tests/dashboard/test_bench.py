@@ -17,14 +17,18 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 def run_bench(tmp_path, viewer: str, rounds: int = 1) -> dict:
     out = tmp_path / "dashboard.json"
-    result = CliRunner().invoke(bench_dashboard, ["--requests", "64", "--rounds", str(rounds), "--viewer", viewer, "--in-process", "--json", str(out)])
+    result = CliRunner().invoke(
+        bench_dashboard, ["--requests", "64", "--rounds", str(rounds), "--viewer", viewer, "--in-process", "--json", str(out)]
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert figures["viewer"] == viewer and figures["requests_per_round"] == 64
     for side in ("pages_closed", "pages_open"):
         assert figures[side]["requests_per_second"] > 0 and figures[side]["python_cpu_us_per_request"] > 0
     assert len(figures["rounds"]["closed"]) == len(figures["rounds"]["open"]) == rounds
-    assert figures["throughput_drop"] == pytest.approx(1 - figures["pages_open"]["requests_per_second"] / figures["pages_closed"]["requests_per_second"])
+    assert figures["throughput_drop"] == pytest.approx(
+        1 - figures["pages_open"]["requests_per_second"] / figures["pages_closed"]["requests_per_second"]
+    )
     return figures
 
 

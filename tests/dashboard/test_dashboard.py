@@ -26,7 +26,14 @@ from tests.runtime.conftest import example, tiny_model, two_stage
 pytestmark = pytest.mark.timeout(60)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,10 @@ def serving():
     from daskpipe.runtime.cluster import EmulatedCluster
 
     profile, plan = two_stage()
-    with EmulatedCluster({"L4": 1, "T4": 1}, servers=2, processes=False, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, servers=2, processes=False, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
         svc = daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile})
         try:
             wait(svc.map("tiny", [example() for _ in range(48)]), timeout=30)

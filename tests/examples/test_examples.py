@@ -25,7 +25,9 @@ def test_serve_emulated_gpus_serves_every_request_and_refuses_a_bad_one():
     assert "/daskpipe-slos" in out and "pool: " in out
     assert "a wrong shape: InvalidRequest" in out
     ended = ast.literal_eval(re.search(r"30 requests in [\d.]+ s: (\{.*\})", out).group(1))
-    assert sum(ended.values()) == 30 and ended.get("output", 0) >= 29  # every request ends; at 70% of the plan's capacity, (almost) all served
+    assert (
+        sum(ended.values()) == 30 and ended.get("output", 0) >= 29
+    )  # every request ends; at 70% of the plan's capacity, (almost) all served
 
 
 def test_plan_and_simulate_plans_both_models_and_meets_the_slo():
@@ -35,5 +37,7 @@ def test_plan_and_simulate_plans_both_models_and_meets_the_slo():
 
 
 def test_plan_and_simulate_names_a_bad_inventory():
-    done = subprocess.run([sys.executable, str(REPO / "examples" / "plan_and_simulate.py"), "--gpus", "L4"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "plan_and_simulate.py"), "--gpus", "L4"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode != 0 and "--gpus takes TYPE=COUNT" in done.stderr

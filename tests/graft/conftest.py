@@ -52,8 +52,15 @@ BUDGET_MS = 4000.0
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     ).eval()
 
 
@@ -66,10 +73,13 @@ def model_and_profile() -> tuple[nn.Module, BlockedModel, Profile]:
     blocked = segmented.cut(bounds)
     per_block = np.array([[ms * 1e3 * (1 + (b - 1) / 4) for b in range(1, MAX_BATCH + 1)] for ms in BLOCK_MS])
     profile = Profile(
-        model="tiny", slo_us=BUDGET_MS * 1e3, num_blocks=4,
+        model="tiny",
+        slo_us=BUDGET_MS * 1e3,
+        num_blocks=4,
         latency_us={("V100", 1): per_block / 2, ("V100", 2): per_block},
         boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
-        input_shape=blocked.input_shape, boundary_shapes=tuple(blocked.boundary_shapes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
         meta={"segment_boundaries": bounds},
     )
     return module, blocked, profile

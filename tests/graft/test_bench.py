@@ -14,10 +14,23 @@ from .conftest import toy_profile
 def test_bench_writes_the_contract_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "estimated_profile", lambda *args, **kwargs: toy_profile())
     out = tmp_path / "graft.json"
-    result = CliRunner().invoke(bench.bench_graft, [
-        "--models", "vgg11", "--devices", "10", "--small-devices", "4", "--small-cases", "2",
-        "--duration", "2", "--json", str(out),
-    ])
+    result = CliRunner().invoke(
+        bench.bench_graft,
+        [
+            "--models",
+            "vgg11",
+            "--devices",
+            "10",
+            "--small-devices",
+            "4",
+            "--small-cases",
+            "2",
+            "--duration",
+            "2",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["gpu_share_graft"] <= data["gpu_share_per_fragment"]

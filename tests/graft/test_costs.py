@@ -38,8 +38,9 @@ def test_front_trades_latency_for_cost(costs: StageCosts) -> None:
 
 def test_needs_two_slice_counts_and_valid_ranges() -> None:
     profile = toy_profile().restricted(["V100"])
-    one_slice = type(profile)(model="toy", slo_us=1.0, num_blocks=4, latency_us={("V100", 1): profile.table("V100", 1)},
-                              boundary_bytes=profile.boundary_bytes)
+    one_slice = type(profile)(
+        model="toy", slo_us=1.0, num_blocks=4, latency_us={("V100", 1): profile.table("V100", 1)}, boundary_bytes=profile.boundary_bytes
+    )
     with pytest.raises(ProfileError, match="v=1 and v=2"):
         StageCosts(one_slice, "V100")
     costs = StageCosts(profile, "V100")

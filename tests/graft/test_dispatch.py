@@ -101,11 +101,17 @@ def test_entry_blocks_and_budgets_survive_the_plan_file(hybrid, tmp_path) -> Non
         Plan.from_dict(data)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda fragments, offered: ([Fragment("tiny", 0, 50.0, 1.0, ("stranger",))], offered), "no route for device 'stranger'"),
-    (lambda fragments, offered: ([Fragment("tiny", 1, 50.0, 1.0, ("dev0",))], offered), "device 'dev0' enters at block 1 but its route starts at block 0"),
-    (lambda fragments, offered: (fragments, [4]), r"slots with v=\[4\]; the profile of 'tiny' has tables for v=\[1, 2\]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda fragments, offered: ([Fragment("tiny", 0, 50.0, 1.0, ("stranger",))], offered), "no route for device 'stranger'"),
+        (
+            lambda fragments, offered: ([Fragment("tiny", 1, 50.0, 1.0, ("dev0",))], offered),
+            "device 'dev0' enters at block 1 but its route starts at block 0",
+        ),
+        (lambda fragments, offered: (fragments, [4]), r"slots with v=\[4\]; the profile of 'tiny' has tables for v=\[1, 2\]"),
+    ],
+)
 def test_a_plan_the_cluster_or_devices_do_not_match_is_refused(model_and_profile, change, message) -> None:
     serving, fragments = serving_plan()
     fragments, offered = change(fragments, [1, 2])

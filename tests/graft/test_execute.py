@@ -16,8 +16,15 @@ from daskpipe.profiles.fx import segment_model
 def tiny():
     torch.manual_seed(0)
     module = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     ).eval()
     segmented = segment_model(module, torch.zeros(1, 3, 16, 16))
     blocked = segmented.cut(sorted({0, 1, 2, 3, segmented.num_segments}))
@@ -53,8 +60,10 @@ def test_local_cluster_shared_stage_batches_three_entries(tiny) -> None:
     plan = shared_plan(profile)
     images, requests = device_requests(module, blocked)
     batches_seen: list[tuple[int, int]] = []
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-            distributed.Client(cluster) as client:
+    with (
+        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        distributed.Client(cluster) as client,
+    ):
         actors = [client.submit(StageActor, blocked.stage(s.start, s.end), actor=True).result() for s in plan.stages]
 
         def run_stage(index: int, batch: torch.Tensor) -> torch.Tensor:

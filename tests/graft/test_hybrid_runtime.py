@@ -86,7 +86,9 @@ def test_graft_planner_output_serves_every_entry(model_and_profile) -> None:
     torch.manual_seed(2)
     images = {k: torch.randn(1, 3, 16, 16) for k in (0, 1, 2)}
     with EmulatedCluster({"V100": 2}, slices=2, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        with deploy_hybrid(client, module, serving=serving, fragments=fragments, profile=profile, example_input=images[0], time_dilation=1000.0) as svc:
+        with deploy_hybrid(
+            client, module, serving=serving, fragments=fragments, profile=profile, example_input=images[0], time_dilation=1000.0
+        ) as svc:
             with torch.inference_mode():
                 futures = {k: svc.submit("tiny", blocked.run(x, end=k).half() if k else x, start_block=k) for k, x in images.items()}
                 for k, future in futures.items():
@@ -101,7 +103,10 @@ def test_graft_planner_output_serves_every_entry(model_and_profile) -> None:
         ({"serving": "plan.json"}, "serving must be a graft ServingPlan, got str"),
         ({"fragments": [1]}, "fragments must be a sequence of graft Fragments, got list"),
         ({"profile": {}}, "profile must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
-        ({"example_input": torch.empty(1, 3, 16, 16, device="meta")}, "example_input must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)"),
+        (
+            {"example_input": torch.empty(1, 3, 16, 16, device="meta")},
+            "example_input must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)",
+        ),
         ({"time_dilation": "2"}, "time_dilation must be a number, got '2' (str)"),
         ({"bw_gbps": 0}, "bw_gbps must be a finite number > 0 Gbit/s, got 0 Gbit/s"),
     ],
@@ -109,6 +114,13 @@ def test_graft_planner_output_serves_every_entry(model_and_profile) -> None:
 def test_deploy_hybrid_names_the_argument_that_is_wrong(model_and_profile, arguments, message) -> None:
     module, _, profile = model_and_profile
     serving, fragments = serving_plan()
-    given = {"module": module, "serving": serving, "fragments": fragments, "profile": profile, "example_input": torch.zeros(1, 3, 16, 16), **arguments}
+    given = {
+        "module": module,
+        "serving": serving,
+        "fragments": fragments,
+        "profile": profile,
+        "example_input": torch.zeros(1, 3, 16, 16),
+        **arguments,
+    }
     with Client(processes=False, n_workers=0, dashboard_address=None) as client, pytest.raises(DeployError, match="^" + re.escape(message)):
         deploy_hybrid(client, given.pop("module"), **given)

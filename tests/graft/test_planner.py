@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 
 from daskpipe.graft import (
-    Fragment, PlanningError, StageCosts, group, merge, optimum, per_fragment, plan_graft, realign,
+    Fragment,
+    PlanningError,
+    StageCosts,
+    group,
+    merge,
+    optimum,
+    per_fragment,
+    plan_graft,
+    realign,
 )
 from daskpipe.graft.planner import Level
 
@@ -55,8 +63,10 @@ def brute_force_level(costs: StageCosts, fragments: list[Fragment], point: int) 
             if latency > budget:
                 continue
             shared = share * instances_needed(costs, rate, latency, batch)
-            private = [None if f.start_block == point else costs.min_resource(f.start_block, point, f.rate_rps, budget - latency)
-                       for f in fragments]
+            private = [
+                None if f.start_block == point else costs.min_resource(f.start_block, point, f.rate_rps, budget - latency)
+                for f in fragments
+            ]
             if all(p is not None or f.start_block == point for p, f in zip(private, fragments)):
                 best = min(best, shared + sum(p.cost for p in private if p is not None))
     return best

@@ -26,8 +26,25 @@ def run(*args: str):
 
 def test_plan_writes_json_and_prints_a_summary(profile_dir, tmp_path):
     out = tmp_path / "plan.json"
-    result = run("plan", "--profiles", str(profile_dir), "--models", "two,other", "--weights", "1,2", "--gpus", "A=2,B=4",
-                 "--gpus-per-server", "A=1,B=2", "--bw-gbps", "6", "--slo-us", "two=100000", "--out", str(out))
+    result = run(
+        "plan",
+        "--profiles",
+        str(profile_dir),
+        "--models",
+        "two,other",
+        "--weights",
+        "1,2",
+        "--gpus",
+        "A=2,B=4",
+        "--gpus-per-server",
+        "A=1,B=2",
+        "--bw-gbps",
+        "6",
+        "--slo-us",
+        "two=100000",
+        "--out",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {"objective", "models", "solver"} <= set(data)
@@ -65,8 +82,27 @@ def test_bad_flags_name_flag_and_value(profile_dir, tmp_path, args, message):
 
 def test_golden_case_from_the_command_line(ppipe_dir, tmp_path):
     out = tmp_path / "plan.json"
-    result = run("plan", "--profiles", str(ppipe_dir), "--models", "fcn", "--gpus", "V100=4,P4=12", "--gpus-per-server", "V100=2,P4=1",
-                 "--bw-gbps", "6", "--slo-us", "fcn=33300", "--margin", "0.4", "--max-parts", "2", "--out", str(out))
+    result = run(
+        "plan",
+        "--profiles",
+        str(ppipe_dir),
+        "--models",
+        "fcn",
+        "--gpus",
+        "V100=4,P4=12",
+        "--gpus-per-server",
+        "V100=2,P4=1",
+        "--bw-gbps",
+        "6",
+        "--slo-us",
+        "fcn=33300",
+        "--margin",
+        "0.4",
+        "--max-parts",
+        "2",
+        "--out",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["objective"] == pytest.approx(1212, abs=3)
 

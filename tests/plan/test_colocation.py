@@ -74,7 +74,9 @@ def test_plan_cli_writes_a_colocated_plan(three_models, tmp_path):
     for name, profile in three_models.items():
         profile.save(folder / f"{name}.json")
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(main, ["plan", "--profiles", str(folder), "--models", "a,b,c", "--gpus", "L4=2", "--strategy", "inss", "--out", str(out)])
+    result = CliRunner().invoke(
+        main, ["plan", "--profiles", str(folder), "--models", "a,b,c", "--gpus", "L4=2", "--strategy", "inss", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert plan.strategy == "inss" and plan.interference["name"] == "from-profiles"

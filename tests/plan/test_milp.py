@@ -106,7 +106,9 @@ def test_bad_inputs_name_the_problem(two_block, kwargs, message):
 
 
 def test_slo_below_fastest_latency_says_what_would_fit(two_block):
-    with pytest.raises(PlanError, match=r"fastest pipeline takes 2000 µs \(whole model on A at batch 1\); raise its SLO to at least 3333 µs"):
+    with pytest.raises(
+        PlanError, match=r"fastest pipeline takes 2000 µs \(whole model on A at batch 1\); raise its SLO to at least 3333 µs"
+    ):
         make_plan({"m": two_block}, {"A": 1, "B": 1}, slo_us={"m": 3000}, solver="cbc")
 
 
@@ -155,7 +157,14 @@ def test_golden_fcn_with_routes_shared(ppipe_dir):
 
     profiles = load_profiles(ppipe_dir, ["fcn"])
     (name,) = profiles
-    plan = make_plan(profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6, slo_us={name: 33300}, solver="cbc",
-                     one_pipeline_per_route=False)
+    plan = make_plan(
+        profiles,
+        {"V100": 4, "P4": 12},
+        gpus_per_server={"V100": 2, "P4": 1},
+        bw_gbps=6,
+        slo_us={name: 33300},
+        solver="cbc",
+        one_pipeline_per_route=False,
+    )
     assert plan.objective == pytest.approx(1218.9, abs=0.1)
     assert plan.gpus_used() == {"V100": 4, "P4": 12}

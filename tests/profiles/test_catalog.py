@@ -27,9 +27,16 @@ def test_catalog_has_required_types_with_sane_figures():
 
 @pytest.mark.parametrize(
     "nvml, expected",
-    [("NVIDIA L4", "L4"), ("Tesla T4", "T4"), ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA A100-SXM4-80GB", "A100"),
-     ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("nvidia a10", "A10"),
-     ("NVIDIA RTX A6000", "RTX-A6000")],
+    [
+        ("NVIDIA L4", "L4"),
+        ("Tesla T4", "T4"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("nvidia a10", "A10"),
+        ("NVIDIA RTX A6000", "RTX-A6000"),
+    ],
 )
 def test_normalise_gpu_name(nvml, expected):
     assert normalise_gpu_name(nvml) == expected

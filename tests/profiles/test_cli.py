@@ -13,10 +13,27 @@ from daskpipe.profiles.cli import parse_batch_sizes, profile
 def test_torchvision_profile_with_estimates_then_show(tmp_path):
     out = tmp_path / "r18.json"
     runner = CliRunner()
-    result = runner.invoke(profile, [
-        "torchvision", "resnet18", "--blocks", "2", "--batch-sizes", "1,3", "--input-shape", "3,32,32",
-        "--repeats", "1", "--cpu-threads", "1", "--estimate", "L4,T4", "--out", str(out),
-    ])
+    result = runner.invoke(
+        profile,
+        [
+            "torchvision",
+            "resnet18",
+            "--blocks",
+            "2",
+            "--batch-sizes",
+            "1,3",
+            "--input-shape",
+            "3,32,32",
+            "--repeats",
+            "1",
+            "--cpu-threads",
+            "1",
+            "--estimate",
+            "L4,T4",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     prof = load_profiles(out)["resnet18"]
     assert prof.num_blocks == 2 and prof.gpu_types == ["L4", "T4", "cpu"]

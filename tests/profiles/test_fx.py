@@ -45,7 +45,14 @@ def test_tiny_net_cut_points_avoid_the_residual_branch():
     segmented = segment_model(module, torch.randn(2, 3, 16, 16))
     # inside the residual block the skip input stays live, so the next cut is after the add
     assert [cut.value.name for cut in segmented.cuts] == [
-        "x", "stem_0", "stem_1", "add", "relu_1", "adaptive_avg_pool2d", "flatten", "head"
+        "x",
+        "stem_0",
+        "stem_1",
+        "add",
+        "relu_1",
+        "adaptive_avg_pool2d",
+        "flatten",
+        "head",
     ]
     assert segmented.cut_shapes[0] == (3, 16, 16) and segmented.cut_shapes[-1] == (5,)
     assert segmented.cut_bytes[0] == 3 * 16 * 16 * 2

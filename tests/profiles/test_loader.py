@@ -72,7 +72,10 @@ def test_duplicate_model_in_json_folder(tmp_path):
         (dict(timings={("L4", 1): "10,18\n20,abc\n"}), r"tiny-net-L4-1.csv: row 2, column 2 \(batch 2\): 'abc' is not a number"),
         (dict(timings={("L4", 1): "10,18\n20\n"}), r"tiny-net-L4-1.csv: row 2 has 1 batch-size columns, row 1 has 2"),
         (dict(timings={("L4", 1): "10,-18\n20,30\n"}), r"tiny-net-L4-1.csv: row 1, column 2.*non-negative"),
-        (dict(timings={("L4", 1): "10,18\n20,30\n", ("L4", 2): "1\n2\n3\n"}), r"tiny-net-L4-2.csv: has 3 block rows, but tiny-net-L4-1.csv has 2"),
+        (
+            dict(timings={("L4", 1): "10,18\n20,30\n", ("L4", 2): "1\n2\n3\n"}),
+            r"tiny-net-L4-2.csv: has 3 block rows, but tiny-net-L4-1.csv has 2",
+        ),
         (dict(boundary="1\n2\n"), r"boundary-bytes/tiny-net.csv: has 2 rows; 2 blocks .* need 1"),
         (dict(boundary=None), r"boundary-bytes/tiny-net.csv: file is missing"),
         (dict(slos="model,slo_us\nother,5\n"), r"models.csv: no row for model 'tiny-net'"),

@@ -21,7 +21,13 @@ def small_cnn() -> nn.Module:
 def test_profile_matches_the_blocked_model(tmp_path):
     module = small_cnn()
     profile, blocked = profile_model(
-        module, torch.randn(1, 3, 16, 16), name="small", num_blocks=3, batch_sizes=(1, 2, 4), repeats=1, warmup=1,
+        module,
+        torch.randn(1, 3, 16, 16),
+        name="small",
+        num_blocks=3,
+        batch_sizes=(1, 2, 4),
+        repeats=1,
+        warmup=1,
         cpu_threads=1,
     )
     assert profile.model == "small" and profile.gpu_types == ["cpu"] and profile.slices("cpu") == [1]
@@ -43,8 +49,17 @@ def test_profile_matches_the_blocked_model(tmp_path):
 def test_labels_slices_and_gpu_type_and_keeps_given_slo():
     threads = torch.get_num_threads()
     profile, _ = profile_model(
-        small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=2, gpu_type="L4",
-        slices=2, slo_us=1234.0, repeats=1, warmup=0, cpu_threads=1,
+        small_cnn(),
+        torch.randn(1, 3, 8, 8),
+        name="small",
+        num_blocks=2,
+        batch_sizes=2,
+        gpu_type="L4",
+        slices=2,
+        slo_us=1234.0,
+        repeats=1,
+        warmup=0,
+        cpu_threads=1,
     )
     assert torch.get_num_threads() == threads and profile.meta["cpu_threads"] == 1
     assert list(profile.latency_us) == [("L4", 2)] and profile.slo_us == 1234.0
@@ -55,7 +70,9 @@ def test_profiles_in_a_dask_worker_with_the_threads_its_slot_serves_with():
     from distributed import Client, LocalCluster
 
     with LocalCluster(n_workers=1, threads_per_worker=3, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        future = client.submit(profile_model, small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=1, repeats=1, warmup=0)
+        future = client.submit(
+            profile_model, small_cnn(), torch.randn(1, 3, 8, 8), name="small", num_blocks=2, batch_sizes=1, repeats=1, warmup=0
+        )
         profile, _ = future.result()
     assert profile.meta["cpu_threads"] == 3  # the worker's threads, not torch's default
 
@@ -73,7 +90,9 @@ def test_a_timing_taken_while_other_processes_take_the_cpu_says_the_machine_was_
     import time
 
     module, x = nn.Linear(512, 512), torch.randn(256, 512)
-    burners = [multiprocessing.get_context("spawn").Process(target=_burn, args=(time.time() + 6.0,)) for _ in range(3 * (os.cpu_count() or 1))]
+    burners = [
+        multiprocessing.get_context("spawn").Process(target=_burn, args=(time.time() + 6.0,)) for _ in range(3 * (os.cpu_count() or 1))
+    ]
     for p in burners:
         p.start()
     try:
@@ -85,7 +104,11 @@ def test_a_timing_taken_while_other_processes_take_the_cpu_says_the_machine_was_
             p.join()
     assert busy.busy and busy.cpu_share < BUSY_CPU_SHARE, busy.cpu_share
     summary = timing_summary([busy])
-    assert summary["busy_cells"] == 1 and "the machine was busy while profiling" in summary["warning"] and "profile again on a quiet machine" in summary["warning"]
+    assert (
+        summary["busy_cells"] == 1
+        and "the machine was busy while profiling" in summary["warning"]
+        and "profile again on a quiet machine" in summary["warning"]
+    )
 
 
 def test_bad_arguments():
@@ -137,7 +160,10 @@ def test_profile_colocation_cli_writes_a_loadable_model(tmp_path):
     from daskpipe.colocation.latency import InterferenceModel
 
     out = tmp_path / "fit.json"
-    result = CliRunner().invoke(main, ["profile", "colocation", "alexnet,mnasnet", "--emulate", "inss-testbed", "--gpu", "RTX2060S", "--co-sets", "2", "--out", str(out)])
+    result = CliRunner().invoke(
+        main,
+        ["profile", "colocation", "alexnet,mnasnet", "--emulate", "inss-testbed", "--gpu", "RTX2060S", "--co-sets", "2", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert sorted(InterferenceModel.from_dict(data["interference"]).models) == ["alexnet", "mnasnet"]

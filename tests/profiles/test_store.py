@@ -18,7 +18,17 @@ def small_net() -> nn.Module:
 
 
 def key(**changes) -> MeasurementKey:
-    fields = dict(model="abc", segment_boundaries=(0, 2, 4), batch_sizes=(1, 2), gpu="L4", slices=2, device="NVIDIA L4", driver="550.54", torch="2.4.0", threads=0)
+    fields = dict(
+        model="abc",
+        segment_boundaries=(0, 2, 4),
+        batch_sizes=(1, 2),
+        gpu="L4",
+        slices=2,
+        device="NVIDIA L4",
+        driver="550.54",
+        torch="2.4.0",
+        threads=0,
+    )
     return MeasurementKey(**{**fields, **changes})
 
 
@@ -35,7 +45,17 @@ def test_the_fingerprint_follows_graph_weights_and_input():
     assert model_fingerprint(nn.Sequential(net[0], nn.Tanh(), *net[2:]).eval(), x) != same, "same weights, another graph"
 
 
-@pytest.mark.parametrize("change", [{"driver": "555.42"}, {"slices": 1}, {"batch_sizes": (1, 2, 4)}, {"segment_boundaries": (0, 1, 4)}, {"torch": "2.5.0"}, {"threads": 4}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"driver": "555.42"},
+        {"slices": 1},
+        {"batch_sizes": (1, 2, 4)},
+        {"segment_boundaries": (0, 1, 4)},
+        {"torch": "2.5.0"},
+        {"threads": 4},
+    ],
+)
 def test_every_field_of_the_key_separates_entries(tmp_path, change):
     store = ProfileStore(tmp_path)
     store.put(key(), np.ones((2, 2)))

@@ -50,7 +50,9 @@ def example() -> torch.Tensor:
     return torch.randn(1, *INPUT)
 
 
-def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 500.0, gpus: tuple[str, str] = ("L4", "T4")) -> tuple[Profile, Plan]:
+def two_stage(
+    name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 500.0, gpus: tuple[str, str] = ("L4", "T4")
+) -> tuple[Profile, Plan]:
     """A profile and a plan: blocks [0, 1) on one ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4.
 
     Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.
@@ -73,7 +75,9 @@ def two_stage(name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0),
     throughput = BATCH / (at_batch.max() * 1e-6)
     partitions = tuple(Partition(blocks=(i, i + 1), gpu=gpus[i], slices=1, vgpus=1, latency_us=float(at_batch[i])) for i in range(2))
     pipeline = Pipeline(batch_size=BATCH, throughput=throughput, partitions=partitions)
-    plan = Plan(objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),))
+    plan = Plan(
+        objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),)
+    )
     return profile, plan
 
 
@@ -125,7 +129,10 @@ def emulated_inproc(request, tmp_path_factory):
     from daskpipe.runtime.cluster import EmulatedCluster
 
     security = tls_security(tmp_path_factory.mktemp("tls")) if request.param == "tls" else None
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None, protocol=request.param, security=security) as cluster, Client(cluster) as client:
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None, protocol=request.param, security=security) as cluster,
+        Client(cluster) as client,
+    ):
         with_test_dispatcher(client, cluster.scheduler)
         yield cluster, client
 

@@ -17,7 +17,9 @@ from daskpipe.sched.api import Action, Dispatch, Dispatcher, Drop, Hop, Placemen
 
 
 class FifoDispatcher(Dispatcher):
-    def __init__(self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, window: float = 0.25, max_queue: int = 10_000):
+    def __init__(
+        self, model: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float, window: float = 0.25, max_queue: int = 10_000
+    ):
         self.model = model
         self.pipeline = model.pipelines[0]
         self.pools = [placement.pools[(0, q)] for q in range(len(self.pipeline.partitions))]

@@ -44,7 +44,9 @@ def test_adaptive_drains_idle_gpus_at_low_load_and_adds_gpus_of_the_served_type_
     profile = replace(estimated, slo_us=4 * estimated.slo_us)
     settings = ElasticSettings(debounce_s=0.3, load_window_s=3.0, scale_cooldown_s=3.0, idle_grace_s=1.0)
     with EmulatedCluster({"T4": 3}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = daskpipe.deploy(client, {"cnn": model}, example_inputs={"cnn": x}, profiles={"cnn": profile}, time_dilation=K, elastic=settings)
+        svc = daskpipe.deploy(
+            client, {"cnn": model}, example_inputs={"cnn": x}, profiles={"cnn": profile}, time_dilation=K, elastic=settings
+        )
         plugin = plugin_of(cluster.scheduler)
         capacity = svc.plan.model("cnn").throughput / K
         assert sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) == 3

@@ -33,7 +33,15 @@ def test_a_killed_worker_and_two_new_gpus_lose_no_request_and_the_new_plan_uses_
     assert len(figures["replans"]) >= 2  # after the loss, and after the scale-up
 
 
-@pytest.mark.parametrize("args, bad", [(["--load", "2"], "--load"), (["--capacity", "0"], "--capacity"), (["--phase-seconds", "5"], "--phase-seconds"), (["--fault", "melt"], "'--fault'")])
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        (["--load", "2"], "--load"),
+        (["--capacity", "0"], "--capacity"),
+        (["--phase-seconds", "5"], "--phase-seconds"),
+        (["--fault", "melt"], "'--fault'"),
+    ],
+)
 def test_the_chaos_command_refuses_bad_options_naming_them(args, bad):
     from click.testing import CliRunner
 

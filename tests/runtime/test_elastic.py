@@ -32,7 +32,9 @@ def deploy_pooled(client, stage_ms: tuple[float, float], slo_ms: float, second_p
     pipeline = model.pipelines[0]
     parts = (pipeline.partitions[0], replace(pipeline.partitions[1], vgpus=second_pool))
     plan = replace(plan, models=(replace(model, pipelines=(replace(pipeline, partitions=parts),)),))
-    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, elastic=None)
+    return daskpipe.deploy(
+        client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, elastic=None
+    )
 
 
 @pytest.fixture
@@ -108,7 +110,10 @@ def test_a_retry_that_finds_its_pool_empty_is_dropped_saying_so_not_blaming_the_
             future.result(timeout=30)
         message = str(info.value)
         assert info.value.reason == "worker-lost" and "deadline" not in message, message
-        assert f"worker {victim} died while its batch ran; the retry was dropped (no-capacity): no pipeline of this model has slots in every pool" in message
+        assert (
+            f"worker {victim} died while its batch ran; the retry was dropped (no-capacity): no pipeline of this model has slots in every pool"
+            in message
+        )
         later = svc.submit("tiny", frames(1)[0])  # while the pool is empty
         with pytest.raises(RequestDropped) as info:
             later.result(timeout=30)
@@ -123,7 +128,14 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
     estimated = estimated_profile(model, ex, name="cnn")
     profile = replace(estimated, slo_us=4 * estimated.slo_us)
     with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = daskpipe.deploy(client, {"cnn": model}, example_inputs={"cnn": ex}, profiles={"cnn": profile}, time_dilation=2000.0, elastic=ElasticSettings(debounce_s=0.5))
+        svc = daskpipe.deploy(
+            client,
+            {"cnn": model},
+            example_inputs={"cnn": ex},
+            profiles={"cnn": profile},
+            time_dilation=2000.0,
+            elastic=ElasticSettings(debounce_s=0.5),
+        )
         plugin = plugin_of(cluster.scheduler)
         with svc:
             assert {q.gpu for p in svc.plan.model("cnn").pipelines for q in p.partitions} == {"L4", "T4"}
@@ -166,7 +178,9 @@ def test_a_shift_in_the_load_mix_re_plans_with_the_observed_rates():
     profiles = {name: estimated_profile(model, ex, name=name) for name in ("a", "b")}
     settings = ElasticSettings(load_window_s=2.0, load_interval_s=0.0, load_shift=0.25)
     with EmulatedCluster({"L4": 2, "T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = daskpipe.deploy(client, {"a": model, "b": model}, example_inputs={"a": ex, "b": ex}, profiles=profiles, time_dilation=2000.0, elastic=settings)
+        svc = daskpipe.deploy(
+            client, {"a": model, "b": model}, example_inputs={"a": ex, "b": ex}, profiles=profiles, time_dilation=2000.0, elastic=settings
+        )
         plugin = plugin_of(cluster.scheduler)
         with svc:
             before = svc.plan
@@ -187,7 +201,9 @@ def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_laten
     profile, _ = two_stage(stage_ms=(20.0, 20.0), slo_ms=400.0)
     settings = ElasticSettings(load_interval_s=0.0, profile_band=1.3, debounce_s=0.1)
     with EmulatedCluster({"L4": 2, "T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, profiles={"tiny": profile}, elastic=settings)
+        svc = daskpipe.deploy(
+            client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, profiles={"tiny": profile}, elastic=settings
+        )
         plugin = plugin_of(cluster.scheduler)
         with svc:
             (dep,) = plugin.elastic.deployments.values()
@@ -211,8 +227,10 @@ def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_laten
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"debounce_s": -1}, "debounce_s must be a finite number >= 0"), ({"target_utilisation": 0}, "target_utilisation must be in"),
-        ({"load_window_s": 0}, "load_window_s must be > 0"), ({"profile_band": 1.0}, "profile_band must be > 1"),
+        ({"debounce_s": -1}, "debounce_s must be a finite number >= 0"),
+        ({"target_utilisation": 0}, "target_utilisation must be in"),
+        ({"load_window_s": 0}, "load_window_s must be > 0"),
+        ({"profile_band": 1.0}, "profile_band must be > 1"),
     ],
 )
 def test_bad_elastic_settings_are_refused_naming_the_setting(bad, message):
@@ -229,8 +247,18 @@ def test_re_planning_works_over_tls(tmp_path):
     estimated = estimated_profile(model, ex, gpus=("L4", "T4"), name="cnn")
     profile = replace(estimated, slo_us=4 * estimated.slo_us)  # TLS handshakes on a loaded machine delay the first batch
     security = tls_security(tmp_path)
-    with EmulatedCluster({"L4": 1}, processes=False, dashboard_address=None, protocol="tls", security=security) as cluster, Client(cluster, security=security) as client:
-        svc = daskpipe.deploy(client, {"cnn": model}, example_inputs={"cnn": ex}, profiles={"cnn": profile}, time_dilation=2000.0, elastic=ElasticSettings(debounce_s=0.2))
+    with (
+        EmulatedCluster({"L4": 1}, processes=False, dashboard_address=None, protocol="tls", security=security) as cluster,
+        Client(cluster, security=security) as client,
+    ):
+        svc = daskpipe.deploy(
+            client,
+            {"cnn": model},
+            example_inputs={"cnn": ex},
+            profiles={"cnn": profile},
+            time_dilation=2000.0,
+            elastic=ElasticSettings(debounce_s=0.2),
+        )
         plugin = plugin_of(cluster.scheduler)
         with svc:
             add_emulated_gpus(cluster, {"T4": 1})
@@ -257,7 +285,14 @@ def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in(
     estimated = estimated_profile(model, ex, gpus=("L4",), name="cnn")
     profile = replace(estimated, slo_us=4 * estimated.slo_us)
     with EmulatedCluster({"L4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        svc = daskpipe.deploy(client, {"cnn": model}, example_inputs={"cnn": ex}, profiles={"cnn": profile}, time_dilation=2000.0, elastic=ElasticSettings(debounce_s=0.2))
+        svc = daskpipe.deploy(
+            client,
+            {"cnn": model},
+            example_inputs={"cnn": ex},
+            profiles={"cnn": profile},
+            time_dilation=2000.0,
+            elastic=ElasticSettings(debounce_s=0.2),
+        )
         plugin = plugin_of(cluster.scheduler)
         with svc:
             assert svc.profiles["cnn"].gpu_types == ["L4"]
@@ -288,7 +323,11 @@ def test_a_real_kind_is_measured_on_its_worker_the_way_deploy_measures_it(fake_g
     blocks = [pickle.dumps([block]) for block in result.blocked.blocks]
     shapes = [result.blocked.input_shape, *result.blocked.boundary_shapes]
     t4 = next(s.address for s in slots if s.gpu == "T4")
-    measured = client.submit(kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("T4", 1)], True, workers=[t4]).result()
+    measured = client.submit(
+        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("T4", 1)], True, workers=[t4]
+    ).result()
     assert list(measured) == [("T4", 1)] and measured[("T4", 1)].shape == result.profile.table("L4", 2).shape
-    estimated = client.submit(kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("V100", 1)], False, workers=[t4]).result()
+    estimated = client.submit(
+        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("V100", 1)], False, workers=[t4]
+    ).result()
     assert list(estimated) == [("V100", 1)] and (estimated[("V100", 1)] > 0).all()

@@ -15,7 +15,14 @@ from torch import nn
 
 import daskpipe
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.environ import ALLOCATOR_VARIABLES, WorkerEnvironment, compute_thread_setup, environments, probe_worker, stage_worker_environ
+from daskpipe.runtime.environ import (
+    ALLOCATOR_VARIABLES,
+    WorkerEnvironment,
+    compute_thread_setup,
+    environments,
+    probe_worker,
+    stage_worker_environ,
+)
 
 DASK_DEFAULT = "65536"  # distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_
 
@@ -67,7 +74,8 @@ def test_daskpipe_worker_drops_the_allocator_setting_of_its_shell():
     with LocalCluster(n_workers=0, processes=False, protocol="tcp", dashboard_address=None) as cluster, Client(cluster) as client:
         env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": DASK_DEFAULT}
         process = subprocess.Popen(
-            [sys.executable, "-c", "from daskpipe.cli import main; main()", "worker", cluster.scheduler_address, "--emulate", "T4:1"], env=env
+            [sys.executable, "-c", "from daskpipe.cli import main; main()", "worker", cluster.scheduler_address, "--emulate", "T4:1"],
+            env=env,
         )
         try:
             client.wait_for_workers(1, timeout=60)
@@ -87,7 +95,11 @@ def test_deploy_warns_about_a_worker_with_dasks_default_allocator_setting(clean_
 
 def test_a_slot_computes_on_the_threads_its_worker_was_given(clean_environ):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
-    with stage_worker_environ(), LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        stage_worker_environ(),
+        LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         [before] = environments(client.run(probe_worker))
         with daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0}) as service:
             assert service.profiles["tiny"].meta["cpu_threads"] == 2, "profiled as it serves"

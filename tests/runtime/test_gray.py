@@ -29,9 +29,15 @@ def test_the_policy_reads_dask_config_and_names_a_bad_knob():
     with dask.config.set({"daskpipe.gray.readmit-ratio": 2.5, "daskpipe.gray.slow-batches": 5}):
         policy = GrayPolicy.from_config()
     assert policy.readmit_ratio == 2.5 and policy.slow_batches == 5 and policy.suspect_factor == GrayPolicy().suspect_factor
-    with dask.config.set({"daskpipe.gray.late-limit-slos": 0.5}), pytest.raises(ValueError, match=r"daskpipe.gray.late-limit-slos must be a number >= 1, got 0.5"):
+    with (
+        dask.config.set({"daskpipe.gray.late-limit-slos": 0.5}),
+        pytest.raises(ValueError, match=r"daskpipe.gray.late-limit-slos must be a number >= 1, got 0.5"),
+    ):
         GrayPolicy.from_config()
-    with dask.config.set({"daskpipe.gray.suspect-after": 3}), pytest.raises(ValueError, match=r"unknown daskpipe.gray keys \['suspect-after'\]"):
+    with (
+        dask.config.set({"daskpipe.gray.suspect-after": 3}),
+        pytest.raises(ValueError, match=r"unknown daskpipe.gray keys \['suspect-after'\]"),
+    ):
         GrayPolicy.from_config()
     assert GrayPolicy(suspect_factor=2, overdue_floor_slos=0.25).hop_bound(0.1, 0.002, 0.4) == pytest.approx(0.2 + 0.1)
 
@@ -90,7 +96,12 @@ def test_a_stalled_or_slow_slot_is_routed_around_and_readmitted_when_in_line(poo
         sent = offer(svc, rate=40, seconds=2.5)
         status = svc.status()["tiny"]
         assert status["suspected"] >= 1 and victim in status["suspects"], status  # still slow: still suspect
-        gauges = {tuple(s.labels.values()): s.value for family in DaskpipeCollector(cluster.scheduler).collect() if family.name.endswith("daskpipe_suspect_slots") for s in family.samples}
+        gauges = {
+            tuple(s.labels.values()): s.value
+            for family in DaskpipeCollector(cluster.scheduler).collect()
+            if family.name.endswith("daskpipe_suspect_slots")
+            for s in family.samples
+        }
         assert gauges == {("tiny", victim): 1.0}
         assert any(rule in r.getMessage() and victim in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
         for _, future, _ in sent:  # every request ends: a result, or dropped saying why
@@ -105,12 +116,17 @@ def test_a_stalled_or_slow_slot_is_routed_around_and_readmitted_when_in_line(poo
         assert not status["suspects"] and status["readmitted"] >= 1, status
         since = time.monotonic()
         offer(svc, rate=60, seconds=1.0)
-        assert any(slot == victim and start >= since for slot, start, _ in list(plugin.metrics.busy)), "the re-admitted slot takes batches again"
+        assert any(slot == victim and start >= since for slot, start, _ in list(plugin.metrics.busy)), (
+            "the re-admitted slot takes batches again"
+        )
 
 
 def test_no_result_comes_later_than_the_late_limit(pools_of_two):
     cluster, client = pools_of_two
-    with dask.config.set({"daskpipe.gray.suspect-factor": 1000.0}), deploy_pools_of_two(client) as svc:  # never suspected: the late limit alone
+    with (
+        dask.config.set({"daskpipe.gray.suspect-factor": 1000.0}),
+        deploy_pools_of_two(client) as svc,
+    ):  # never suspected: the late limit alone
         offer(svc, rate=20, seconds=0.3)
         client.run(slow_down, 60.0, 1.5, workers=[first_pool_worker(cluster)])
         sent = offer(svc, rate=40, seconds=1.0)

@@ -65,7 +65,9 @@ def test_nan_and_inf_inputs_err_at_once_unless_the_service_allows_them(emulated_
         for out, ref in zip(client.gather(svc.map("tiny", xs)), reference(xs)):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     profile, plan = two_stage()
-    with daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, allow_nonfinite=True) as svc:
+    with daskpipe.deploy(
+        client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, allow_nonfinite=True
+    ) as svc:
         good = frames(3, seed=3)
         batch = svc.map("tiny", [nan, *good])  # served as asked: it reaches the model, which asserts on it
         with pytest.raises(RequestFailed, match="poisoned input"):
@@ -92,7 +94,7 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         for (expected, _), future in zip(cases.items(), futures):
             with pytest.raises(InvalidRequest, match=f"refused by the scheduler.*{expected}"):
                 future.result(timeout=30)
-        for out, ref in zip(client.gather(futures[len(cases):]), reference(good)):
+        for out, ref in zip(client.gather(futures[len(cases) :]), reference(good)):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         (ragged,) = send_raw(svc, "tiny", [raw, raw], [1])
         with pytest.raises(InvalidRequest, match="1 keys and 2 inputs"):
@@ -100,7 +102,9 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         assert svc.status()["tiny"]["invalid"] == len(cases)
         counted = {outcome: total - before.get(outcome, 0) for outcome, total in request_outcomes(cluster.scheduler).items()}
         assert counted["invalid"] == len(cases) and counted["submitted"] == len(cases) + len(valid)
-        assert counted["submitted"] == counted["completed"] + counted["failed"] + counted["invalid"] + counted["dropped"], counted  # every outcome accounted for
+        assert counted["submitted"] == counted["completed"] + counted["failed"] + counted["invalid"] + counted["dropped"], (
+            counted
+        )  # every outcome accounted for
 
 
 def request_outcomes(scheduler) -> dict[str, float]:
@@ -108,8 +112,12 @@ def request_outcomes(scheduler) -> dict[str, float]:
     from daskpipe.dashboard.prometheus import DaskpipeCollector
 
     families = {family.name: family for family in DaskpipeCollector(scheduler).collect()}
-    outcomes = {sample.labels["outcome"]: sample.value for sample in families["dask_daskpipe_requests"].samples if sample.labels["model"] == "tiny"}
-    outcomes["dropped"] = sum(sample.value for sample in families["dask_daskpipe_requests_dropped"].samples if sample.labels["model"] == "tiny")
+    outcomes = {
+        sample.labels["outcome"]: sample.value for sample in families["dask_daskpipe_requests"].samples if sample.labels["model"] == "tiny"
+    }
+    outcomes["dropped"] = sum(
+        sample.value for sample in families["dask_daskpipe_requests_dropped"].samples if sample.labels["model"] == "tiny"
+    )
     return outcomes
 
 
@@ -130,7 +138,14 @@ def test_a_submission_with_a_malformed_field_errs_every_one_of_its_futures_at_on
     with deploy_two_stage(client) as svc:
         keys = [f"hostile-{uuid.uuid4().hex}" for _ in range(2)]
         futures = [Future(key, client) for key in keys]
-        message = {"op": "daskpipe-submit", "model": "tiny", "keys": keys, "inputs": [raw, raw], "sizes": [1, 1], **MALFORMED_FIELDS[problem]}
+        message = {
+            "op": "daskpipe-submit",
+            "model": "tiny",
+            "keys": keys,
+            "inputs": [raw, raw],
+            "sizes": [1, 1],
+            **MALFORMED_FIELDS[problem],
+        }
         svc._stream.send(message)
         for future in futures:
             with pytest.raises(InvalidRequest, match=f"malformed submission.*{problem}"):
@@ -142,7 +157,11 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
     from daskpipe.runtime.cluster import EmulatedCluster
     from daskpipe.runtime.futures import ClientStream
 
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client, Client(cluster) as flooder:
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+        Client(cluster) as flooder,
+    ):
         with deploy_two_stage(client, slo_ms=100.0) as svc:  # real time: 4 + 6 ms stages, no dilation
             wait(svc.map("tiny", frames(40, seed=2)), timeout=60)  # the control path measured
             stream = ClientStream(flooder)
@@ -153,7 +172,9 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
             valid, flood_seen = [], []
             for i, x in enumerate(frames(200)):  # 200 requests a second for a second, the flood sent in their midst
                 if i == 50:
-                    stream.send({"op": "daskpipe-submit", "model": "nope", "keys": keys, "inputs": [b""] * len(keys), "sizes": [1] * len(keys)})
+                    stream.send(
+                        {"op": "daskpipe-submit", "model": "nope", "keys": keys, "inputs": [b""] * len(keys), "sizes": [1] * len(keys)}
+                    )
                 valid.append(svc.submit("tiny", x))
                 flood_seen.append((first.done(), last.done()))
                 time.sleep(0.005)
@@ -251,7 +272,10 @@ time.sleep(120)
 
 
 def test_a_client_killed_mid_stream_leaves_nothing_behind():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp", dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp", dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(DaskpipeSchedulerPlugin())
         vanish_and_redeploy(cluster, client)
 
@@ -260,7 +284,9 @@ def vanish_and_redeploy(cluster, client) -> None:
     """A client process that deployed a model and queued requests is killed; another takes the name."""
     plugin = plugin_of(cluster.scheduler)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", VANISHING, cluster.scheduler_address], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VANISHING, cluster.scheduler_address], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "submitted"
         until(lambda: "vanishing" in plugin.served and len(plugin.served["vanishing"].inputs) == 3, what="its requests queued")
@@ -272,7 +298,9 @@ def vanish_and_redeploy(cluster, client) -> None:
     assert served.inputs == {} and served.dropped == {"released": 3} and served.counts["batches"] == 0
     until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), what="its keys forgotten")
     profile, plan = two_stage("vanishing", gpus=("cpu", "cpu"))  # the name is free again
-    with daskpipe.deploy(client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile}) as svc:
+    with daskpipe.deploy(
+        client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile}
+    ) as svc:
         for out, ref in zip(client.gather(svc.map("vanishing", frames(4))), reference(frames(4))):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(180)
 
 def deploy_bounded(client, max_queued):
     profile, plan = two_stage(slo_ms=20_000.0)  # a partial batch waits for its last moment: requests stay queued
-    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, max_queued=max_queued)
+    return daskpipe.deploy(
+        client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, max_queued=max_queued
+    )
 
 
 def test_a_full_queue_drops_new_requests_with_reason_overload(emulated_inproc):
@@ -64,7 +66,23 @@ def test_the_default_bound_is_two_slos_of_requests_at_the_plans_capacity():
 @pytest.mark.parametrize("dispatcher", ["ppipe", "ppipe-two-pass"])
 def test_bench_overload_loses_nothing_and_keeps_the_queue_bound(tmp_path, dispatcher):
     out = tmp_path / "overload.json"
-    args = ["bench", "overload", "--loads", "1,3", "--duration", "2", "--capacity", "20", "--max-queued", "4", "--dispatcher", dispatcher, "--in-process", "--json", str(out)]
+    args = [
+        "bench",
+        "overload",
+        "--loads",
+        "1,3",
+        "--duration",
+        "2",
+        "--capacity",
+        "20",
+        "--max-queued",
+        "4",
+        "--dispatcher",
+        dispatcher,
+        "--in-process",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -79,6 +97,10 @@ def test_bench_overload_loses_nothing_and_keeps_the_queue_bound(tmp_path, dispat
 
 
 def test_bench_overload_refuses_bad_options():
-    for args, problem in ((["--loads", "1,x"], "comma-separated numbers"), (["--duration", "0"], "--duration"), (["--max-queued", "0"], "--max-queued")):
+    for args, problem in (
+        (["--loads", "1,x"], "comma-separated numbers"),
+        (["--duration", "0"], "--duration"),
+        (["--max-queued", "0"], "--max-queued"),
+    ):
         result = CliRunner().invoke(main, ["bench", "overload", *args])
         assert result.exit_code == 2 and problem in result.output, result.output

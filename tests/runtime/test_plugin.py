@@ -51,7 +51,9 @@ def test_serving_an_unknown_dispatcher_is_a_clear_error():
 
 
 def test_worker_slots_follow_the_worker_contract():
-    gpu = worker_slot("tcp://a", "node-0/L4-1/0", {"daskpipe.slot": 1, "daskpipe.gpu.L4": 1, "daskpipe.slices.2": 1, "daskpipe.emulated": 1}, "10.0.0.1")
+    gpu = worker_slot(
+        "tcp://a", "node-0/L4-1/0", {"daskpipe.slot": 1, "daskpipe.gpu.L4": 1, "daskpipe.slices.2": 1, "daskpipe.emulated": 1}, "10.0.0.1"
+    )
     assert (gpu.gpu, gpu.slices, gpu.server, gpu.emulated) == ("L4", 2, "node-0", True)
     plain = worker_slot("tcp://b", "w-1", {}, "10.0.0.2")
     assert (plain.gpu, plain.slices, plain.server, plain.emulated) == ("cpu", 1, "10.0.0.2", False)
@@ -96,7 +98,15 @@ def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_sl
     profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
     capacity = plan.model("tiny").throughput / DILATION
     model = tiny_model()
-    with daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, time_dilation=DILATION, dispatcher=dataplane) as svc:
+    with daskpipe.deploy(
+        client,
+        {"tiny": model},
+        example_inputs={"tiny": example()},
+        plan=plan,
+        profiles={"tiny": profile},
+        time_dilation=DILATION,
+        dispatcher=dataplane,
+    ) as svc:
         generator = torch.Generator().manual_seed(2)
         xs = [torch.randn(1, *example().shape[1:], generator=generator) for _ in range(8)]
         sent = iter(range(1_000_000))
@@ -119,5 +129,9 @@ def test_deploying_an_unknown_data_plane_names_the_known_ones(two_slots):
 
     cluster, client = two_slots
     profile, plan = two_stage()
-    with pytest.raises(DeployError, match="unknown dispatcher 'fastest'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
-        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, dispatcher="fastest")
+    with pytest.raises(
+        DeployError, match="unknown dispatcher 'fastest'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"
+    ):
+        daskpipe.deploy(
+            client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, dispatcher="fastest"
+        )

@@ -33,7 +33,14 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
     kind_of = {s.address: (s.gpu, s.slices) for s in slots}
     assert set(kind_of.values()) == {("L4", 2), ("T4", 1), ("A10", 1)}
     with get_task_stream(client) as stream:
-        svc = daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, slo_ms={"tiny": 500.0}, num_blocks=2, batch_sizes=(1, 32, 64, 128))
+        svc = daskpipe.deploy(
+            client,
+            {"tiny": tiny_model()},
+            example_inputs={"tiny": example()},
+            slo_ms={"tiny": 500.0},
+            num_blocks=2,
+            batch_sizes=(1, 32, 64, 128),
+        )
     with svc:
         tasks = profiling_tasks(stream)
         ran_on = sorted((kind_of[t["worker"]], str(t["key"]).split("-v")[0].rsplit("-", 1)[1]) for t in tasks)
@@ -45,10 +52,14 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
         assert profile.meta["calibration"]["calibrated_on"] == ["L4/2", "T4/1"]
         parts = [q for m in svc.plan.models for p in m.pipelines for q in p.partitions]
         assert parts and all(q.table == profile.origin(q.gpu, q.slices) for q in parts)
-        assert [q["table"] for m in svc.plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [q.table for q in parts]
+        assert [q["table"] for m in svc.plan.to_dict()["models"] for p in m["pipelines"] for q in p["partitions"]] == [
+            q.table for q in parts
+        ]
         x = example()
         with torch.inference_mode():
-            torch.testing.assert_close(svc.submit("tiny", x).result(timeout=30), tiny_model()(x), atol=1e-4, rtol=1e-4)  # and it serves, the fake GPUs computing on the host
+            torch.testing.assert_close(
+                svc.submit("tiny", x).result(timeout=30), tiny_model()(x), atol=1e-4, rtol=1e-4
+            )  # and it serves, the fake GPUs computing on the host
 
 
 def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
@@ -99,7 +110,9 @@ def test_profiling_past_the_timeout_excludes_the_kind(cpu_cluster):
     cluster, client = cpu_cluster
     convs = torch.nn.Sequential(*(torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))).eval()  # ~0.2 s of timing: more than the limit
     with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than profile_timeout_s=0.01"):
-        profile_on_cluster(client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01)
+        profile_on_cluster(
+            client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01
+        )
 
 
 def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_cluster, tmp_path):
@@ -110,7 +123,15 @@ def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_clus
     def deploy() -> tuple[float, int]:
         started = time.perf_counter()
         with get_task_stream(client) as stream:
-            svc = daskpipe.deploy(client, {"convs": model}, example_inputs={"convs": x}, slo_ms={"convs": 5000}, num_blocks=2, batch_sizes=(1, 8, 16), profile_store=tmp_path)
+            svc = daskpipe.deploy(
+                client,
+                {"convs": model},
+                example_inputs={"convs": x},
+                slo_ms={"convs": 5000},
+                num_blocks=2,
+                batch_sizes=(1, 8, 16),
+                profile_store=tmp_path,
+            )
         seconds = time.perf_counter() - started
         svc.close()
         return seconds, len(profiling_tasks(stream))
@@ -128,11 +149,35 @@ def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_clu
     from daskpipe.cli import main
 
     cluster, client = cpu_cluster
-    args = ["profile", "cluster", cluster.scheduler_address, "tests.runtime.conftest:tiny_model", "--input-shape", "3,16,16",
-            "--blocks", "2", "--batch-sizes", "1,2", "--store", str(tmp_path), "--out", str(tmp_path / "tiny.profile")]
+    args = [
+        "profile",
+        "cluster",
+        cluster.scheduler_address,
+        "tests.runtime.conftest:tiny_model",
+        "--input-shape",
+        "3,16,16",
+        "--blocks",
+        "2",
+        "--batch-sizes",
+        "1,2",
+        "--store",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "tiny.profile"),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "cpu/1 measured" in result.output and "1 kind(s) profiled now" in result.output
     with get_task_stream(client) as stream:
-        again = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), torch.randn(1, 3, 16, 16), slo_us=None, num_blocks=2, batch_sizes=(1, 2), store=ProfileStore(tmp_path))
+        again = profile_on_cluster(
+            client,
+            inventory(client),
+            "tiny",
+            tiny_model(),
+            torch.randn(1, 3, 16, 16),
+            slo_us=None,
+            num_blocks=2,
+            batch_sizes=(1, 2),
+            store=ProfileStore(tmp_path),
+        )
     assert not profiling_tasks(stream) and again.profile.origin("cpu", 1) == "measured"

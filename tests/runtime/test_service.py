@@ -33,7 +33,15 @@ def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
     profile, plan = two_stage(**plan_args)
-    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, time_dilation=k, dispatcher=dispatcher)
+    return daskpipe.deploy(
+        client,
+        {"tiny": tiny_model()},
+        example_inputs={"tiny": example()},
+        plan=plan,
+        profiles={"tiny": profile},
+        time_dilation=k,
+        dispatcher=dispatcher,
+    )
 
 
 def test_deploy_profiles_plans_and_serves_on_plain_cpu_workers(cpu_cluster):
@@ -138,7 +146,10 @@ class _Unreadable(torch.Tensor):
         (lambda: torch.randn(2, 3).to_sparse_csr(), "must be a dense tensor, got layout torch.sparse_csr"),
         (lambda: torch.randn(2, 3).to_mkldnn(), "must be a dense tensor, got layout torch._mkldnn"),
         (lambda: torch.empty(2, 3, device="meta"), "is on the meta device and holds no values"),
-        (lambda: torch.nested.nested_tensor([torch.randn(3), torch.randn(2)]), "is a nested tensor; send each of its tensors as a request of its own"),
+        (
+            lambda: torch.nested.nested_tensor([torch.randn(3), torch.randn(2)]),
+            "is a nested tensor; send each of its tensors as a request of its own",
+        ),
         (lambda: torch.randn(2, 3, dtype=torch.complex64), "must be torch.float32, got torch.complex64"),
         (lambda: torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8), "must be torch.float32, got torch.qint8"),
         (lambda: torch.tensor(1.0), r"must have shape \(n, 3\) with n >= 1, got \(\)"),
@@ -146,7 +157,10 @@ class _Unreadable(torch.Tensor):
         (lambda: [[1.0, 2.0, 3.0]], r"must be a torch.Tensor of shape \(n, 3\), got list"),
         (lambda: np.zeros((1, 3), dtype=np.float32), "must be a torch.Tensor of shape .*, got ndarray"),
         (lambda: None, "must be a torch.Tensor .*, got NoneType"),
-        (lambda: torch.randn(2, 3).as_subclass(_Unreadable), "cannot be read as a dense tensor of values: RuntimeError: this subclass cannot do that"),
+        (
+            lambda: torch.randn(2, 3).as_subclass(_Unreadable),
+            "cannot be read as a dense tensor of values: RuntimeError: this subclass cannot do that",
+        ),
     ],
 )
 def test_an_input_torch_cannot_serve_is_refused_naming_the_problem(make, message):
@@ -176,8 +190,11 @@ def test_dense_tensors_in_any_layout_or_with_grad_are_served_as_their_values(mak
 def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:
-        for x, message in [(torch.randn(1, *INPUT).to_sparse(), "dense tensor"), (torch.empty(1, *INPUT, device="meta"), "meta device"),
-                           (torch.nested.nested_tensor([torch.randn(*INPUT)]), "nested tensor")]:
+        for x, message in [
+            (torch.randn(1, *INPUT).to_sparse(), "dense tensor"),
+            (torch.empty(1, *INPUT, device="meta"), "meta device"),
+            (torch.nested.nested_tensor([torch.randn(*INPUT)]), "nested tensor"),
+        ]:
             future = svc.submit("tiny", x)
             assert future.done()
             with pytest.raises(InvalidRequest, match=message):
@@ -188,7 +205,9 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
         assert len(futures) == 301 and all(f.done() for f in futures)
         assert "meta device" in str(futures[280].exception())
         unsent = futures[0].exception()
-        assert isinstance(unsent, InvalidRequest) and "not sent: map() sends all of its inputs or none, and 1 of its 301 inputs" in str(unsent)
+        assert isinstance(unsent, InvalidRequest) and "not sent: map() sends all of its inputs or none, and 1 of its 301 inputs" in str(
+            unsent
+        )
         assert "(input 280)" in str(unsent) and all(str(f.exception()) == str(unsent) for f in futures[:280] + futures[281:])
         assert svc.status()["tiny"]["submitted"] == before  # nothing reached the scheduler
         for out, ref in zip(client.gather(svc.map("tiny", xs[:4])), reference(xs[:4])):
@@ -198,15 +217,30 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"models": {"tiny": lambda x: x}}, "models['tiny'] must be a torch.nn.Module, got function; wrap it in an nn.Module whose forward calls it"),
+        (
+            {"models": {"tiny": lambda x: x}},
+            "models['tiny'] must be a torch.nn.Module, got function; wrap it in an nn.Module whose forward calls it",
+        ),
         ({"models": tiny_model()}, "models must map model names to torch.nn.Module, e.g. {'resnet': model}, got TinyCNN"),
         ({"models": {}}, "deploy needs at least one model"),
         ({"models": {3: tiny_model()}}, "model names must be non-empty strings, got [3]"),
         ({"example_inputs": {}}, "example_inputs lacks ['tiny']"),
-        ({"example_inputs": {"tiny": [[0.0]]}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got list"),
-        ({"example_inputs": {"tiny": torch.empty(1, *INPUT, device="meta")}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)"),
-        ({"example_inputs": {"tiny": torch.randn(1, *INPUT).to_sparse()}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of layout torch.sparse_coo"),
-        ({"example_inputs": {"tiny": torch.tensor(1.0)}}, "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of shape ()"),
+        (
+            {"example_inputs": {"tiny": [[0.0]]}},
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got list",
+        ),
+        (
+            {"example_inputs": {"tiny": torch.empty(1, *INPUT, device="meta")}},
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)",
+        ),
+        (
+            {"example_inputs": {"tiny": torch.randn(1, *INPUT).to_sparse()}},
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of layout torch.sparse_coo",
+        ),
+        (
+            {"example_inputs": {"tiny": torch.tensor(1.0)}},
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of shape ()",
+        ),
         ({"slo_ms": {"tiny": "500"}}, "slo_ms['tiny'] must be a number of ms, got '500' (str)"),
         ({"slo_ms": {"tiny": -5}}, "slo_ms['tiny'] must be a finite number > 0 ms, got -5 ms"),
         ({"slo_ms": {"tiny": 0.0}}, "slo_ms['tiny'] must be a finite number > 0 ms, got 0.0 ms"),
@@ -227,7 +261,10 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
         ({"dispatcher": 1}, "dispatcher must be a name (str), got 1"),
         ({"allow_nonfinite": "yes"}, "allow_nonfinite must be True or False, got 'yes'"),
         ({"plan": 42}, "plan must be a Plan or the path of a plan.json, got int"),
-        ({"profiles": {"tiny": {"model": "tiny"}}}, "profiles['tiny'] must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
+        (
+            {"profiles": {"tiny": {"model": "tiny"}}},
+            "profiles['tiny'] must be a daskpipe Profile (Profile.load reads a profile file), got dict",
+        ),
         ({"max_queued": 0}, "max_queued (None for the default) must be an integer >= 1, got 0"),
         ({"elastic": True}, "elastic must be an ElasticSettings or None, got bool"),
     ],
@@ -264,17 +301,30 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
 
     def settled(expected: tuple[int, int]) -> tuple[int, int]:
         deadline = time.monotonic() + 5
-        while (held()[0] > expected[0] or held()[1] > expected[1]) and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
+        while (
+            held()[0] > expected[0] or held()[1] > expected[1]
+        ) and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
             time.sleep(0.02)
         return held()
 
     before = held()
     after_each = []
     for _ in range(3):
-        with pytest.raises(DeployError, match=r"^model 'zeros' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors.*expects zeros.*This is data-dependent control flow: .*Move such checks out of forward"):
-            daskpipe.deploy(client, {"zeros": RefusesRandomInputs()}, example_inputs={"zeros": torch.zeros(1, *INPUT)}, slo_ms={"zeros": 500.0}, num_blocks=2)
+        with pytest.raises(
+            DeployError,
+            match=r"^model 'zeros' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors.*expects zeros.*This is data-dependent control flow: .*Move such checks out of forward",
+        ):
+            daskpipe.deploy(
+                client,
+                {"zeros": RefusesRandomInputs()},
+                example_inputs={"zeros": torch.zeros(1, *INPUT)},
+                slo_ms={"zeros": 500.0},
+                num_blocks=2,
+            )
         tasks, futures = settled(before)
-        assert tasks <= before[0] and futures <= before[1]  # the scattered model and the profiling task are gone (earlier tests' keys may go meanwhile)
+        assert (
+            tasks <= before[0] and futures <= before[1]
+        )  # the scattered model and the profiling task are gone (earlier tests' keys may go meanwhile)
         with pytest.raises(DeployError, match="the smallest SLO it can serve"):
             deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=30.0)
         after_each.append(settled(before))
@@ -310,13 +360,18 @@ def test_poison_isolation_is_bounded_by_its_budget(emulated_inproc):
         xs = frames(4)
         batch = svc.map("tiny", xs[:3] + [xs[3] * 1e6])
         wait(batch, timeout=30)
-        assert all(isinstance(f.exception(), RequestFailed) for f in batch), [f.exception() for f in batch]  # no retry left: the batch fails whole, with the cause
+        assert all(isinstance(f.exception(), RequestFailed) for f in batch), [
+            f.exception() for f in batch
+        ]  # no retry left: the batch fails whole, with the cause
         assert svc.status()["tiny"].get("isolated", 0) == 0
 
 
 def test_a_bad_gray_failure_knob_fails_the_deploy_naming_it(emulated_inproc):
     cluster, client = emulated_inproc
-    with dask.config.set({"daskpipe.gray.suspect-factor": -1}), pytest.raises(DeployError, match=r"daskpipe.gray.suspect-factor must be a number > 0, got -1"):
+    with (
+        dask.config.set({"daskpipe.gray.suspect-factor": -1}),
+        pytest.raises(DeployError, match=r"daskpipe.gray.suspect-factor must be a number > 0, got -1"),
+    ):
         deploy_two_stage(client)
 
 
@@ -373,7 +428,10 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
     from daskpipe.runtime.stage import feature_map_peers
     from distributed import Client
 
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster, Client(cluster) as client:
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster,
+        Client(cluster) as client,
+    ):
         with_test_dispatcher(client, cluster.scheduler)
         with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
             wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
@@ -409,7 +467,10 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
             wait(futures, timeout=60)
             after = svc.status()["tiny"]
             submitted, on_time = (after[c] - before[c] for c in ("submitted", "on_time"))
-            assert submitted == len(xs) and on_time / submitted >= 0.99, (after["dropped"], {k: round(v, 2) for k, v in after["control"].items()})
+            assert submitted == len(xs) and on_time / submitted >= 0.99, (
+                after["dropped"],
+                {k: round(v, 2) for k, v in after["control"].items()},
+            )
 
 
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
@@ -434,7 +495,9 @@ def test_an_asynchronous_client_deploys_submits_reads_the_plan_and_closes(emulat
 
     async def serve() -> None:
         async with Client(cluster.scheduler_address, asynchronous=True, security=cluster.security) as client:
-            svc = await daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile})
+            svc = await daskpipe.deploy(
+                client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}
+            )
             async with svc:
                 outputs = [await svc.submit("tiny", x) for x in xs]
                 for out, ref in zip(outputs, reference(xs)):

@@ -53,13 +53,29 @@ def test_a_tls_cluster_refuses_clients_without_a_certificate(tmp_path):
 
 def test_daskpipe_worker_joins_a_tls_scheduler_with_its_certificate(tmp_path):
     security = tls_security(tmp_path)
-    with LocalCluster(n_workers=0, processes=False, protocol="tls", security=security, dashboard_address=None) as cluster, Client(cluster) as client:
-        command = [sys.executable, "-c", "from daskpipe.cli import main; main()", "worker", cluster.scheduler_address, "--emulate", "T4:1", "--server", "tls-node",
-                   "--tls-ca-file", security.tls_ca_file, "--tls-cert", security.tls_worker_cert]
+    with (
+        LocalCluster(n_workers=0, processes=False, protocol="tls", security=security, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        command = [
+            sys.executable,
+            "-c",
+            "from daskpipe.cli import main; main()",
+            "worker",
+            cluster.scheduler_address,
+            "--emulate",
+            "T4:1",
+            "--server",
+            "tls-node",
+            "--tls-ca-file",
+            security.tls_ca_file,
+            "--tls-cert",
+            security.tls_worker_cert,
+        ]
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             client.wait_for_workers(1, timeout=60)
-            (address, info), = client.scheduler_info()["workers"].items()
+            ((address, info),) = client.scheduler_info()["workers"].items()
             assert address.startswith("tls://") and info["name"] == "tls-node/T4-0/0"
         finally:
             proc.send_signal(signal.SIGTERM)

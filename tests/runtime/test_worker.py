@@ -198,8 +198,7 @@ def test_cli_starts_a_worker_per_gpu_slice(mps_pipe):
                 (["--emulate", "L4:1,T4:1", "--server", "laptop"], {gpu.FAKE_GPUS_ENV: ""}),
             ]
             processes = [
-                subprocess.Popen([*DASKPIPE, "worker", cluster.scheduler_address, *args], env={**os.environ, **env})
-                for args, env in nodes
+                subprocess.Popen([*DASKPIPE, "worker", cluster.scheduler_address, *args], env={**os.environ, **env}) for args, env in nodes
             ]
             try:
                 client.wait_for_workers(5, timeout=90)
@@ -234,10 +233,16 @@ def test_cli_worker_rejects_bad_emulate():
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "banana"], "Invalid value for '--memory-limit': memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got 'banana'"),
+        (
+            ["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "banana"],
+            "Invalid value for '--memory-limit': memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got 'banana'",
+        ),
         (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "-5"], "Invalid value for '--memory-limit'"),
         (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--nthreads", "0"], "Invalid value for '--nthreads'"),
-        (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--slices", "0"], "Invalid value for '--slices': --slices must be an integer >= 1, got 0"),
+        (
+            ["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--slices", "0"],
+            "Invalid value for '--slices': --slices must be an integer >= 1, got 0",
+        ),
         (["demo", "--duration", "-1"], "Invalid value for '--duration'"),
     ],
 )

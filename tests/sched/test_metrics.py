@@ -16,20 +16,36 @@ from daskpipe.sched.api import Dispatch, Feedback, Hop, Placement, Request, Rese
 from daskpipe.sim.engine import RequestRecord, Trace
 
 PLAN = ModelPlan(
-    name="m", slo_us=100_000.0, weight=1.0, throughput=100.0,
-    pipelines=(Pipeline(batch_size=2, throughput=100.0, partitions=(
-        Partition(blocks=(0, 1), gpu="L4", slices=1, vgpus=1, latency_us=10_000.0),
-        Partition(blocks=(1, 2), gpu="T4", slices=2, vgpus=1, latency_us=20_000.0),
-    )),),
+    name="m",
+    slo_us=100_000.0,
+    weight=1.0,
+    throughput=100.0,
+    pipelines=(
+        Pipeline(
+            batch_size=2,
+            throughput=100.0,
+            partitions=(
+                Partition(blocks=(0, 1), gpu="L4", slices=1, vgpus=1, latency_us=10_000.0),
+                Partition(blocks=(1, 2), gpu="T4", slices=2, vgpus=1, latency_us=20_000.0),
+            ),
+        ),
+    ),
 )
-PLACEMENT = Placement(model="m", pools={(0, 0): ("a",), (0, 1): ("b",)}, slots={"a": Slot("a", "L4", 1, "s0"), "b": Slot("b", "T4", 2, "s1")})
+PLACEMENT = Placement(
+    model="m", pools={(0, 0): ("a",), (0, 1): ("b",)}, slots={"a": Slot("a", "L4", 1, "s0"), "b": Slot("b", "T4", 2, "s1")}
+)
 
 
 def batch(dispatch_id: int, arrivals: list[float], at: float) -> Dispatch:
     requests = [Request(id=f"r{dispatch_id}-{i}", model="m", arrival=t, deadline=t + 0.1) for i, t in enumerate(arrivals)]
     hops = (
         Hop(0, "a", Reservation("a", at, at + 0.01)),
-        Hop(1, "b", Reservation("b", at + 0.015, at + 0.035), (Reservation("s0/ul", at + 0.01, at + 0.015), Reservation("s1/dl", at + 0.01, at + 0.015))),
+        Hop(
+            1,
+            "b",
+            Reservation("b", at + 0.015, at + 0.035),
+            (Reservation("s0/ul", at + 0.01, at + 0.015), Reservation("s1/dl", at + 0.01, at + 0.015)),
+        ),
     )
     return Dispatch(id=dispatch_id, model="m", pipeline=0, batch_size=2, requests=requests, hops=hops)
 
@@ -66,7 +82,12 @@ def test_dispatch_feedback_and_done_give_busy_intervals_batches_and_latencies():
     model = metrics.models["m"]
     assert model.batch_sizes == {(0, 2): 1} and not model.pending
     means = model.phases.means(1, 1)  # each request: 20 ms queued, 170 ms computing, 10 ms crossing NICs
-    assert {phase: round(seconds, 6) for phase, seconds in means.items()} == {"queue": 0.02, "compute": 0.17, "transfer": 0.01, "other": 0.0}
+    assert {phase: round(seconds, 6) for phase, seconds in means.items()} == {
+        "queue": 0.02,
+        "compute": 0.17,
+        "transfer": 0.01,
+        "other": 0.0,
+    }
     assert math.isclose(model.phase_sums["compute"], 0.34) and sum(model.phase_buckets["queue"]) == 2
     assert (model.completed.total, model.on_time.total, model.dropped["deadline"].total) == (2, 0, 1)
     assert model.latency_buckets[LATENCY_BOUNDS_S.index(0.2)] == 2  # both in (0.1, 0.2]
@@ -113,7 +134,13 @@ def test_time_series_stream_only_the_completed_seconds_and_the_drops_table_shows
     now[0] = 102.0
     view.update()
     assert view.drops.labels == ["m overload", "m deadline"] and view.drops.column("m overload")[-1] == 3 / BUCKET_S
-    assert view.drop_source.data == {"time": ["01:01:41.500", "01:01:41.250"], "model": ["m", "m"], "reason": ["deadline", "overload"], "requests": [1, 3], "detail": ["", "4 requests queued"]}
+    assert view.drop_source.data == {
+        "time": ["01:01:41.500", "01:01:41.250"],
+        "model": ["m", "m"],
+        "reason": ["deadline", "overload"],
+        "requests": [1, 3],
+        "detail": ["", "4 requests queued"],
+    }
     metrics.drop("m", "deadline", 2, 101.9)
     view.update()
     assert view.drop_source.data["requests"] == [3, 3]

@@ -31,7 +31,9 @@ def profile(slo_ms: float = 200.0) -> Profile:
 
 def split(vgpus: tuple[int, int] = (1, 2), bs: int = 4) -> Pipeline:
     """Block 0 on A, block 1 on B."""
-    return Pipeline(bs, 100.0, (Partition((0, 1), "A", 1, vgpus[0], A_MS[bs - 1] * 1e3), Partition((1, 2), "B", 1, vgpus[1], B_MS[bs - 1] * 1e3)))
+    return Pipeline(
+        bs, 100.0, (Partition((0, 1), "A", 1, vgpus[0], A_MS[bs - 1] * 1e3), Partition((1, 2), "B", 1, vgpus[1], B_MS[bs - 1] * 1e3))
+    )
 
 
 def whole(gpu: str, vgpus: int = 1, bs: int = 4) -> Pipeline:
@@ -285,7 +287,10 @@ def run_full_batches(d: PPipeDispatcher, ratios: list[float]) -> None:
         now = float(k)
         [batch] = [action for i in range(4) for action in d.submit(req(10 * k + i, now), now)]
         hop = batch.hops[0]
-        d.feedback(Feedback(batch.id, 0, "compute", hop.compute.start, hop.compute.start + ratio * (hop.compute.end - hop.compute.start)), now + 0.5)
+        d.feedback(
+            Feedback(batch.id, 0, "compute", hop.compute.start, hop.compute.start + ratio * (hop.compute.end - hop.compute.start)),
+            now + 0.5,
+        )
 
 
 def test_variance_moves_the_last_moment_earlier_not_the_reservations():
@@ -324,7 +329,9 @@ def test_with_execution_as_reserved_both_policies_decide_alike(load):
     for quantile in (0.95, None):
         d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(slack_quantile=quantile))
         out = drive(d, requests, record=True)
-        decided.append(([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops]))
+        decided.append(
+            ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
+        )
     assert decided[0] == decided[1]
 
 
@@ -356,7 +363,11 @@ def _check_run(d: PPipeDispatcher, requests: list[Request], **kwargs) -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(timeline="gaps", uplink_aware=False), dict(timeline="append"), dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True)],
+    [
+        dict(timeline="gaps", uplink_aware=False),
+        dict(timeline="append"),
+        dict(timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True),
+    ],
     ids=["paper", "append", "artifact"],
 )
 @pytest.mark.parametrize("load", [0.7, 1.5])

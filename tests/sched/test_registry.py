@@ -42,7 +42,9 @@ def test_a_dispatcher_with_fixed_pools_says_so_and_refuses_pool_changes(name):
 
 
 def test_unknown_names_list_the_known_ones_and_extras_register():
-    with pytest.raises(ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
+    with pytest.raises(
+        ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"
+    ):
         toy_dispatcher("magic")
     with pytest.raises(ValueError, match="built-in"):
         register("ppipe", lambda *a, **k: None)

@@ -116,7 +116,10 @@ def test_window_drop_keeps_batches_large():
 def test_multiple_models_share_the_gpus():
     d = DeferredDispatcher({"a": SLO, "b": SLO}, GPUS, latency)
     engine = Engine({"a": d, "b": d}, {s.id: s for s in GPUS}, ReservedDurations())
-    reqs = sorted((Request((m, i), m, 0.75 * i + off, 0.75 * i + off + SLO) for m, off in (("a", 0.0), ("b", 0.3)) for i in range(40)), key=lambda r: r.arrival)
+    reqs = sorted(
+        (Request((m, i), m, 0.75 * i + off, 0.75 * i + off + SLO) for m, off in (("a", 0.0), ("b", 0.3)) for i in range(40)),
+        key=lambda r: r.arrival,
+    )
     engine.add_arrivals(reqs)
     trace = engine.run()
     models_per_gpu = {}

@@ -8,13 +8,24 @@ from daskpipe.sim.experiments import ppipe_experiment, summarize
 
 
 def run(cluster, strategy, lfs, dataplane="ppipe", arrivals="poisson", util=0.5):
-    return {"cluster": cluster, "group": "G1", "strategy": strategy, "dataplane": dataplane, "arrivals": arrivals,
-            "max_load_factor": dict(zip("abc", lfs)), "low_class_utilization": util}
+    return {
+        "cluster": cluster,
+        "group": "G1",
+        "strategy": strategy,
+        "dataplane": dataplane,
+        "arrivals": arrivals,
+        "max_load_factor": dict(zip("abc", lfs)),
+        "low_class_utilization": util,
+    }
 
 
 def test_summary_figures():
-    runs = [run("HC1", "ppipe", [1.0, 0.9, 0.8], util=0.7), run("HC1", "np", [0.6, 0.6, 0.6], util=0.1),
-            run("HC1", "ppipe", [0.3, 0.3, 0.3], dataplane="reactive"), {"cluster": "HC2", "strategy": "np", "error": "infeasible"}]
+    runs = [
+        run("HC1", "ppipe", [1.0, 0.9, 0.8], util=0.7),
+        run("HC1", "np", [0.6, 0.6, 0.6], util=0.1),
+        run("HC1", "ppipe", [0.3, 0.3, 0.3], dataplane="reactive"),
+        {"cluster": "HC2", "strategy": "np", "error": "infeasible"},
+    ]
     s = summarize(runs)
     assert s["mean_max_load_factor"]["poisson"] == {"np": pytest.approx(0.6), "ppipe": pytest.approx(0.9)}
     assert s["gain_over"]["np"]["poisson"]["HC1"] == pytest.approx(0.5)

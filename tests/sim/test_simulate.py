@@ -49,7 +49,9 @@ def test_find_max_load_is_the_edge_of_the_grid(toy):
 
 def test_bad_arguments(toy):
     plan, profiles = toy
-    with pytest.raises(ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"):
+    with pytest.raises(
+        ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"
+    ):
         simulate(plan, profiles, dataplane="magic")
     with pytest.raises(ValueError, match="load_factor"):
         simulate(plan, profiles, load_factor=-1)
@@ -63,19 +65,41 @@ def test_cli_writes_the_contract(tmp_path, toy):
     (tmp_path / "profiles").mkdir()
     profiles["toy"].save(tmp_path / "profiles" / "toy.json")
     out = tmp_path / "out.json"
-    args = ["--plan", str(tmp_path / "plan.json"), "--profiles", str(tmp_path / "profiles"), "--dataplane", "timeout", "--timeout-ms", "1", "--max-batch", "2", "--duration", "0.3", "--json", str(out)]
+    args = [
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--profiles",
+        str(tmp_path / "profiles"),
+        "--dataplane",
+        "timeout",
+        "--timeout-ms",
+        "1",
+        "--max-batch",
+        "2",
+        "--duration",
+        "0.3",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(simulate_cli, args)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert {"attainment", "dropped", "late", "p99_ms", "mean_batch_size"} <= set(data["models"]["toy"]) and set(data["utilization"]) == {"A", "B"}
+    assert {"attainment", "dropped", "late", "p99_ms", "mean_batch_size"} <= set(data["models"]["toy"]) and set(data["utilization"]) == {
+        "A",
+        "B",
+    }
     assert data["models"]["toy"]["mean_batch_size"] <= 2
     report = tmp_path / "report.html"
-    result = CliRunner().invoke(simulate_cli, args[:-2] + ["--find-max-load", "--max-load", "0.2", "--json", str(out), "--report", str(report)])
+    result = CliRunner().invoke(
+        simulate_cli, args[:-2] + ["--find-max-load", "--max-load", "0.2", "--json", str(out), "--report", str(report)]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["models"]["toy"]["max_load_factor"] == pytest.approx(0.2)
     html = report.read_text()
     assert all(page in html for page in ("Plan", "SLOs", "GPUs", "Batches and queues")) and '"toy"' in html
-    bad = CliRunner().invoke(simulate_cli, ["--plan", str(tmp_path / "profiles" / "toy.json"), "--profiles", str(tmp_path), "--json", str(out)])
+    bad = CliRunner().invoke(
+        simulate_cli, ["--plan", str(tmp_path / "profiles" / "toy.json"), "--profiles", str(tmp_path), "--json", str(out)]
+    )
     assert bad.exit_code != 0 and "expected 'daskpipe-plan/1'" in bad.output
 
 
@@ -87,7 +111,9 @@ def test_fcn_golden_cluster_holds_high_load(ppipe_dir):
     from daskpipe.profiles.loader import load_profiles
 
     profiles = load_profiles(ppipe_dir, ["fcn"])
-    plan = make_plan(profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6.0, margin=0.4, max_parts=2, time_limit=30)
+    plan = make_plan(
+        profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6.0, margin=0.4, max_parts=2, time_limit=30
+    )
     result = simulate(plan, profiles, dataplane="ppipe", load_factor=0.9, duration=1.0)
     (r,) = result.models.values()
     assert r.attainment >= 0.99 and r.on_time + r.late + r.dropped_total == r.submitted
@@ -120,16 +146,31 @@ def test_cli_latency_noise_and_dispatch_policy(tmp_path):
     profiles["g"].save(tmp_path / "g.json")
     (tmp_path / "ratios.txt").write_text("# measured / profiled\n1.1\n\n1.3  # a slow one\n")
     out = tmp_path / "out.json"
-    base = ["--plan", str(tmp_path / "plan.json"), "--profiles", str(tmp_path / "g.json"), "--load-factor", "0.2", "--duration", "5", "--json", str(out),
-            "--latency-ratios", str(tmp_path / "ratios.txt")]
+    base = [
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--profiles",
+        str(tmp_path / "g.json"),
+        "--load-factor",
+        "0.2",
+        "--duration",
+        "5",
+        "--json",
+        str(out),
+        "--latency-ratios",
+        str(tmp_path / "ratios.txt"),
+    ]
     attainment = {}
     for quantile in ("0.95", "off"):
         result = CliRunner().invoke(simulate_cli, base + ["--slack-quantile", quantile])
         assert result.exit_code == 0, result.output
         attainment[quantile] = json.loads(out.read_text())["models"]["g"]["attainment"]
     assert attainment["0.95"] > attainment["off"]
-    for args, message in [(["--slack-quantile", "1.5"], "slack_quantile"), (["--slack-quantile", "high"], "neither a number nor 'off'"),
-                          (["--slack-quantile", "off", "--dataplane", "eager"], "only the ppipe data plane")]:
+    for args, message in [
+        (["--slack-quantile", "1.5"], "slack_quantile"),
+        (["--slack-quantile", "high"], "neither a number nor 'off'"),
+        (["--slack-quantile", "off", "--dataplane", "eager"], "only the ppipe data plane"),
+    ]:
         result = CliRunner().invoke(simulate_cli, base + args)
         assert result.exit_code == 2 and message in result.output, result.output
     (tmp_path / "ratios.txt").write_text("1.1\nfast\n")

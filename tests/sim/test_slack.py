@@ -19,7 +19,10 @@ RUNTIME_LIKE_RATIOS = [float(r) for r in np.clip(1.14 * np.exp(np.random.default
 
 def attainments(settings: PPipeSettings, load: float, **noise) -> list[float]:
     plan, profiles = batching_plan()
-    return [simulate(plan, profiles, load_factor=load, duration=10.0, seed=seed, settings=settings, **noise).models["g"].attainment for seed in (1, 2, 3)]
+    return [
+        simulate(plan, profiles, load_factor=load, duration=10.0, seed=seed, settings=settings, **noise).models["g"].attainment
+        for seed in (1, 2, 3)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -42,5 +45,7 @@ def test_without_noise_both_policies_decide_alike(toy, plan_of):
     decided = []
     for settings in (SLACK_AWARE, LAST_MOMENT):
         result = simulate(plan, profiles, load_factor=0.6, duration=2.0, settings=settings)
-        decided.append([(at, d.batch_size, d.hops, [r.id for r in d.requests]) for _, trace in result.runs.values() for at, d in trace.dispatches])
+        decided.append(
+            [(at, d.batch_size, d.hops, [r.id for r in d.requests]) for _, trace in result.runs.values() for at, d in trace.dispatches]
+        )
     assert decided[0] == decided[1]

@@ -47,7 +47,10 @@ def test_per_minute_trace(tmp_path):
     assert first + second == pytest.approx(100, rel=0.3) and second > 2 * first
 
 
-@pytest.mark.parametrize("text, message", [("", "empty"), ("1.0\nx\n", "expected a number"), ("5\n", "at least 2"), ("per-minute\n0\n", "no requests"), ("3\n3\n", "no rate")])
+@pytest.mark.parametrize(
+    "text, message",
+    [("", "empty"), ("1.0\nx\n", "expected a number"), ("5\n", "at least 2"), ("per-minute\n0\n", "no requests"), ("3\n3\n", "no rate")],
+)
 def test_bad_traces(tmp_path, text, message):
     path = tmp_path / "bad.txt"
     path.write_text(text)
@@ -55,7 +58,15 @@ def test_bad_traces(tmp_path, text, message):
         load_trace(path)
 
 
-@pytest.mark.parametrize("call", [lambda r: poisson_arrivals(0.0, 1.0, r), lambda r: poisson_arrivals(1.0, -1.0, r), lambda r: gamma_arrivals(1.0, 1.0, r, cv=0.0), lambda r: arrivals("zipf", 1.0, 1.0, r)])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda r: poisson_arrivals(0.0, 1.0, r),
+        lambda r: poisson_arrivals(1.0, -1.0, r),
+        lambda r: gamma_arrivals(1.0, 1.0, r, cv=0.0),
+        lambda r: arrivals("zipf", 1.0, 1.0, r),
+    ],
+)
 def test_bad_parameters(call):
     with pytest.raises(ValueError):
         call(np.random.default_rng(1))
@@ -72,7 +83,10 @@ def test_streams_carry_their_entry_block_and_budget():
     assert all(r.start_block == 0 and r.deadline == pytest.approx(r.arrival + 0.2) for r in by_source["server"])
 
 
-@pytest.mark.parametrize("kwargs, message", [({"rate": 0.0}, "rate"), ({"budget_s": 0.0}, "budget_s"), ({"start_block": -1}, "start_block"), ({"start_block": 1.5}, "start_block")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"rate": 0.0}, "rate"), ({"budget_s": 0.0}, "budget_s"), ({"start_block": -1}, "start_block"), ({"start_block": 1.5}, "start_block")],
+)
 def test_bad_streams(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Stream("s", "m", **{"rate": 1.0, "budget_s": 0.1, **kwargs})
