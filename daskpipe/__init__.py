@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import dask.config
-
+from daskpipe.config import update_defaults
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
@@ -14,9 +13,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "PlanError", "Profile", "ProfileError", "dask_setup", "deploy"]
 
-# Every process that runs daskpipe's scheduler plugin imports this package first: here the layers
-# are put together, and the runtime's plugin attaches the dashboard's pages by this name.
-dask.config.update_defaults({"daskpipe": {"scheduler-extensions": ["daskpipe.dashboard:attach_dashboard"]}})
+# Every process that runs daskpipe code imports this package first: here daskpipe's config defaults
+# are loaded (daskpipe/daskpipe.yaml), among them the dashboard pages the runtime's plugin attaches.
+update_defaults()
 
 
 def deploy(client: Any, models: Any, **kwargs: Any) -> Service:

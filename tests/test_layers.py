@@ -24,6 +24,7 @@ BENCH_MODULES = {"daskpipe.runtime.chaos", "daskpipe.runtime.overload", "daskpip
 # Front ends (the CLIs, the top-level package) and benchmarks sit above them all.
 UTILITIES, COLOCATION_CORE, PROFILES, PLAN, SCHED, DATA_PLANE, DASHBOARD, TOP = range(8)
 PACKAGE_LAYERS = {
+    "daskpipe.config": UTILITIES,
     "daskpipe.jsonfile": UTILITIES,
     "daskpipe.progress": UTILITIES,
     "daskpipe.colocation": COLOCATION_CORE,  # a leaf library, but for its bridges below

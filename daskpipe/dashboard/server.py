@@ -32,14 +32,12 @@ logger = logging.getLogger(__name__)
 UPDATE_CONFIG = "daskpipe.dashboard.update-interval"
 """Dask config key of how often an open page refreshes (``DASK_DASKPIPE__DASHBOARD__UPDATE_INTERVAL``
 in the environment): a duration such as ``"1s"`` or ``"500ms"``, or seconds."""
-UPDATE_DEFAULT = "1s"
-"""The series have one point per second: refreshing faster only redraws the GPU timeline more often."""
 UPDATE_MIN_S = 0.1
 
 
 def update_interval_ms() -> int:
     """The configured refresh period of the pages, checked."""
-    value = dask.config.get(UPDATE_CONFIG, UPDATE_DEFAULT)
+    value = dask.config.get(UPDATE_CONFIG)
     try:
         seconds = parse_timedelta(value, default="seconds")
     except (TypeError, ValueError, KeyError) as exc:

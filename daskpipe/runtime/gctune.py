@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 GC_CONFIG = "daskpipe.gc-threshold-factor"
 """Dask config key (``DASK_DASKPIPE__GC_THRESHOLD_FACTOR``): the factor on CPython's default
 thresholds, 3 as in Dask's CLIs; 1 leaves the collector as it is."""
-GC_FACTOR_DEFAULT = 3
 CPYTHON_THRESHOLDS = (700, 10, 10)
 
 
@@ -32,7 +31,7 @@ def raise_gc_thresholds() -> tuple[int, int, int]:
 
     A bad factor is logged as an error and changes nothing: the thresholds only tune speed.
     """
-    factor = dask.config.get(GC_CONFIG, GC_FACTOR_DEFAULT)
+    factor = dask.config.get(GC_CONFIG)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:
         logger.error(
             "daskpipe: %s must be a number from 1 to 1000, got %r; the GC thresholds stay %s", GC_CONFIG, factor, gc.get_threshold()
