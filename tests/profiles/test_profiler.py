@@ -77,23 +77,18 @@ def test_profiles_in_a_dask_worker_with_the_threads_its_slot_serves_with():
     assert profile.meta["cpu_threads"] == 3  # the worker's threads, not torch's default
 
 
-def test_a_timing_taken_while_other_processes_take_the_cpu_says_the_machine_was_busy():
-    import os
-    import subprocess
-    import sys
+def test_a_timing_whose_thread_was_off_the_cpu_half_the_time_says_the_machine_was_busy(monkeypatch):
+    """The thread's CPU clock runs at half the wall clock, as when another process takes its core
+    half of the time. The OS's own scheduling is too uneven for a test: in two full-suite runs, a
+    timing thread among six spinning processes on two cores still got 82% and 84% of its wall time."""
     import time
 
-    module, x = nn.Linear(512, 512), torch.randn(256, 512)
-    spin = "import time\nend = time.time() + 10\nwhile time.time() < end:\n    pass\n"
-    burners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3 * (os.cpu_count() or 1))]
-    try:
-        time.sleep(0.5)  # they spin by now (no imports to wait for)
-        busy = timed(module, x, repeats=20, warmup=2)
-    finally:
-        for p in burners:
-            p.kill()
-            p.wait()
-    assert busy.busy and busy.cpu_share < BUSY_CPU_SHARE, busy.cpu_share
+    from daskpipe.profiles import profiler
+
+    monkeypatch.setattr(profiler.time, "thread_time", lambda: time.perf_counter() / 2)
+    busy = timed(nn.Linear(64, 64), torch.randn(8, 64), repeats=5, warmup=1)
+    assert busy.busy and busy.cpu_share == pytest.approx(0.5, abs=0.05), busy.cpu_share
+    assert busy.cpu_share < BUSY_CPU_SHARE
     summary = timing_summary([busy])
     assert (
         summary["busy_cells"] == 1
