@@ -209,3 +209,23 @@ def test_lower_layers_import_nothing_above_them(graph: Graph) -> None:
 
 def test_imports_follow_the_layers(graph: Graph) -> None:
     assert sorted(against_the_layers(graph)) == []
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest() -> None:
+    """Shared test code lives in helper modules (``tests/**/helpers.py``); fixtures stay in conftest,
+    which pytest loads itself and which nothing imports."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        importer = module_name(path, tests)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = resolve(importer, path.name == "__init__.py", node)
+                imported = [source] + [f"{source}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            leaves = {name.rsplit(".", 1)[-1] for name in imported if within(name, "tests")}
+            found += [f"{importer} imports {leaf}" for leaf in sorted(leaves) if leaf.startswith("test_") or leaf == "conftest"]
+    assert found == []

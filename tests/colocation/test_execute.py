@@ -41,7 +41,7 @@ def test_a_stage_is_slowed_by_its_corunners_as_the_model_says():
 
 
 def test_plans_without_colocation_are_untouched():
-    from tests.sim.conftest import toy_plan, toy_profile
+    from tests.sim.helpers import toy_plan, toy_profile
 
     plan, profile = toy_plan(), toy_profile()
     assert not is_colocated(plan) and colocated_latency(plan, plan.models[0].name) is None

@@ -61,7 +61,7 @@ def test_an_emulated_colocated_stage_is_held_longer_than_a_solo_one(l4_halves):
 def sliced_tiny_profile(name: str, base_ms: float):
     """TinyCNN's blocks with tables on whole and half L4s (so the share can be fitted, and every
     co-located partition lands on a half-L4 worker)."""
-    from tests.runtime.conftest import two_stage
+    from tests.runtime.helpers import two_stage
 
     blocked, _ = two_stage(name)
     sliced = sliced_profile(name, base_ms, slo_ms=300.0, gpus=("L4",), slices=(1, 2))
@@ -70,7 +70,7 @@ def sliced_tiny_profile(name: str, base_ms: float):
 
 def test_deploy_with_a_colocation_strategy_shares_one_gpu_between_models(l4_halves):
     import daskpipe
-    from tests.runtime.conftest import example, tiny_model
+    from tests.runtime.helpers import example, tiny_model
 
     names = ("tiny-a", "tiny-b")
     profiles = {"tiny-a": sliced_tiny_profile("tiny-a", 4.0), "tiny-b": sliced_tiny_profile("tiny-b", 6.0)}

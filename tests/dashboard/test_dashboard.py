@@ -21,7 +21,7 @@ from daskpipe.sched.metrics import BUCKET_S
 from daskpipe.dashboard.report import save_report
 from daskpipe.dashboard.server import PAGES, live_reader
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
-from tests.runtime.conftest import example, tiny_model, two_stage
+from tests.runtime.helpers import example, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from daskpipe.graft import bench
 
-from .conftest import toy_profile
+from .helpers import toy_profile
 
 
 def test_bench_writes_the_contract_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@ import pytest
 from daskpipe.graft import StageCosts
 from daskpipe.profiles.model import ProfileError
 
-from .conftest import instances_needed, toy_profile
+from .helpers import instances_needed, toy_profile
 
 
 def test_share_scaling_reproduces_the_slice_tables(costs: StageCosts) -> None:

@@ -10,7 +10,7 @@ from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.hybrid import hybrid_plan
 from daskpipe.sched.api import Dispatch, Feedback, Placement, Request, Slot
-from tests.graft.conftest import BUDGET_MS, serving_plan
+from tests.graft.helpers import BUDGET_MS, serving_plan
 
 
 @pytest.fixture

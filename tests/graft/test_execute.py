@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from daskpipe.graft import Fragment, GraftPlan, GroupPlan, Level, StageConfig
 from daskpipe.graft.execute import EntryError, StageActor, check_entry, execute
 from daskpipe.profiles.estimator import estimate_profile
 from daskpipe.profiles.fx import segment_model
+from tests.graft.helpers import tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    module = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2),
-        nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 10),
-    ).eval()
+    module = tiny_model()
     segmented = segment_model(module, torch.zeros(1, 3, 16, 16))
     blocked = segmented.cut(sorted({0, 1, 2, 3, segmented.num_segments}))
     profile = estimate_profile(blocked, gpus=["V100"], name="tiny", batch_sizes=1, slices=(1,))

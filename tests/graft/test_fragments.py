@@ -6,7 +6,7 @@ import pytest
 from daskpipe.graft import JETSON_NANO, Fragment, StageCosts, Uplink, neurosurgeon_split, sample_fragments
 from daskpipe.profiles.model import ProfileError
 
-from .conftest import toy_profile
+from .helpers import toy_profile
 
 
 def test_split_moves_later_as_bandwidth_drops(costs: StageCosts) -> None:

@@ -21,7 +21,7 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.hybrid import SharedStage, deploy_hybrid, hybrid_plan
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.service import encode_input
-from tests.graft.conftest import BUDGET_MS, serving_plan
+from tests.graft.helpers import BUDGET_MS, serving_plan
 
 
 def test_plan_has_a_pipeline_per_entry_and_one_shared_pool(model_and_profile) -> None:

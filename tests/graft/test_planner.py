@@ -16,7 +16,7 @@ from daskpipe.graft import (
 )
 from daskpipe.graft.planner import Level
 
-from .conftest import instances_needed
+from .helpers import instances_needed
 
 
 def frag(start: int, budget: float, rate: float = 30.0, name: str = "") -> Fragment:

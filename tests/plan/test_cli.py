@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from daskpipe.cli import main
 from daskpipe.plan.schema import Plan
 
-from .conftest import synthetic_profile
+from .helpers import synthetic_profile
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 
 from daskpipe.plan.configs import Budget, enumerate_configs, prune_dominated, resources_of
 
-from .conftest import synthetic_profile
+from .helpers import synthetic_profile
 
 
 def budget(latency_us: float = 1e9, bw_gbps: float = 10.0, rate: float | None = None, per_server: dict | None = None) -> Budget:

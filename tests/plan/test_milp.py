@@ -7,7 +7,7 @@ import pytest
 from daskpipe.plan.milp import make_plan
 from daskpipe.plan.schema import Plan, PlanError
 
-from .conftest import synthetic_profile
+from .helpers import synthetic_profile
 
 PAIR = 1 / 1.2e-3  # B[0] -> A[1]: the B pool limits it to 833.3 req/s per pair
 WHOLE_A, WHOLE_B = 1 / 2e-3, 1 / 11.2e-3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -17,24 +16,9 @@ from daskpipe.runtime.elastic import ElasticSettings
 from daskpipe.runtime.overload import small_cnn
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.worker import WorkerSpecError
+from tests.helpers import paced, wait_until
 
 K = 2000.0  # time dilation: three T4 serve about 110 requests/s
-
-
-def stream(svc, rate: float, seconds: float, x: torch.Tensor) -> list:
-    futures, due, end = [], time.monotonic(), time.monotonic() + seconds
-    while due < end:
-        futures.append(svc.submit("cnn", x))
-        due += 1 / rate
-        time.sleep(max(0.0, due - time.monotonic()))
-    return futures
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return condition()
 
 
 @pytest.mark.timeout(300)
@@ -53,22 +37,26 @@ def test_adaptive_drains_idle_gpus_at_low_load_and_adds_gpus_of_the_served_type_
         adaptive = cluster.adapt(Adaptive=DaskpipeAdaptive, minimum=1, maximum=4, interval="500ms", wait_count=1)
         with svc:
             futures = []
+
+            def workers_after_a_second_at(load: float) -> int:
+                futures.extend(paced(lambda: svc.submit("cnn", x), load * capacity, seconds=1.0, poisson=False))
+                return len(cluster.scheduler.workers)
+
             # low load: two of the three T4 are surplus; they are planned out, then retired
-            deadline = time.monotonic() + 60
-            while len(cluster.scheduler.workers) > 1 and time.monotonic() < deadline:
-                futures += stream(svc, 0.05 * capacity, 1.0, x)
-            assert len(cluster.scheduler.workers) == 1
+            wait_until(lambda: workers_after_a_second_at(0.05) == 1, timeout=60, interval=0, what="the surplus T4 retired")
             assert sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) == 1
             served_by = {a for _, _, a in plugin.served["cnn"].stages}
             assert served_by == set(cluster.scheduler.workers)  # the one left is the one serving
 
             # overload of the one left: more T4 are asked for, join, and are planned in
-            deadline = time.monotonic() + 90
-            while len(cluster.scheduler.workers) < 2 and time.monotonic() < deadline:
-                futures += stream(svc, 0.8 * capacity, 1.0, x)
-            assert len(cluster.scheduler.workers) >= 2
+            wait_until(lambda: workers_after_a_second_at(0.8) >= 2, timeout=90, interval=0, what="more T4 to join")
             assert {s.gpu for s in plugin.slots.values()} == {"T4"}
-            assert wait_until(lambda: sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) >= 2, 60)
+            wait_until(
+                lambda: sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) >= 2,
+                timeout=60,
+                interval=0.2,
+                what="the joined T4 planned in",
+            )
             assert any(entry[1]["status"] == "up" for entry in adaptive.log) and any(entry[1]["status"] == "down" for entry in adaptive.log)
             adaptive.stop()
             wait(futures, timeout=60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from distributed import Client
@@ -12,6 +11,7 @@ from daskpipe.runtime import protocols
 from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, inject_mps_fault
 from daskpipe.runtime.protocols import resolve_protocol, ucx_available
 from daskpipe.runtime.worker import WorkerSpecError
+from tests.helpers import wait_until
 
 
 def _workers(client: Client) -> dict[str, dict[str, float]]:
@@ -102,15 +102,14 @@ def test_mps_fault_takes_down_every_slice_of_that_gpu_only():
 
 def _pids(client: Client, *, changed_from: dict[str, int] | None = None, expected: int = 0) -> dict[str, int]:
     """Worker name -> pid, once all three workers are up and ``expected`` of them have new pids."""
-    deadline = time.monotonic() + 120
-    while True:
+
+    def ready() -> dict[str, int] | None:
         try:
             pids = client.run(lambda dask_worker: (dask_worker.name, os.getpid()))
         except Exception:  # a worker left between listing and the call
             pids = {}
         by_name = dict(pids.values())
         fresh = sum(by_name.get(name) != pid for name, pid in (changed_from or {}).items())
-        if len(by_name) == 3 and fresh >= expected:
-            return by_name
-        assert time.monotonic() < deadline, f"workers did not come back: {by_name}"
-        time.sleep(0.2)
+        return by_name if len(by_name) == 3 and fresh >= expected else None
+
+    return wait_until(ready, timeout=120, interval=0.2, what=f"the three workers back, {expected} in new processes")

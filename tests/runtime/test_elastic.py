@@ -19,8 +19,8 @@ from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.overload import small_cnn
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
-from tests.runtime.conftest import example, tiny_model, two_stage
-from tests.runtime.test_service import frames, reference
+from tests.helpers import wait_until
+from tests.runtime.helpers import example, frames, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,9 +52,7 @@ def close_worker(cluster, address: str) -> None:
 def kill_second_stage_mid_batch(cluster, plugin, after_s: float) -> str:
     """Close the partition-1 worker of the first batch in flight, ``after_s`` after its dispatch."""
     served = plugin.served["tiny"]
-    deadline = time.monotonic() + 10
-    while not served.flights and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: served.flights, timeout=10, interval=0.001, what="a batch in flight")
     dispatched = time.monotonic()
     flight = next(iter(served.flights.values()))
     victim = next(a for (_, q, a) in served.stages if q == 1 and a in flight.addresses)
@@ -146,9 +144,7 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
                 if i == 30:
                     new = add_emulated_gpus(cluster, {"A10": 2})
                 time.sleep(0.02)
-            deadline = time.monotonic() + 60
-            while not plugin.elastic.history and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: plugin.elastic.history, timeout=60, interval=0.1, what="a re-plan")
             wait(futures, timeout=60)
             assert [f.status for f in futures] == ["finished"] * len(xs), [f.exception() for f in futures if f.status != "finished"]
             status = svc.status()["cnn"]
@@ -164,9 +160,7 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
             assert stages == set(plugin.served["cnn"].stages.values())  # the old stages were released
 
             close_worker(cluster, sorted(a10)[0])
-            deadline = time.monotonic() + 60
-            while len(plugin.elastic.history) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: len(plugin.elastic.history) >= 2, timeout=60, interval=0.1, what="a second re-plan")
             assert any(q.gpu == "A10" and q.vgpus == 1 for p in svc.plan.model("cnn").pipelines for q in p.partitions)
             more = svc.map("cnn", xs[:20])
             wait(more, timeout=30)
@@ -185,10 +179,12 @@ def test_a_shift_in_the_load_mix_re_plans_with_the_observed_rates():
         with svc:
             before = svc.plan
             futures = []
-            deadline = time.monotonic() + 30
-            while not plugin.elastic.history and time.monotonic() < deadline:  # only "a" is asked for
+
+            def replanned_while_only_a_is_asked_for():
                 futures.append(svc.submit("a", ex))
-                time.sleep(0.03)
+                return plugin.elastic.history
+
+            wait_until(replanned_while_only_a_is_asked_for, timeout=30, interval=0.03, what="a re-plan")
             assert plugin.elastic.history and "load mix shifted" in plugin.elastic.history[0]["reasons"][0]
             after = svc.plan
             assert after.model("a").throughput > before.model("a").throughput
@@ -211,10 +207,12 @@ def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_laten
             slots = sorted(a for p, q, a in plugin.served["tiny"].stages if q == 0)
             client.run(slow_down, 1.6, 30.0, workers=slots)  # every slot of the pool: the machine, not a suspect
             futures = []
-            deadline = time.monotonic() + 30
-            while "re-planning on the measured latencies" not in caplog.text and time.monotonic() < deadline:
+
+            def replanned_while_serving() -> bool:
                 futures.append(svc.submit("tiny", example()))
-                time.sleep(0.02)
+                return "re-planning on the measured latencies" in caplog.text
+
+            wait_until(replanned_while_serving, timeout=30, what="a re-plan on the measured latencies")
             assert f"tiny blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at 1.6" in caplog.text, caplog.text
             a, b = part.blocks
             measured = dep.models["tiny"].profile.latency_us[(part.gpu, part.slices)]
@@ -241,7 +239,7 @@ def test_bad_elastic_settings_are_refused_naming_the_setting(bad, message):
 
 
 def test_re_planning_works_over_tls(tmp_path):
-    from tests.runtime.conftest import tls_security
+    from tests.runtime.helpers import tls_security
 
     model, ex = small_cnn(), torch.randn(1, 3, 32, 32)
     estimated = estimated_profile(model, ex, gpus=("L4", "T4"), name="cnn")
@@ -262,9 +260,7 @@ def test_re_planning_works_over_tls(tmp_path):
         plugin = plugin_of(cluster.scheduler)
         with svc:
             add_emulated_gpus(cluster, {"T4": 1})
-            deadline = time.monotonic() + 60
-            while not plugin.elastic.history and time.monotonic() < deadline:  # the scheduler's own client speaks TLS
-                time.sleep(0.1)
+            wait_until(lambda: plugin.elastic.history, timeout=60, interval=0.1, what="a re-plan")  # the scheduler's own client speaks TLS
             assert any(q.gpu == "T4" for p in svc.plan.model("cnn").pipelines for q in p.partitions)
             assert svc.submit("cnn", ex).result(timeout=30).shape == (1, 10)
 
@@ -297,9 +293,7 @@ def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in(
         with svc:
             assert svc.profiles["cnn"].gpu_types == ["L4"]
             add_emulated_gpus(cluster, {"T4": 2})
-            deadline = time.monotonic() + 60
-            while not plugin.elastic.history and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: plugin.elastic.history, timeout=60, interval=0.1, what="a re-plan")
             known = next(iter(plugin.elastic.deployments.values())).models["cnn"].profile
             assert ("T4", 1) in known.latency_us and known.latency_us[("T4", 1)].shape == known.latency_us[("L4", 1)].shape
             assert known.origin("T4", 1) == "estimated", "an emulated kind that joins is estimated, and marked so"

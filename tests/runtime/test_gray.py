@@ -19,7 +19,8 @@ from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.gray import GrayPolicy, Watchlist
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
-from tests.runtime.conftest import INPUT, example, tiny_model, two_stage
+from tests.helpers import paced, wait_until
+from tests.runtime.helpers import INPUT, example, tiny_model, two_stage
 
 SLO_MS = 400.0
 STAGE_MS = (20.0, 20.0)
@@ -68,14 +69,14 @@ def deploy_pools_of_two(client):
 
 def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
     """Submit at ``rate`` per second for ``seconds``: (submitted at, future, [ended at]) each."""
-    sent = []
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
+
+    def send() -> tuple[float, object, list]:
         ended: list[float] = []
         future = svc.submit("tiny", torch.randn(1, *INPUT))
         future.add_done_callback(lambda f, ended=ended: ended.append(time.monotonic()))
-        sent.append((time.monotonic(), future, ended))
-        time.sleep(1 / rate)
+        return time.monotonic(), future, ended
+
+    sent = paced(send, rate, seconds=seconds, poisson=False)
     wait([f for _, f, _ in sent], timeout=60)
     return sent
 
@@ -109,9 +110,8 @@ def test_a_stalled_or_slow_slot_is_routed_around_and_readmitted_when_in_line(poo
         dropped = [f.exception().reason for _, f, _ in sent if f.status == "error"]
         assert set(dropped) <= {"slow-worker", "deadline"} and len(dropped) <= len(sent) // 10, dropped
         assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
-        deadline = time.monotonic() + 10  # the slowdown is over: the next probe computes in line
-        while svc.status()["tiny"]["suspects"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # the slowdown is over: the next probe computes in line
+        wait_until(lambda: not svc.status()["tiny"]["suspects"], timeout=10, interval=0.05, what="the slot re-admitted")
         status = svc.status()["tiny"]
         assert not status["suspects"] and status["readmitted"] >= 1, status
         since = time.monotonic()

@@ -28,11 +28,10 @@ from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.service import encode_input
-from tests.runtime.conftest import INPUT, example, tiny_model, two_stage
-from tests.runtime.test_service import deploy_two_stage, frames, poisson_load, reference
+from tests.helpers import REPO, paced, wait_until
+from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def send_raw(svc, model: str, inputs: list, sizes: list) -> list[Future]:
@@ -41,14 +40,6 @@ def send_raw(svc, model: str, inputs: list, sizes: list) -> list[Future]:
     futures = [Future(key, svc.client) for key in keys]
     svc._send(model, keys, inputs, sizes)
     return futures
-
-
-def until(condition, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_nan_and_inf_inputs_err_at_once_unless_the_service_allows_them(emulated_inproc):
@@ -218,7 +209,14 @@ def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_m
 
         xs = frames(143)
         capacity = svc.plan.model("tiny").throughput / k
-        valid = poisson_load(svc, xs, 0.5 * capacity, after_each=mixed_in)
+        inputs = iter(xs)
+
+        def valid_then_malformed() -> Future:
+            future = svc.submit("tiny", next(inputs))
+            mixed_in()
+            return future
+
+        valid = paced(valid_then_malformed, 0.5 * capacity, count=len(xs))
         wait(valid + [f for _, f in malformed], timeout=60)
         assert len(malformed) == 1000
         for expected, future in malformed:
@@ -236,7 +234,7 @@ def test_requests_released_while_queued_are_dropped_not_computed(emulated_inproc
     cluster, client = emulated_inproc
     with deploy_two_stage(client, slo_ms=20_000.0) as svc:  # a partial batch waits for its last moment
         abandoned = svc.map("tiny", frames(3))
-        until(lambda: svc.status()["tiny"]["queued"] == 3, what="3 queued")
+        wait_until(lambda: svc.status()["tiny"]["queued"] == 3, timeout=30, what="3 queued")
         client.cancel(abandoned)
         kept = svc.submit("tiny", frames(1)[0])  # fills the batch of 4: it runs now, alone
         torch.testing.assert_close(kept.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
@@ -248,12 +246,12 @@ def test_outputs_of_requests_released_mid_batch_are_freed_on_the_worker(emulated
     cluster, client = emulated_inproc
     with deploy_two_stage(client, stage_ms=(300.0, 300.0), slo_ms=5_000.0) as svc:
         futures = svc.map("tiny", frames(4))  # one full batch, held 0.5 s per stage
-        until(lambda: svc.status()["tiny"]["in_flight"] == 4, what="the batch in flight")
+        wait_until(lambda: svc.status()["tiny"]["in_flight"] == 4, timeout=30, what="the batch in flight")
         keys = [f.key for f in futures]
         client.cancel(futures)
-        until(lambda: svc.status()["tiny"]["completed"] == 4, what="the batch to end")
+        wait_until(lambda: svc.status()["tiny"]["completed"] == 4, timeout=30, what="the batch to end")
         workers = [w for w in cluster.workers.values()]
-        until(lambda: not any(key in w.data for w in workers for key in keys), what="the worker to free the outputs")
+        wait_until(lambda: not any(key in w.data for w in workers for key in keys), timeout=30, what="the worker to free the outputs")
         assert not any(key in cluster.scheduler.tasks for key in keys)
 
 
@@ -261,7 +259,7 @@ VANISHING = """
 import sys, time
 from distributed import Client
 import daskpipe
-from tests.runtime.conftest import example, tiny_model, two_stage
+from tests.runtime.helpers import example, tiny_model, two_stage
 client = Client(sys.argv[1])
 profile, plan = two_stage("vanishing", slo_ms=60_000.0, gpus=("cpu", "cpu"))
 svc = daskpipe.deploy(client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile})
@@ -289,14 +287,16 @@ def vanish_and_redeploy(cluster, client) -> None:
     )
     try:
         assert proc.stdout.readline().strip() == "submitted"
-        until(lambda: "vanishing" in plugin.served and len(plugin.served["vanishing"].inputs) == 3, what="its requests queued")
+        wait_until(
+            lambda: "vanishing" in plugin.served and len(plugin.served["vanishing"].inputs) == 3, timeout=30, what="its requests queued"
+        )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     served = plugin.served["vanishing"]
-    until(lambda: served.closing, what="its model closed")
+    wait_until(lambda: served.closing, timeout=30, what="its model closed")
     assert served.inputs == {} and served.dropped == {"released": 3} and served.counts["batches"] == 0
-    until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), what="its keys forgotten")
+    wait_until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), timeout=30, what="its keys forgotten")
     profile, plan = two_stage("vanishing", gpus=("cpu", "cpu"))  # the name is free again
     with daskpipe.deploy(
         client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile}

@@ -14,8 +14,7 @@ import daskpipe
 from daskpipe.cli import main
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.served import QUEUE_SLOS, queue_bound
-from tests.runtime.conftest import example, tiny_model, two_stage
-from tests.runtime.test_service import frames
+from tests.runtime.helpers import example, frames, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 

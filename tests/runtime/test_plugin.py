@@ -92,7 +92,8 @@ def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_sl
     import torch
     from distributed import wait
 
-    from tests.runtime.conftest import example, open_loop, tiny_model, two_stage
+    from tests.helpers import paced
+    from tests.runtime.helpers import example, tiny_model, two_stage
 
     cluster, client = two_slots
     profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
@@ -110,7 +111,7 @@ def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_sl
         generator = torch.Generator().manual_seed(2)
         xs = [torch.randn(1, *example().shape[1:], generator=generator) for _ in range(8)]
         sent = iter(range(1_000_000))
-        futures = open_loop(lambda: svc.submit("tiny", xs[next(sent) % len(xs)]), 0.7 * capacity, 2.5)
+        futures = paced(lambda: svc.submit("tiny", xs[next(sent) % len(xs)]), 0.7 * capacity, seconds=2.5)
         _, pending = wait(futures, timeout=30)
         status = svc.status()["tiny"]
         assert not pending and all(f.status == "finished" for f in futures), [f.exception() for f in futures if f.status == "error"][:3]
@@ -125,7 +126,7 @@ def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_sl
 
 
 def test_deploying_an_unknown_data_plane_names_the_known_ones(two_slots):
-    from tests.runtime.conftest import example, tiny_model, two_stage
+    from tests.runtime.helpers import example, tiny_model, two_stage
 
     cluster, client = two_slots
     profile, plan = two_stage()

@@ -13,7 +13,7 @@ from daskpipe.profiles.store import ProfileStore
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, profile_on_cluster
 from daskpipe.runtime.service import inventory
-from tests.runtime.conftest import example, tiny_model
+from tests.runtime.helpers import example, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,7 +153,7 @@ def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_clu
         "profile",
         "cluster",
         cluster.scheduler_address,
-        "tests.runtime.conftest:tiny_model",
+        "tests.runtime.helpers:tiny_model",
         "--input-shape",
         "3,16,16",
         "--blocks",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
-import time
 
 import dask.config
 import numpy as np
@@ -14,34 +14,10 @@ from distributed import as_completed, wait
 
 import daskpipe
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
-from tests.runtime.conftest import INPUT, example, tiny_model, two_stage, with_test_dispatcher
+from tests.helpers import paced, wait_until
+from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def frames(n: int, seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, *INPUT, generator=generator) for _ in range(n)]
-
-
-def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The unpartitioned model, with the fp16 hand-over at the stage boundary."""
-    model = tiny_model()
-    with torch.inference_mode():
-        return [model.tail(model.head(x).half().float()) for x in xs]
-
-
-def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
-    profile, plan = two_stage(**plan_args)
-    return daskpipe.deploy(
-        client,
-        {"tiny": tiny_model()},
-        example_inputs={"tiny": example()},
-        plan=plan,
-        profiles={"tiny": profile},
-        time_dilation=k,
-        dispatcher=dispatcher,
-    )
 
 
 def test_deploy_profiles_plans_and_serves_on_plain_cpu_workers(cpu_cluster):
@@ -300,11 +276,9 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
         return len(cluster.scheduler.tasks), len(client.futures)
 
     def settled(expected: tuple[int, int]) -> tuple[int, int]:
-        deadline = time.monotonic() + 5
-        while (
-            held()[0] > expected[0] or held()[1] > expected[1]
-        ) and time.monotonic() < deadline:  # releases reach the scheduler on the client's loop
-            time.sleep(0.02)
+        """What is held once the releases reached the scheduler (on the client's loop), or after 5 s."""
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: held()[0] <= expected[0] and held()[1] <= expected[1], timeout=5, what="the releases")
         return held()
 
     before = held()
@@ -405,53 +379,6 @@ def test_drops_err_with_the_reason(emulated_inproc):
         svc.submit("tiny", frames(1)[0]).result()
 
 
-def poisson_load(svc, xs: list[torch.Tensor], rate: float, seed: int = 0, after_each=lambda: None) -> list:
-    """Submit ``xs`` one by one at Poisson arrivals of ``rate`` per second; ``after_each()`` runs after each."""
-    gaps = np.random.default_rng(seed).exponential(1 / rate, size=len(xs))
-    futures, due = [], time.monotonic()
-    for x, gap in zip(xs, gaps):
-        due += gap
-        time.sleep(max(0.0, due - time.monotonic()))
-        futures.append(svc.submit("tiny", x))
-        after_each()
-    return futures
-
-
-def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
-    """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity.
-
-    A few requests warm the path first (the first batches through fresh worker processes meet
-    one-time costs of Dask and torch); attainment counts the Poisson run that follows. The
-    feature maps must have travelled between the workers over the cluster's protocol.
-    """
-    from daskpipe.runtime.cluster import EmulatedCluster
-    from daskpipe.runtime.stage import feature_map_peers
-    from distributed import Client
-
-    with (
-        EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster,
-        Client(cluster) as client,
-    ):
-        with_test_dispatcher(client, cluster.scheduler)
-        with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
-            wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
-            before = svc.status()["tiny"]
-            capacity = svc.plan.model("tiny").throughput / k
-            xs = frames(150)
-            futures = poisson_load(svc, xs, 0.7 * capacity)
-            wait(futures, timeout=60)
-            for out, ref in zip(client.gather(futures), reference(xs)):
-                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-            after = svc.status()["tiny"]
-            submitted, completed, on_time = (after[c] - before[c] for c in ("submitted", "completed", "on_time"))
-            assert submitted == completed == len(xs)
-            assert on_time / submitted >= 0.99, after
-            assert after["batches"] - before["batches"] < len(xs)  # it batched
-            scheme = cluster.scheduler_address.split("://")[0]
-            peers = client.run(lambda dask_worker: feature_map_peers(dask_worker))
-            assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
-
-
 def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
     """No time dilation: 4 + 6 ms stages (17.5 ms at the planned batch of 4) under a 50 ms SLO, the
     control path measured and planned for, at half the plan's capacity."""
@@ -463,7 +390,8 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
             wait(svc.map("tiny", frames(30, seed=2)), timeout=60)  # warm, and the margin measured
             before = svc.status()["tiny"]
             xs = frames(300)
-            futures = poisson_load(svc, xs, 0.5 * svc.plan.model("tiny").throughput)
+            inputs = iter(xs)
+            futures = paced(lambda: svc.submit("tiny", next(inputs)), 0.5 * svc.plan.model("tiny").throughput, count=len(xs))
             wait(futures, timeout=60)
             after = svc.status()["tiny"]
             submitted, on_time = (after[c] - before[c] for c in ("submitted", "on_time"))

@@ -21,8 +21,7 @@ from distributed.security import Security
 
 from daskpipe.cli import main
 from daskpipe.runtime.cluster import EmulatedCluster
-from tests.runtime.conftest import tls_security
-from tests.runtime.test_service import serve_at_load_factor
+from tests.runtime.helpers import serve_at_load_factor, tls_security
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,7 +11,7 @@ from daskpipe.sched.api import Feedback, Placement
 from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.reactive import ReactiveDispatcher, ReactiveSettings
-from tests.sched.test_ppipe import BW_GBPS, MS, fig5, model, profile, req, whole
+from tests.sched.helpers import BW_GBPS, MS, fig5, model, profile, req, whole
 
 
 def reactive(plan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> ReactiveDispatcher:

@@ -6,7 +6,7 @@ import pytest
 
 from daskpipe.sched.api import Dispatch, Dispatcher, Placement, PoolsFixed, Request, Slot
 from daskpipe.sched.registry import DATAPLANES, known, make_dispatcher, register
-from tests.sim.conftest import toy_plan, toy_profile
+from tests.sim.helpers import toy_plan, toy_profile
 
 
 def toy_dispatcher(name: str) -> Dispatcher:

@@ -9,7 +9,7 @@ import pytest
 from daskpipe.colocation.latency import Colocated
 from daskpipe.sim.simulate import simulate
 from tests.colocation.helpers import cache_model, shared_gpu_plan, sliced_profile
-from tests.sim.conftest import toy_plan
+from tests.sim.helpers import toy_plan
 
 
 def compute_ms(result, model: str) -> set[tuple[int, float]]:

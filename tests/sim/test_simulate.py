@@ -11,7 +11,7 @@ from daskpipe.sched.registry import DATAPLANES
 from daskpipe.sim.cli import simulate as simulate_cli
 from daskpipe.sim.simulate import find_max_load, simulate
 
-from .conftest import batching_plan
+from .helpers import batching_plan
 
 
 @pytest.mark.parametrize("dataplane", ["deferred", "eager", "timeout"])
@@ -184,7 +184,7 @@ def test_cli_latency_noise_and_dispatch_policy(tmp_path):
 @pytest.mark.parametrize("dataplane", DATAPLANES)
 def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
     """The runtime's test plan (tests/runtime/test_plugin.py), simulated with each registered data plane."""
-    from tests.runtime.conftest import two_stage
+    from tests.runtime.helpers import two_stage
 
     profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
     result = simulate(plan, {"tiny": profile}, dataplane=dataplane, load_factor=0.7, duration=5.0, bw_gbps=10.0)

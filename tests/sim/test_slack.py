@@ -8,7 +8,7 @@ import pytest
 from daskpipe.sched.ppipe import PPipeSettings
 from daskpipe.sim import simulate
 
-from .conftest import batching_plan
+from .helpers import batching_plan
 
 LAST_MOMENT = PPipeSettings(slack_quantile=None)
 SLACK_AWARE = PPipeSettings()

@@ -1,0 +1,51 @@
+"""Helpers for the whole suite: the repository's root, waiting for a condition, and a paced stream of calls."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 0.02, what: str) -> T:
+    """Poll ``predicate`` every ``interval`` seconds until it returns something true, and return that;
+    fail naming ``what`` when ``timeout`` seconds pass first (a busy machine is slow, not wrong)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
+def paced(
+    submit: Callable[[], T], rate: float, *, seconds: float | None = None, count: int | None = None, poisson: bool = True, seed: int = 0
+) -> list[T]:
+    """Call ``submit`` ``rate`` times a second, open loop (no call waits for an earlier one to end),
+    for ``seconds`` or ``count`` calls; what the calls returned.
+
+    The calls come at Poisson arrival times drawn from ``seed`` (the first one gap after now), or,
+    with ``poisson=False``, evenly from now on; each is timed from the start, so a slow call does
+    not slow the pace."""
+    if (seconds is None) == (count is None):
+        raise ValueError("paced needs seconds or count, and not both")
+    if poisson:
+        offsets = np.cumsum(
+            np.random.default_rng(seed).exponential(1 / rate, size=count if count is not None else int(rate * seconds * 2) + 10)
+        )
+    else:
+        offsets = np.arange(count if count is not None else math.ceil(rate * seconds) + 1) / rate
+    if seconds is not None:
+        offsets = offsets[offsets < seconds]
+    start, out = time.monotonic(), []
+    for offset in offsets:
+        time.sleep(max(0.0, start + offset - time.monotonic()))
+        out.append(submit())
+    return out

@@ -1,0 +1,161 @@
+"""Models, hand-made plans and serving runs shared by the runtime tests.
+
+The plans are made by hand so each test knows its pipeline (two stages on two emulated pools,
+batch 4) and its capacity exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from distributed import Client, wait
+from torch import nn
+
+import daskpipe
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
+from daskpipe.profiles.fx import segment_model
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.sched.registry import register
+from tests.helpers import paced
+from tests.runtime.fifo import FifoDispatcher
+
+INPUT = (3, 16, 16)
+BATCH = 4
+
+
+class TinyCNN(nn.Module):
+    """Two convolutional stages; an input scaled past fp16's range fails stage 2's assertion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.tail = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(x)
+        torch._assert(y.abs().max() < 1e4, "poisoned input")
+        return self.tail(y)
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyCNN().eval()
+
+
+def example() -> torch.Tensor:
+    return torch.randn(1, *INPUT)
+
+
+def two_stage(
+    name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 500.0, gpus: tuple[str, str] = ("L4", "T4")
+) -> tuple[Profile, Plan]:
+    """A profile and a plan: blocks [0, 1) on one ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4.
+
+    Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.
+    """
+    segmented = segment_model(tiny_model(), example())
+    bounds = [0, 2, segmented.num_segments]
+    blocked = segmented.cut(bounds)
+    per_block = np.array([[ms * 1e3 * (1 + (b - 1) / BATCH) for b in range(1, BATCH + 1)] for ms in stage_ms])
+    profile = Profile(
+        model=name,
+        slo_us=slo_ms * 1e3,
+        num_blocks=2,
+        latency_us={(gpu, 1): per_block for gpu in gpus},
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={"segment_boundaries": bounds},
+    )
+    at_batch = per_block[:, BATCH - 1]
+    throughput = BATCH / (at_batch.max() * 1e-6)
+    partitions = tuple(Partition(blocks=(i, i + 1), gpu=gpus[i], slices=1, vgpus=1, latency_us=float(at_batch[i])) for i in range(2))
+    pipeline = Pipeline(batch_size=BATCH, throughput=throughput, partitions=partitions)
+    plan = Plan(
+        objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),)
+    )
+    return profile, plan
+
+
+def with_test_dispatcher(client: Client, scheduler) -> None:
+    """Install the plugin from the client, and register the tests' FIFO dispatcher as "fifo" (the
+    scheduler runs in this process)."""
+    client.register_plugin(DaskpipeSchedulerPlugin())
+    register("fifo", FifoDispatcher)
+
+
+def tls_security(directory: Path):
+    """A throwaway CA and one certificate (with its key) for every party, written to ``directory``:
+    the ``Security`` that makes scheduler, workers and clients speak ``tls://`` and refuse plain TCP."""
+    import trustme
+    from distributed.security import Security
+
+    ca = trustme.CA()
+    ca_file, cert_file = directory / "ca.pem", directory / "node.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(str(cert_file))
+    cert = str(cert_file)
+    return Security(tls_ca_file=str(ca_file), tls_scheduler_cert=cert, tls_worker_cert=cert, tls_client_cert=cert, require_encryption=True)
+
+
+def frames(n: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, *INPUT, generator=generator) for _ in range(n)]
+
+
+def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The unpartitioned model, with the fp16 hand-over at the stage boundary."""
+    model = tiny_model()
+    with torch.inference_mode():
+        return [model.tail(model.head(x).half().float()) for x in xs]
+
+
+def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
+    profile, plan = two_stage(**plan_args)
+    return daskpipe.deploy(
+        client,
+        {"tiny": tiny_model()},
+        example_inputs={"tiny": example()},
+        plan=plan,
+        profiles={"tiny": profile},
+        time_dilation=k,
+        dispatcher=dispatcher,
+    )
+
+
+def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
+    """A real LocalCluster with processes: two emulated pools, PPipe's dispatcher, 0.7 of the plan's capacity.
+
+    A few requests warm the path first (the first batches through fresh worker processes meet
+    one-time costs of Dask and torch); attainment counts the Poisson run that follows. The
+    feature maps must have travelled between the workers over the cluster's protocol.
+    """
+    from daskpipe.runtime.cluster import EmulatedCluster
+    from daskpipe.runtime.stage import feature_map_peers
+
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster,
+        Client(cluster) as client,
+    ):
+        with_test_dispatcher(client, cluster.scheduler)
+        with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
+            wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
+            before = svc.status()["tiny"]
+            capacity = svc.plan.model("tiny").throughput / k
+            xs = frames(150)
+            inputs = iter(xs)
+            futures = paced(lambda: svc.submit("tiny", next(inputs)), 0.7 * capacity, count=len(xs))
+            wait(futures, timeout=60)
+            for out, ref in zip(client.gather(futures), reference(xs)):
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+            after = svc.status()["tiny"]
+            submitted, completed, on_time = (after[c] - before[c] for c in ("submitted", "completed", "on_time"))
+            assert submitted == completed == len(xs)
+            assert on_time / submitted >= 0.99, after
+            assert after["batches"] - before["batches"] < len(xs)  # it batched
+            scheme = cluster.scheduler_address.split("://")[0]
+            peers = client.run(lambda dask_worker: feature_map_peers(dask_worker))
+            assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
