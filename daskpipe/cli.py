@@ -1,5 +1,6 @@
-"""The ``daskpipe`` command. Subcommands live beside the code they drive and load lazily, so
-``daskpipe --help`` and light commands do not pay for importing torch or distributed."""
+"""The ``daskpipe`` command. Subcommands live beside the code they drive (the benchmarks' in
+``daskpipe.benchmarks``) and load lazily, so ``daskpipe --help`` and light commands do not pay for
+importing torch or distributed."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class LazyGroup(click.Group):
         "plan": "daskpipe.plan.cli:plan",
         "profile": "daskpipe.runtime.cli:profile",  # the profiles group, with `profile cluster` added
         "simulate": "daskpipe.sim.cli:simulate",
-        "experiments": "daskpipe.sim.experiments:experiments",
+        "experiments": "daskpipe.benchmarks.experiments:experiments",
+        "bench": "daskpipe.benchmarks.cli:bench",
         "worker": "daskpipe.runtime.cli:worker",
         "demo": "daskpipe.runtime.cli:demo",
     },
@@ -39,23 +41,3 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="daskpipe")
 def main() -> None:
     """Serve DNN inference with latency SLOs on heterogeneous GPU clusters, on Dask."""
-
-
-@main.group(
-    cls=LazyGroup,
-    lazy={
-        "plan": "daskpipe.plan.bench:bench_plan",
-        "scheduler": "daskpipe.sched.bench:bench_scheduler",
-        "runtime": "daskpipe.runtime.bench:bench_runtime",
-        "colocation": "daskpipe.colocation.bench:bench_colocation",
-        "colocation-plan": "daskpipe.colocation.compare:bench_colocation_plan",
-        "graft": "daskpipe.graft.bench:bench_graft",
-        "overload": "daskpipe.runtime.overload:bench_overload",
-        "chaos": "daskpipe.runtime.chaos:bench_chaos",
-        "dashboard": "daskpipe.dashboard.bench:bench_dashboard",
-        "goodput": "daskpipe.benchmarks.goodput:bench_goodput",
-        "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
-    },
-)
-def bench() -> None:
-    """Benchmarks; each prints (and with --json writes) its figures as JSON."""

@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "daskpipe"
 # The lower layers, and what they may never import.
 LOWER = ("daskpipe.profiles", "daskpipe.plan", "daskpipe.sched")
 UPPER = ("daskpipe.runtime", "daskpipe.sim", "daskpipe.dashboard", "daskpipe.benchmarks")
-# Benchmark and experiment modules that still live inside the library packages.
-BENCH_MODULES = {"daskpipe.runtime.chaos", "daskpipe.runtime.overload", "daskpipe.sim.experiments", "daskpipe.colocation.compare"}
+# Benchmarks and experiments live here, above the library; only the top-level front end imports them.
+BENCHMARKS = "daskpipe.benchmarks"
+FRONT_END = ("daskpipe", "daskpipe.cli")
 
 # The layers, lowest first: a module imports from its own package or from lower layers only.
 # Front ends (the CLIs, the top-level package) and benchmarks sit above them all.
@@ -50,7 +51,7 @@ def module_name(path: Path, package: Path) -> str:
 
 
 def is_bench(module: str) -> bool:
-    return module in BENCH_MODULES or module.rsplit(".", 1)[-1] == "bench" or module.startswith("daskpipe.benchmarks")
+    return within(module, BENCHMARKS)
 
 
 def is_private(name: str) -> bool:
@@ -152,7 +153,7 @@ def package(module: str) -> str:
 
 
 def layer(module: str) -> int:
-    if is_bench(module) or module in ("daskpipe", "daskpipe.cli") or module.endswith(".cli"):
+    if is_bench(module) or module in FRONT_END or module.endswith(".cli"):
         return TOP
     return MODULE_LAYERS.get(module, PACKAGE_LAYERS[package(module)])
 
@@ -167,13 +168,24 @@ def against_the_layers(graph: Graph) -> set[tuple[str, str]]:
     }
 
 
+def into_the_benchmarks(graph: Graph) -> set[tuple[str, str]]:
+    """Arrows from the library (every module but the benchmarks and the top-level front end) into the benchmarks."""
+    return {
+        (importer, target)
+        for importer, targets in graph.edges.items()
+        if not is_bench(importer) and importer not in FRONT_END
+        for target in targets
+        if is_bench(target)
+    }
+
+
 def upward_arrows(graph: Graph) -> set[tuple[str, str]]:
     return {
         (importer, target)
         for importer, targets in graph.edges.items()
-        if any(within(importer, lower) for lower in LOWER) and not is_bench(importer)
+        if any(within(importer, lower) for lower in LOWER)
         for target in targets
-        if any(within(target, upper) for upper in UPPER) or is_bench(target)
+        if any(within(target, upper) for upper in UPPER)
     }
 
 
@@ -205,6 +217,14 @@ def test_no_private_name_crosses_a_module(graph: Graph) -> None:
 
 def test_lower_layers_import_nothing_above_them(graph: Graph) -> None:
     assert sorted(upward_arrows(graph)) == []
+
+
+def test_no_library_package_imports_the_benchmarks(graph: Graph) -> None:
+    assert sorted(into_the_benchmarks(graph)) == []
+
+
+def test_benchmarks_live_in_their_package(graph: Graph) -> None:
+    assert sorted(module for module in graph.modules if module.rsplit(".", 1)[-1] == "bench" and not is_bench(module)) == []
 
 
 def test_imports_follow_the_layers(graph: Graph) -> None:

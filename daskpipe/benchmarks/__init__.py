@@ -1,1 +1,2 @@
-"""Benchmarks that span the layers (planner, simulator, runtime) and so belong to none of them."""
+"""Benchmarks and experiments: every ``daskpipe bench`` command (registered in ``cli``) and
+``daskpipe experiments``. They import the library; no library layer imports them."""

@@ -215,7 +215,7 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
     for every one of them: on time, late, dropped by reason, failed, or lost (not ended after the drain)."""
     from distributed import as_completed
 
-    from daskpipe.runtime.bench import LoopLag
+    from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.errors import RequestDropped
 
     count = len(arrivals)

@@ -3,8 +3,8 @@
 ``fragments`` models devices and their Neurosurgeon splits, ``costs`` sizes a stage on MPS shares,
 ``planner`` is Graft's scheduler (merge, group, re-align), ``baselines`` gives per-fragment
 serving and the exhaustive optimum, ``simulate`` checks a plan's SLO attainment (a data plane:
-imported from its module, not from this package, which the runtime loads), ``bench``
-is ``daskpipe bench graft`` and ``execute`` the in-process reference data plane. The data plane
+imported from its module, not from this package, which the runtime loads) and ``execute`` the
+in-process reference data plane (``daskpipe bench graft`` is ``daskpipe.benchmarks.graft``). The data plane
 of hybrid plans, a scheduling policy like the others, is ``daskpipe.sched.hybrid`` (the
 ``"hybrid"`` data plane of ``daskpipe.sched.registry``; served by ``daskpipe.runtime.hybrid``).
 See docs/hybrid.md.

@@ -107,17 +107,6 @@ def test_golden_case_from_the_command_line(ppipe_dir, tmp_path):
     assert json.loads(out.read_text())["objective"] == pytest.approx(1212, abs=3)
 
 
-def test_bench_plan_reports_ratios_and_times(ppipe_dir):
-    from daskpipe.plan.bench import run_bench
-
-    figures = run_bench(ppipe_dir, cluster_names=["HC3"], group_names=["G4"])
-    (case,) = figures["cases"]
-    assert case["ratio"]["ppipe/np"] > 1.2
-    assert case["objective"]["ppipe"] >= case["objective"]["dart-r"] >= case["objective"]["np"]
-    assert figures["per_cluster"]["HC3"]["ppipe/np"]["paper"] == 1.43
-    assert figures["solve_seconds"]["median"] > 0
-
-
 def test_the_plan_marks_each_partition_measured_or_estimated_as_its_profile_does(tmp_path):
     from dataclasses import replace
 

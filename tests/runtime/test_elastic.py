@@ -11,12 +11,11 @@ import torch
 from distributed import Client, wait
 
 import daskpipe
+from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.adaptive import add_emulated_gpus
-from daskpipe.runtime.chaos import estimated_profile
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.elastic import ElasticSettings
 from daskpipe.runtime.errors import RequestDropped
-from daskpipe.runtime.overload import small_cnn
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
 from tests.helpers import wait_until

@@ -8,7 +8,7 @@ import pytest
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.sched.api import Feedback, Placement, Request, Slot
-from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.drive import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline

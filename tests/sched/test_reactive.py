@@ -8,7 +8,7 @@ import pytest
 
 from daskpipe.plan.schema import Plan
 from daskpipe.sched.api import Feedback, Placement
-from daskpipe.sched.bench import drive, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.drive import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.reactive import ReactiveDispatcher, ReactiveSettings
 from tests.sched.helpers import BW_GBPS, MS, fig5, model, profile, req, whole

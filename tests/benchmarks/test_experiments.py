@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.sim.experiments import ppipe_experiment, summarize
+from daskpipe.benchmarks.experiments import ppipe_experiment, summarize
 
 
 def run(cluster, strategy, lfs, dataplane="ppipe", arrivals="poisson", util=0.5):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daskpipe.runtime.chaos import WINDOW_S, recovery_seconds, run_chaos
+from daskpipe.benchmarks.chaos import WINDOW_S, recovery_seconds, run_chaos
 
 
 def test_recovery_is_the_end_of_the_last_window_below_target_after_the_kill():

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from daskpipe.dashboard.bench import bench_dashboard
+from daskpipe.benchmarks.dashboard import bench_dashboard
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 import click
 import numpy as np
 
-from daskpipe.runtime.overload import small_cnn
+from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.stage import slow_down
 
 MODEL = "chaos-cnn"
@@ -77,14 +77,6 @@ FAULTS = ("kill", "stop", "slow")
 STOP_S = 10.0  # a SIGSTOPped worker's freeze
 SLOW_S = 20.0  # a slowed emulated GPU's throttling ...
 SLOW_FACTOR = 3.0  # ... and how much slower it holds batches
-
-
-def estimated_profile(model, example, gpus=GPU_TYPES, name: str = MODEL):
-    """The analytic estimator's whole-GPU tables of ``gpus`` for ``model``, batches 1..``BATCH``."""
-    from daskpipe.profiles.estimator import estimate_profile
-
-    estimated = estimate_profile(model, example, gpus=sorted(gpus), name=name, slices=[1], num_blocks=4, batch_sizes=BATCH)
-    return replace(estimated, latency_us={kind: table for kind, table in estimated.latency_us.items() if kind[1] == 1})
 
 
 def two_pool_plan(profile, first: tuple[str, int], second: tuple[str, int], cut: int, bw_gbps: float = BW_GBPS):
@@ -225,7 +217,7 @@ def run_chaos(
     rng = np.random.default_rng(seed)
     model = small_cnn()
     frames = torch.randn(DISTINCT_FRAMES, 1, *INPUT_SHAPE, generator=torch.Generator().manual_seed(seed))
-    profile, plan = two_pool_plan(estimated_profile(model, frames[0]), ("L4", 2), ("T4", 2), cut=2)
+    profile, plan = two_pool_plan(estimated_profile(model, frames[0], GPU_TYPES, MODEL, BATCH), ("L4", 2), ("T4", 2), cut=2)
     k = time_dilation(model, frames[0], profile, capacity, plan)
     rate = load * plan.model(MODEL).throughput / k
     slo_s = profile.slo_us * 1e-6 * k

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.colocation.compare import compare
+from daskpipe.benchmarks.colocation_plan import compare
 from daskpipe.profiles.loader import load_profiles
 
 LIGHT = ["resnext152", "fcn", "googlenet"]  # the three whose 1/2 slice costs least (1.4-1.7x the whole L4)

@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from daskpipe.dashboard.server import PAGES
-from daskpipe.runtime.bench import BATCH, profile_and_plan, trivial_model
+from daskpipe.benchmarks.runtime_overhead import BATCH, profile_and_plan, trivial_model
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",

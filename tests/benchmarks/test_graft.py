@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from daskpipe.graft import bench
-
-from .helpers import toy_profile
+from daskpipe.benchmarks import graft as bench
+from tests.graft.helpers import toy_profile
 
 
 def test_bench_writes_the_contract_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,26 +120,6 @@ class QueueSampler:
             await asyncio.sleep(self.interval_s)
 
 
-def small_cnn():
-    """Three 3x3 convolutions and a linear head: a real model whose CPU compute stays far below
-    its dilated emulated latency, so the emulation holds every batch to its profiled time."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 10),
-    ).eval()
-
-
 def profile_and_plan(model, example):
     """Estimated tables for the emulated GPU types, and the MILP's plan for ``GPUS``."""
     from daskpipe.plan.milp import make_plan
@@ -169,6 +149,7 @@ def run_overload(
     import torch
     from distributed import Client, wait
 
+    from daskpipe.profiles.small_model import small_cnn
     from daskpipe.runtime.cluster import EmulatedCluster
     from daskpipe.runtime.service import deploy
 
@@ -214,7 +195,7 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
     for this stream alone (``after - before``), and the sampler's peaks."""
     from distributed import wait
 
-    from daskpipe.runtime.bench import settle
+    from daskpipe.benchmarks.runtime_overhead import settle
 
     rate = load * capacity
     arrivals = np.cumsum(rng.exponential(1 / rate, size=int(rate * duration * 1.5) + 10))

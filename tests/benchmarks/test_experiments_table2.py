@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.sim.experiments import TABLE2_MODELS, symphony_table2
+from daskpipe.benchmarks.experiments import TABLE2_MODELS, symphony_table2
 
 PAPER = {  # Symphony Table 2: (batch, throughput r/s), staggered then uncoordinated, 8 GPUs
     ("ResNet50", True): (16, 5839),

@@ -1,17 +1,13 @@
-"""Overload: the scheduler's queue bound, its drops with reason "overload", and a short run of
-``daskpipe bench overload`` (no timing thresholds here: the goodput target is the bench's)."""
+"""The scheduler's queue bound, and its drops with reason "overload"."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
-from click.testing import CliRunner
 
 import daskpipe
-from daskpipe.cli import main
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.served import QUEUE_SLOS, queue_bound
 from tests.runtime.helpers import example, frames, tiny_model, two_stage
@@ -60,46 +56,3 @@ def test_the_default_bound_is_two_slos_of_requests_at_the_plans_capacity():
     model = plan.model("tiny")
     assert queue_bound(model, None) == math.ceil(QUEUE_SLOS * model.throughput * 0.5) > 2 * 4
     assert queue_bound(model, 7) == 7
-
-
-@pytest.mark.parametrize("dispatcher", ["ppipe", "ppipe-two-pass"])
-def test_bench_overload_loses_nothing_and_keeps_the_queue_bound(tmp_path, dispatcher):
-    out = tmp_path / "overload.json"
-    args = [
-        "bench",
-        "overload",
-        "--loads",
-        "1,3",
-        "--duration",
-        "2",
-        "--capacity",
-        "20",
-        "--max-queued",
-        "4",
-        "--dispatcher",
-        dispatcher,
-        "--in-process",
-        "--json",
-        str(out),
-    ]
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
-    assert report["max_queued"] == 4 and report["dispatcher"] == dispatcher and [level["load"] for level in report["levels"]] == [1.0, 3.0]
-    for level in report["levels"]:
-        assert level["lost"] == 0 and level["keys_left"] == 0, level
-        assert level["completed"] + sum(level["dropped"].values()) + level["failed"] == level["submitted"], level
-        assert set(level["dropped"]) <= {"deadline", "overload"}, level
-        assert level["queued_peak"] <= 4 and level["queued_bytes_peak"] <= 4 * 3 * 32 * 32 * 4, level
-    three = report["levels"][1]
-    assert three["offered_per_s"] > report["levels"][0]["offered_per_s"] and three["submitted"] > three["completed"]
-
-
-def test_bench_overload_refuses_bad_options():
-    for args, problem in (
-        (["--loads", "1,x"], "comma-separated numbers"),
-        (["--duration", "0"], "--duration"),
-        (["--max-queued", "0"], "--max-queued"),
-    ):
-        result = CliRunner().invoke(main, ["bench", "overload", *args])
-        assert result.exit_code == 2 and problem in result.output, result.output
