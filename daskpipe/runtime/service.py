@@ -438,7 +438,7 @@ def deploy(
     kinds = {(s.gpu, s.slices) for s in slots}
     for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
         profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
-    slo_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
+    slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
     if plan is None:
         from daskpipe.plan.milp import make_plan
 
@@ -447,7 +447,7 @@ def deploy(
             physical_gpus(slots),
             weights=weights,
             gpus_per_server=gpus_per_server(slots),
-            slo_us=slo_us,
+            slo_us=slos_us,
             options=planner,
         )
     unplanned = sorted(set(names) - {m.name for m in plan.models})
@@ -503,7 +503,7 @@ def deploy(
                 plan=plan.to_dict(),
                 stages=stage_rows,
                 options=replace(planner, bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps))).to_dict(),
-                slo_us=slo_us,
+                slo_us=slos_us,
                 weights=dict(weights) if weights else None,
                 time_dilation=float(time_dilation),
                 dispatcher=dispatcher,
