@@ -16,6 +16,7 @@ import torchvision
 
 from daskpipe.plan.milp import make_plan
 from daskpipe.profiles.estimator import estimate_profile
+from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.simulate import simulate
 
 MODELS = {"resnet50": torchvision.models.resnet50, "mobilenet_v3_large": torchvision.models.mobilenet_v3_large}
@@ -49,7 +50,7 @@ def main() -> None:
             pools = " -> ".join(f"{p.gpu} 1/{p.slices} x{p.vgpus} blocks [{p.blocks[0]},{p.blocks[1]})" for p in pipeline.partitions)
             print(f"  batch {pipeline.batch_size}, {pipeline.throughput:.0f} req/s: {pools}")
 
-    result = simulate(plan, profiles, load_factor=args.load, duration=args.duration)
+    result = simulate(plan, profiles, SimulationConfig(duration=args.duration), load_factor=args.load)
     for name, model in result.models.items():
         print(
             f"simulated {name} at load {args.load:g}: {model.submitted} requests, SLO attainment {model.attainment:.4f}, p99 {model.p99_ms:.1f} ms, dropped {model.dropped_total}"

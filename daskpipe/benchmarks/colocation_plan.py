@@ -19,9 +19,11 @@ from typing import Any, Callable, Mapping, Sequence
 import click
 
 from daskpipe.plan.cli import FloatList, NameList, Pairs, profiles_dir_or_default, profiles_option, echo_json
-from daskpipe.plan.milp import COLOCATION_STRATEGIES, make_plan
+from daskpipe.plan.milp import make_plan
+from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile
+from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.simulate import find_max_load
 
 
@@ -37,7 +39,8 @@ def sustained(
     target: float,
 ) -> dict[str, Any]:
     """What ``plan`` sustains in simulation at ``target`` attainment, fed ``load · base_rates``."""
-    result = find_max_load(plan, profiles, base_rates=base_rates, step=step, max_load=max_load, duration=duration, seed=seed, target=target)
+    config = SimulationConfig(duration=duration, seed=seed, base_rates=base_rates)
+    result = find_max_load(plan, profiles, config, step=step, max_load=max_load, target=target)
     loads = result.max_load_factor
     return {
         "throughput": round(min(loads.values()) * sum(base_rates.values()), 2),
@@ -70,9 +73,8 @@ def compare(
     for strategy in strategies:
         started = time.perf_counter()
         try:
-            plans[strategy] = make_plan(
-                profiles, gpus, weights=weights, gpus_per_server=gpus_per_server, bw_gbps=bw_gbps, margin=margin, strategy=strategy
-            )
+            options = PlannerOptions(strategy=strategy, bw_gbps=bw_gbps, margin=margin)
+            plans[strategy] = make_plan(profiles, gpus, weights=weights, gpus_per_server=gpus_per_server, options=options)
             figures[strategy] = {"objective": round(plans[strategy].objective, 2), "plan_seconds": round(time.perf_counter() - started, 2)}
         except PlanError as exc:
             figures[strategy] = {"objective": 0.0, "error": str(exc)}
@@ -124,7 +126,7 @@ def compare(
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the figures here.")
 def bench_colocation_plan(profiles_dir, models, weights, gpus, strategies, margin, duration, seed, json_path) -> None:
     """Plan with and without co-location on one cluster and compare what each plan sustains in simulation (JSON)."""
-    from daskpipe.plan.milp import STRATEGIES
+    from daskpipe.plan.options import STRATEGIES
     from daskpipe.profiles.loader import load_profiles
     from daskpipe.profiles.model import ProfileError
     from daskpipe.progress import progress_bar

@@ -148,8 +148,10 @@ def ppipe_experiment(
     reactive data plane on PPipe's plan) on ``ablation_cluster``; Poisson runs also give low-class
     utilisation at each model's max load. Returns raw runs and the paper's summary figures."""
     from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.options import PlannerOptions
     from daskpipe.plan.schema import PlanError
     from daskpipe.plan.specs import group_cases
+    from daskpipe.sim.config import SimulationConfig
     from daskpipe.sim.simulate import find_max_load
 
     if "ppipe" not in strategies:
@@ -167,11 +169,7 @@ def ppipe_experiment(
                     cluster.gpus,
                     weights=weights,
                     gpus_per_server=cluster.gpus_per_server,
-                    bw_gbps=cluster.bw_gbps,
-                    margin=0.4,
-                    max_parts=2,
-                    strategy=strategy,
-                    time_limit=time_limit,
+                    options=PlannerOptions(strategy=strategy, bw_gbps=cluster.bw_gbps, margin=0.4, max_parts=2, time_limit=time_limit),
                 )
             except PlanError as exc:
                 runs.append({**where, "strategy": strategy, "error": str(exc)})
@@ -183,9 +181,8 @@ def ppipe_experiment(
             cases.append(("ppipe", "reactive", "poisson"))
         for strategy, dataplane, kind in cases:
             note(f"{cluster.name} {group.name} {strategy} plan, {dataplane} data plane, {kind}")
-            result = find_max_load(
-                plans[strategy], profiles, dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates
-            )
+            config = SimulationConfig(dataplane=dataplane, arrivals=kind, duration=duration, seed=seed, base_rates=base_rates)
+            result = find_max_load(plans[strategy], profiles, config)
             runs.append(
                 {
                     **where,

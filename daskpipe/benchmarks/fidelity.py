@@ -150,6 +150,7 @@ class ServedModel:
 def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str, int], max_rate: float) -> list[ServedModel]:
     """Load, re-cut and plan every model, checking all of them before any cluster starts."""
     from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.options import PlannerOptions
     from daskpipe.plan.schema import PlanError
     from daskpipe.profiles.loader import load_profiles, resolve_model_names
     from daskpipe.profiles.model import ProfileError
@@ -177,7 +178,9 @@ def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str,
     for name in names:
         profile, module, example, tensors = stand_in(profiles[name])
         try:
-            plan = make_plan({name: profile}, gpus, gpus_per_server=gpus, bw_gbps=BW_GBPS, margin=PLAN_MARGIN, max_parts=2)
+            plan = make_plan(
+                {name: profile}, gpus, gpus_per_server=gpus, options=PlannerOptions(bw_gbps=BW_GBPS, margin=PLAN_MARGIN, max_parts=2)
+            )
         except PlanError as exc:
             raise BenchOptionError("--gpus", f"cannot plan {name} on {dict(gpus)}: {exc}") from None
         slices: dict[str, set[int]] = {}
@@ -335,14 +338,14 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
     import daskpipe
     from daskpipe.runtime.cluster import EmulatedCluster
     from daskpipe.runtime.errors import DeployError
-    from daskpipe.sim import find_max_load, simulate
+    from daskpipe.sim import SimulationConfig, find_max_load, simulate
     from daskpipe.sim.simulate import load_grid
     from daskpipe.sim.workload import poisson_arrivals
 
     profiles = {model.name: model.profile}
     placements = on_one_server(model.plan)
-    sim_options = dict(duration=duration, seed=seed, placements=placements)
-    sim_best = find_max_load(model.plan, profiles, target=TARGET, step=STEP, max_load=MAX_LOAD, **sim_options).max_load_factor[model.name]
+    config = SimulationConfig(duration=duration, seed=seed, placements=placements)
+    sim_best = find_max_load(model.plan, profiles, config, target=TARGET, step=STEP, max_load=MAX_LOAD).max_load_factor[model.name]
     out: dict[str, Any] = {
         "slo_ms": model.profile.slo_us / 1e3,
         "sim_max_load_factor": sim_best,
@@ -380,7 +383,7 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
                 return serve_trial(service, cluster, model.name, model.example, arrivals, model.slo_s)
 
         def passes(load: float) -> bool:
-            sim = simulate(model.plan, profiles, load_factor=load, **sim_options)
+            sim = simulate(model.plan, profiles, config, load_factor=load)
             _, trace = sim.runs[model.name]
             arrivals = np.sort([r.arrival for r in trace.requests.values()])
             advance(note=f"{model.name}: load {load:.2f} on the runtime ({len(arrivals)} requests)")

@@ -17,6 +17,7 @@ import click
 
 from daskpipe.plan.cli import echo_json, profiles_dir_or_default, profiles_option
 from daskpipe.plan.milp import make_plan
+from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.specs import group_cases
 
 STRATEGIES = ("ppipe", "np", "dart-r")
@@ -43,10 +44,7 @@ def run_bench(
                 cluster.gpus,
                 weights=weights,
                 gpus_per_server=cluster.gpus_per_server,
-                bw_gbps=cluster.bw_gbps,
-                strategy=strategy,
-                solver=solver,
-                time_limit=time_limit,
+                options=PlannerOptions(strategy=strategy, bw_gbps=cluster.bw_gbps, solver=solver, time_limit=time_limit),
             )
             case["seconds"][strategy] = time.perf_counter() - started
             case["cpu_seconds"][strategy] = _cpu_seconds() - cpu_started

@@ -1,4 +1,4 @@
-"""The planner's co-location strategies: ``make_plan(..., strategy="inss")`` and the other policies.
+"""The planner's co-location strategies: ``make_plan(..., options=PlannerOptions(strategy="inss"))`` and the other policies.
 
 PPipe's strategies maximise min_m throughput_m / weight_m over pool sizes. A co-location policy
 instead places given rates, so the planner searches the rate: models ask for ``scale · weight_m``

@@ -1,8 +1,8 @@
 """``daskpipe plan``: a thin click wrapper around :func:`make_plan`.
 
-Flags mirror the keyword arguments of ``make_plan`` name for name; parsing errors name the flag
-and the bad value, planning errors (:class:`PlanError`) come back as click errors with the
-planner's message.
+Flags mirror the keyword arguments of ``make_plan`` and the fields of its ``PlannerOptions`` name
+for name; parsing errors name the flag and the bad value, planning errors (:class:`PlanError`)
+come back as click errors with the planner's message.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import click
 
-from daskpipe.plan.milp import STRATEGIES
+from daskpipe.plan.options import SOLVERS, STRATEGIES, PlannerOptions
 
 DEFAULT_PROFILES = Path(__file__).resolve().parents[3] / "shared" / "ppipe"
 
@@ -110,7 +110,7 @@ profiles_option = click.option(
     help="ppipe, np, dart-r; or a co-location policy sharing GPUs between models (docs/colocation.md).",
 )
 @click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit, seconds.")
-@click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True)
+@click.option("--solver", type=click.Choice(SOLVERS), default="auto", show_default=True)
 @click.option("--allow-missing-gpus", is_flag=True, help="Plan a model on the GPU types it has profiles for, ignoring the others.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write plan.json.")
 def plan(
@@ -141,6 +141,15 @@ def plan(
             f"{len(weights)} weights for {len(models)} models; give one per model, in --models order", param_hint="--weights"
         )
     try:
+        options = PlannerOptions(
+            strategy=strategy,
+            bw_gbps=bw_gbps,
+            margin=margin,
+            max_parts=max_parts,
+            time_limit=time_limit,
+            solver=solver,
+            allow_missing_gpus=allow_missing_gpus,
+        )
         profiles = load_profiles(profiles_dir_or_default(profiles_dir), models)
         names = list(profiles)  # full names, in --models order
         slo = {_full_name(k, names, "--slo-us"): v for k, v in (slo_us or {}).items()}
@@ -150,14 +159,8 @@ def plan(
                 gpus,
                 weights=dict(zip(names, weights)) if weights else None,
                 gpus_per_server=gpus_per_server,
-                bw_gbps=bw_gbps,
                 slo_us=slo,
-                margin=margin,
-                max_parts=max_parts,
-                strategy=strategy,
-                time_limit=time_limit,
-                solver=solver,
-                allow_missing_gpus=allow_missing_gpus,
+                options=options,
             )
     except (PlanError, ProfileError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -14,14 +14,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from daskpipe.colocation.policy import Strategy as ColocationStrategy
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, resources_of
+from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
 from daskpipe.profiles.model import Profile
-
-COLOCATION_STRATEGIES = tuple(s.value for s in ColocationStrategy)  # several models on MPS shares of one GPU
-STRATEGIES = ("ppipe", "np", "dart-r", *COLOCATION_STRATEGIES)
-SOLVERS = ("auto", "cbc", "highs")
 
 
 def make_plan(
@@ -30,48 +26,22 @@ def make_plan(
     *,
     weights: Mapping[str, float] | None = None,
     gpus_per_server: Mapping[str, int] | None = None,
-    bw_gbps: float = 10.0,
     slo_us: Mapping[str, float] | None = None,
-    margin: float = 0.4,
-    max_parts: int = 2,
-    strategy: str = "ppipe",
-    time_limit: float = 60,
-    solver: str = "auto",
-    batch_build_estimate: bool = True,
-    allow_missing_gpus: bool = False,
-    one_pipeline_per_route: bool = True,
+    options: PlannerOptions = PlannerOptions(),
 ) -> Plan:
     """Plan the serving of ``profiles`` (model name -> profile) on a cluster of ``gpus`` (type -> count).
 
     ``weights`` are the models' workload shares: the plan maximises min_m throughput_m / weight_m
-    (default: equal). ``slo_us`` overrides the profiles' SLOs; pipelines must fit ``(1 - margin)``
-    of it. ``strategy`` is ``ppipe`` (pooled pipelines of up to ``max_parts`` partitions on MPS
-    slices), ``np`` (whole models on whole GPUs), ``dart-r`` (DART's two-GPU plan replicated
-    over GPU pairs) or a co-location policy of :data:`COLOCATION_STRATEGIES` (several models'
-    whole copies on MPS shares of one GPU, see :mod:`daskpipe.colocation.planner`; ``max_parts``,
-    ``solver`` and the batch-build estimate do not apply there). ``allow_missing_gpus`` lets a
-    model plan on the cluster's GPU types its
-    profile has, instead of failing on the ones it lacks. ``one_pipeline_per_route`` keeps PPipe's
-    formulation, where each sequence of GPU types (a route) carries at most one pipeline; without it
-    several pipelines may share a route with different cuts, slices or batch sizes.
+    (default: equal). ``slo_us`` overrides the profiles' SLOs; pipelines must fit
+    ``(1 - options.margin)`` of it. ``options`` say how to plan (:class:`PlannerOptions`: the
+    strategy, bandwidth, margin, solver...); co-location strategies plan in
+    :mod:`daskpipe.colocation.planner`. Without ``options.one_pipeline_per_route`` several
+    pipelines may share a route with different cuts, slices or batch sizes.
 
     Raises :class:`PlanError` naming the bad input, or what would make an infeasible one feasible.
     """
-    spec = _Spec.check(
-        profiles,
-        gpus,
-        weights,
-        gpus_per_server,
-        bw_gbps,
-        slo_us,
-        margin,
-        max_parts,
-        strategy,
-        time_limit,
-        solver,
-        allow_missing_gpus,
-        one_pipeline_per_route,
-    )
+    spec = _Spec.check(profiles, gpus, weights, gpus_per_server, slo_us, options)
+    strategy = options.strategy
     if strategy in COLOCATION_STRATEGIES:
         from daskpipe.colocation.planner import plan_colocation
 
@@ -81,14 +51,14 @@ def make_plan(
             strategy=strategy,
             weights=spec.weights,
             slo_us=spec.slo_us,
-            margin=spec.margin,
+            margin=options.margin,
             gpus_per_server=spec.gpus_per_server,
-            bw_gbps=spec.bw_gbps,
-            time_limit=spec.time_limit,
+            bw_gbps=options.bw_gbps,
+            time_limit=options.time_limit,
         )
         return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
-    rates = _batch_build_rates(spec) if batch_build_estimate else None
+    rates = _batch_build_rates(spec) if options.batch_build_estimate else None
     if strategy == "np":
         plan = _plan_np(spec, rates, drop_infeasible=False)
     elif strategy == "ppipe":
@@ -96,18 +66,18 @@ def make_plan(
     else:
         plan = _plan_dart_r(spec, rates)
     settings = {
-        "margin": margin,
-        "max_parts": 1 if strategy == "np" else max_parts,
-        "batch_build_estimate": batch_build_estimate,
+        "margin": options.margin,
+        "max_parts": 1 if strategy == "np" else options.max_parts,
+        "batch_build_estimate": options.batch_build_estimate,
         "batch_build_rate": rates,
-        "allow_missing_gpus": allow_missing_gpus,
-        "one_pipeline_per_route": one_pipeline_per_route,
+        "allow_missing_gpus": options.allow_missing_gpus,
+        "one_pipeline_per_route": options.one_pipeline_per_route,
     }
     return Plan(
         objective=plan.objective,
         models=_with_table_origins(plan.models, profiles),
         strategy=strategy,
-        cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": bw_gbps},
+        cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": options.bw_gbps},
         solver={**plan.solver, "seconds": time.perf_counter() - started},
         settings=settings,
     )
@@ -135,32 +105,14 @@ class _Spec:
     gpus: Mapping[str, int]
     weights: Mapping[str, float]
     gpus_per_server: Mapping[str, int]
-    bw_gbps: float
     slo_us: Mapping[str, float]
-    margin: float
-    max_parts: int
-    time_limit: float
-    solver: str
+    options: PlannerOptions
     model_gpus: Mapping[str, tuple[str, ...]]  # the cluster's GPU types each model can use
-    one_pipeline_per_route: bool
 
     @classmethod
-    def check(
-        cls,
-        profiles,
-        gpus,
-        weights,
-        gpus_per_server,
-        bw_gbps,
-        slo_us,
-        margin,
-        max_parts,
-        strategy,
-        time_limit,
-        solver,
-        allow_missing_gpus,
-        one_pipeline_per_route,
-    ) -> _Spec:
+    def check(cls, profiles, gpus, weights, gpus_per_server, slo_us, options) -> _Spec:
+        if not isinstance(options, PlannerOptions):
+            raise PlanError(f"options must be a PlannerOptions, got {type(options).__name__}")
         if not profiles:
             raise PlanError("no models to plan: give at least one profile")
         if not gpus:
@@ -168,22 +120,12 @@ class _Spec:
         for gpu, count in gpus.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise PlanError(f"GPU count for {gpu!r} must be a positive integer, got {count!r}")
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if solver not in SOLVERS:
-            raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        _positive(bw_gbps, "bw_gbps")
-        _positive(time_limit, "time_limit")
-        if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-            raise PlanError(f"margin must be in [0, 1) (the share of the SLO kept free), got {margin!r}")
-        if isinstance(max_parts, bool) or not isinstance(max_parts, int) or max_parts < 1:
-            raise PlanError(f"max_parts must be an integer >= 1, got {max_parts!r}")
         names = list(profiles)
         weights = dict(weights) if weights is not None else {m: 1.0 for m in names}
         if set(weights) != set(names):
             raise PlanError(f"weights are for {sorted(weights)} but the models are {sorted(names)}; give one weight per model")
         for m, w in weights.items():
-            _positive(w, f"weight of {m!r}")
+            check_positive(w, f"weight of {m!r}")
         per_server = {g: 1 for g in gpus}
         for gpu, count in (gpus_per_server or {}).items():
             if gpu not in gpus:
@@ -195,13 +137,13 @@ class _Spec:
         for m, slo in (slo_us or {}).items():
             if m not in profiles:
                 raise PlanError(f"slo_us names model {m!r}, which is not among the models {names}")
-            _positive(slo, f"SLO of {m!r}")
+            check_positive(slo, f"SLO of {m!r}")
             slos[m] = float(slo)
         model_gpus = {}
         for m, p in profiles.items():
             usable = tuple(g for g in gpus if g in p.gpu_types)
             missing = [g for g in gpus if g not in p.gpu_types]
-            if missing and not allow_missing_gpus:
+            if missing and not options.allow_missing_gpus:
                 raise PlanError(
                     f"model {m!r} has no profile for GPU type(s) {missing} (it has {p.gpu_types}); "
                     "profile it there, drop those GPUs, or allow planning on the other types"
@@ -209,25 +151,12 @@ class _Spec:
             if not usable:
                 raise PlanError(f"model {m!r} has no profile for any GPU type of the cluster {sorted(gpus)} (it has {p.gpu_types})")
             model_gpus[m] = usable
-        return cls(
-            profiles,
-            dict(gpus),
-            weights,
-            per_server,
-            float(bw_gbps),
-            slos,
-            float(margin),
-            max_parts,
-            float(time_limit),
-            solver,
-            model_gpus,
-            one_pipeline_per_route,
-        )
+        return cls(profiles, dict(gpus), weights, per_server, slos, options, model_gpus)
 
     def budget(self, model: str, batch_build_rate: float | None) -> Budget:
         return Budget(
-            latency_us=(1 - self.margin) * self.slo_us[model],
-            bw_gbps=self.bw_gbps,
+            latency_us=(1 - self.options.margin) * self.slo_us[model],
+            bw_gbps=self.options.bw_gbps,
             gpus_per_server=self.gpus_per_server,
             batch_build_rate=batch_build_rate,
         )
@@ -246,17 +175,12 @@ class _Spec:
         fastest = min((profile.latency(g, v, 1), g, v) for g, v in resources_of(profile, self.model_gpus[model], max_slices))
         latency, gpu, v = fastest
         where = gpu if v == 1 else f"1/{v} of a {gpu}"
-        budget = (1 - self.margin) * self.slo_us[model]
+        budget = (1 - self.options.margin) * self.slo_us[model]
         return PlanError(
             f"model {model!r} cannot meet its SLO: the plan budget is (1 - margin) x SLO = {budget:.0f} µs, but the fastest "
             f"pipeline takes {latency:.0f} µs (whole model on {where} at batch 1); raise its SLO to at least "
-            f"{latency / (1 - self.margin):.0f} µs, lower the margin, or add faster GPUs"
+            f"{latency / (1 - self.options.margin):.0f} µs, lower the margin, or add faster GPUs"
         )
-
-
-def _positive(x: Any, what: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise PlanError(f"{what} must be a positive number, got {x!r}")
 
 
 @dataclass(frozen=True)
@@ -304,7 +228,7 @@ def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, parts: int | Non
     with a weak plan, so the plan for one partition fewer is solved first, warm-starts this one,
     and is returned if it stays better.
     """
-    parts = spec.max_parts if parts is None else parts
+    parts = spec.options.max_parts if parts is None else parts
     configs = {}
     for m in spec.profiles:
         configs[m] = spec.configs(m, max_parts=parts, max_slices=None, rate=(rates or {}).get(m))
@@ -347,7 +271,7 @@ def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float
     pipelines: list[Pipeline] = []
     status = "optimal"
     if pairs:
-        pair_configs = spec.configs(model, max_parts=spec.max_parts, max_slices=1, rate=rate)
+        pair_configs = spec.configs(model, max_parts=spec.options.max_parts, max_slices=1, rate=rate)
         if pair_configs:
             pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1})
             status = pair.solver["status"]
@@ -380,9 +304,11 @@ def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapp
     full = _PoolSizing(spec, configs, gpus)
     if start is not None:
         full.model.start = full.start_from(start)
-    status = full.model.optimize(max_seconds=spec.time_limit)
+    status = full.model.optimize(max_seconds=spec.options.time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        raise PlanError(f"the solver found no plan within {spec.time_limit:g} s (status {status.name.lower()}); raise the time limit")
+        raise PlanError(
+            f"the solver found no plan within {spec.options.time_limit:g} s (status {status.name.lower()}); raise the time limit"
+        )
     models = []
     for m, cs in configs.items():
         pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, full.sizes(m)) if min(sizes) > 0]
@@ -405,7 +331,7 @@ class _PoolSizing:
         import mip
 
         self.configs = configs
-        self.model = model = mip.Model(sense=mip.MAXIMIZE, solver_name=_solver_name(spec.solver))
+        self.model = model = mip.Model(sense=mip.MAXIMIZE, solver_name=_solver_name(spec.options.solver))
         model.verbose = 0
         if model.solver_name.lower() == "cbc":
             model.cuts = 0  # CBC's cut rounds cost more than they prune here: 2.7x less CPU on the 16 bench cases
@@ -419,7 +345,7 @@ class _PoolSizing:
             routes: dict[tuple[str, ...], list[mip.Var]] = {}
             for c in cs:
                 x = model.add_var(lb=0)
-                opened = model.add_var(var_type=mip.BINARY) if spec.one_pipeline_per_route else None
+                opened = model.add_var(var_type=mip.BINARY) if spec.options.one_pipeline_per_route else None
                 if opened is not None:
                     routes.setdefault(tuple(gpu for gpu, _ in c.resources), []).append(opened)
                     self.route_opening[c] = opened

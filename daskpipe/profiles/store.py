@@ -29,7 +29,7 @@ from daskpipe.profiles.model import ProfileError
 
 FORMAT = "daskpipe-profile-store/1"
 CONFIG_KEY = "daskpipe.profile-store"
-"""The Dask config key naming the store's folder when ``deploy`` gets no ``profile_store=``."""
+"""The Dask config key naming the store's folder when ``deploy`` gets no ``ProfilingOptions(store=...)``."""
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.elastic import ElasticSettings
 from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.profiling import ProfilingOptions
 
 
 def check_module(what: str, value: Any) -> None:
@@ -77,12 +79,8 @@ def check_deploy_arguments(
     slo_ms: Any,
     weights: Any,
     time_dilation: Any,
-    bw_gbps: Any,
-    num_blocks: Any,
-    batch_sizes: Any,
-    margin: Any,
-    max_parts: Any,
-    strategy: Any,
+    planner: Any,
+    profiling: Any,
     dispatcher: Any,
     allow_nonfinite: Any,
     plan: Any,
@@ -113,19 +111,11 @@ def check_deploy_arguments(
     if weights is not None:
         check_mapping("weights", weights, names, check_positive)
     check_positive("time_dilation", time_dilation)
-    check_positive("bw_gbps", bw_gbps, " Gbit/s")
-    check_count("num_blocks", num_blocks)
-    sizes = [batch_sizes] if isinstance(batch_sizes, numbers.Integral) else batch_sizes
-    if isinstance(batch_sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
-        raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {batch_sizes!r}")
-    for size in sizes:
-        check_count("each of batch_sizes", size)
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
-        raise DeployError(f"margin must be a number in [0, 1) (the share of the SLO kept free), got {margin!r}")
-    check_count("max_parts", max_parts)
-    for what, value in (("strategy", strategy), ("dispatcher", dispatcher)):
-        if not isinstance(value, str):
-            raise DeployError(f"{what} must be a name (str), got {value!r}")
+    for what, value, kind in (("planner", planner, PlannerOptions), ("profiling", profiling, ProfilingOptions)):
+        if not isinstance(value, kind):
+            raise DeployError(f"{what} must be a {kind.__name__}, e.g. {kind.__name__}(), got {type(value).__name__}")
+    if not isinstance(dispatcher, str):
+        raise DeployError(f"dispatcher must be a name (str), got {dispatcher!r}")
     if not isinstance(allow_nonfinite, bool):
         raise DeployError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
     if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):

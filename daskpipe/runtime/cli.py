@@ -220,7 +220,7 @@ def demo(duration: float, dashboard_address: str, protocol: str, json_path: Path
     "store_dir",
     type=click.Path(file_okay=False, path_type=Path),
     required=True,
-    help="Profile store folder to fill (deploy(profile_store=...) reads it).",
+    help="Profile store folder to fill (deploy(profiling=ProfilingOptions(store=...)) reads it).",
 )
 @click.option("--name", default=None, help="Model name in the profile [default: MODEL].")
 @click.option("--blocks", default=10, show_default=True, help="Number of blocks to cut the model into (as deploy's num_blocks).")

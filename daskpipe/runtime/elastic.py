@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.runtime import messages
@@ -152,7 +153,8 @@ class Deployment:
     models: dict[str, ModelSpec]
     plan: Plan  # undilated: the plan in force
     rows: dict[str, list[list]]  # model -> [[pipeline, partition, address, stage key], ...]
-    options: dict[str, Any]  # make_plan keyword arguments (slo_us, margin, max_parts, strategy, bw_gbps)
+    planner: PlannerOptions  # deploy's, with the plan's bandwidth
+    slo_us: dict[str, float]  # deploy's SLOs, where it gave them
     weights: dict[str, float]
     time_dilation: float
     dispatcher: str
@@ -337,6 +339,7 @@ class Elastic:
         plan: dict,
         stages: dict,
         options: dict,
+        slo_us: dict | None = None,
         weights: dict | None = None,
         time_dilation: float = 1.0,
         dispatcher: str = "ppipe",
@@ -344,7 +347,8 @@ class Elastic:
         profile_store: str | None = None,
     ) -> str:
         """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
-        to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``."""
+        to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``;
+        ``options`` are the planner's (:meth:`PlannerOptions.to_dict`)."""
         missing = [m for m in models if m not in self.plugin.served]
         if missing:
             raise DeployError(f"models {missing} are not served; serve them before making them elastic")
@@ -365,7 +369,8 @@ class Elastic:
             models=specs,
             plan=Plan.from_dict(plan),
             rows={m: [list(r) for r in rows] for m, rows in stages.items()},
-            options=dict(options),
+            planner=PlannerOptions.from_dict(options),
+            slo_us={m: float(slo) for m, slo in (slo_us or {}).items()},
             weights=dict(weights or {m: 1.0 for m in specs}),
             time_dilation=float(time_dilation),
             dispatcher=dispatcher,
@@ -475,9 +480,8 @@ class Elastic:
             physical_gpus(slots),
             weights=dep.weights,
             gpus_per_server=gpus_per_server(slots),
-            allow_missing_gpus=True,
-            time_limit=self.settings.plan_time_limit_s,
-            **dep.options,
+            slo_us=dep.slo_us,
+            options=replace(dep.planner, allow_missing_gpus=True, time_limit=self.settings.plan_time_limit_s),
         )
         try:
             plan = await asyncio.get_running_loop().run_in_executor(None, plan_call)
@@ -697,7 +701,7 @@ class Elastic:
                     rows[model],
                     dispatcher=dep.dispatcher,
                     time_dilation=dep.time_dilation,
-                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.options.get("bw_gbps", 10.0))),
+                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps)),
                     first_id=dep.epoch * DISPATCH_ID_STRIDE,
                 )
             except Exception:

@@ -14,6 +14,8 @@ client's profile store (:mod:`daskpipe.profiles.store`); workers never see the s
 from __future__ import annotations
 
 import logging
+import numbers
+import os
 import platform
 import time
 import uuid
@@ -42,6 +44,39 @@ PROFILE_KEY_PREFIX = "daskpipe-profile-"
 """Every profiling task's key starts with this (then the model and the kind)."""
 CUT_REFERENCE_GPU = "L4"
 """Blocks are cut by estimated cost on the cluster's first catalog GPU type, or this one (PPipe's SLO reference) on CPU-only clusters."""
+
+
+@dataclass(frozen=True)
+class ProfilingOptions:
+    """How ``deploy`` profiles the models it is not given profiles of; a bad field fails here, named.
+
+    ``num_blocks``: most blocks a model is cut into (fewer where its graph has fewer segments).
+    ``batch_sizes``: the batch sizes timed; an int ``B`` means 1..B. ``store``: a folder of
+    measured tables (docs/profiles.md): each kind found there is not profiled again, each kind
+    measured is added; default: the Dask config key ``daskpipe.profile-store``; neither: nothing
+    is kept. Only the client reads it. ``timeout_s``: most seconds profiling one model may take; a
+    kind not measured by then is left out of the deploy, as is a kind whose profiling fails.
+    """
+
+    num_blocks: int = 10
+    batch_sizes: int | Sequence[int] = (1, 2, 4, 8)
+    store: str | os.PathLike | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, numbers.Integral) or self.num_blocks < 1:
+            raise DeployError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        sizes = [self.batch_sizes] if isinstance(self.batch_sizes, numbers.Integral) else self.batch_sizes
+        if isinstance(self.batch_sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
+            raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {self.batch_sizes!r}")
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise DeployError(f"each of batch_sizes must be an integer >= 1, got {size!r}")
+        if self.store is not None and not isinstance(self.store, (str, os.PathLike)):
+            raise DeployError(f"store must be a folder path or None, got {type(self.store).__name__}")
+        timeout = self.timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0):
+            raise DeployError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
 
 
 @dataclass
@@ -254,7 +289,7 @@ def _measure(
             label = kind_label(*kind)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                excluded[kind] = f"not profiled within profile_timeout_s={timeout_s:g}"
+                excluded[kind] = f"not profiled within timeout_s={timeout_s:g}"
                 update(label, f"excluded: {excluded[kind]}", True)
                 continue
             update(label, f"profiling on {probes[kind][0]}")
@@ -276,7 +311,7 @@ def _measure(
                 update(label, "measured", True)
             except (TimeoutError, FutureTimeout):
                 future.cancel()
-                excluded[kind] = f"profiling took longer than profile_timeout_s={timeout_s:g}"
+                excluded[kind] = f"profiling took longer than timeout_s={timeout_s:g}"
                 update(label, f"excluded: {excluded[kind]}", True)
             except Exception as exc:  # the kind's worker could not run the model: exclude the kind, keep the deploy
                 excluded[kind] = f"profiling failed on {probes[kind][0]}: {type(exc).__name__}: {exc}"

@@ -33,6 +33,7 @@ import torch
 from distributed import Client, Future, wait
 from torch import nn
 
+from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.fx import SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
@@ -45,10 +46,9 @@ from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
 from daskpipe.runtime.placement import gpus_per_server, physical_gpus, place
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
-from daskpipe.runtime.profiling import profile_on_cluster
+from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.stage import Stage
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 SUBMIT_CHUNK = 256
 """Most requests in one submit message: the scheduler registers a message's keys in one go on its
 event loop (tens of microseconds each), so this bounds how long one message holds the loop."""
@@ -331,20 +331,14 @@ def deploy(
     slo_ms: Mapping[str, float] | None = None,
     plan: Plan | str | os.PathLike | None = None,
     profiles: Mapping[str, Profile] | None = None,
-    time_dilation: float = 1.0,
-    bw_gbps: float = 10.0,
     weights: Mapping[str, float] | None = None,
-    num_blocks: int = 10,
-    batch_sizes: int | Sequence[int] = DEFAULT_BATCH_SIZES,
-    margin: float = 0.4,
-    max_parts: int = 2,
-    strategy: str = "ppipe",
+    planner: PlannerOptions = PlannerOptions(),
+    profiling: ProfilingOptions = ProfilingOptions(),
+    time_dilation: float = 1.0,
     dispatcher: str = "ppipe",
     max_queued: int | None = None,
     allow_nonfinite: bool = False,
     elastic: ElasticSettings | None = ElasticSettings(),
-    profile_store: str | os.PathLike | None = None,
-    profile_timeout_s: float | None = None,
 ) -> Service:
     """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
 
@@ -358,6 +352,15 @@ def deploy(
     plan, profiles
         A plan (``Plan`` or a plan.json path) and the profiles it was made from, instead of
         profiling and planning here. ``profiles`` alone skips profiling only.
+    weights
+        The models' workload shares, which the plan balances (default: equal).
+    planner
+        How to plan (:class:`~daskpipe.plan.options.PlannerOptions`: strategy, bandwidth, margin,
+        partitions, solver); the elastic re-planner plans with them too.
+    profiling
+        How to profile the models not given profiles of
+        (:class:`~daskpipe.runtime.profiling.ProfilingOptions`: blocks, batch sizes, the profile
+        store, a timeout per model).
     time_dilation
         k: every latency and SLO is scaled by k, so emulated GPUs on a slow machine keep up.
     dispatcher
@@ -370,13 +373,6 @@ def deploy(
         "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).
     allow_nonfinite
         Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
-    profile_store
-        A folder of measured tables (docs/profiles.md): each kind found there is not profiled
-        again, each kind measured is added. Default: the Dask config key ``daskpipe.profile-store``;
-        neither: nothing is kept. Only this process reads it.
-    profile_timeout_s
-        Most seconds profiling one model may take; a kind not measured by then is left out of the
-        deploy, as is a kind whose profiling fails (both logged and shown with the reason).
     elastic
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
         ``Adaptive`` (:class:`~daskpipe.runtime.elastic.ElasticSettings`); ``None``: the plan stays.
@@ -391,12 +387,8 @@ def deploy(
         slo_ms=slo_ms,
         weights=weights,
         time_dilation=time_dilation,
-        bw_gbps=bw_gbps,
-        num_blocks=num_blocks,
-        batch_sizes=batch_sizes,
-        margin=margin,
-        max_parts=max_parts,
-        strategy=strategy,
+        planner=planner,
+        profiling=profiling,
         dispatcher=dispatcher,
         allow_nonfinite=allow_nonfinite,
         plan=plan,
@@ -418,9 +410,7 @@ def deploy(
     profiles = dict(profiles or {})
     if plan is not None and set(names) - set(profiles):
         raise DeployError(f"plan= needs the profiles= it was made from; missing for {sorted(set(names) - set(profiles))}")
-    if profile_timeout_s is not None and not profile_timeout_s > 0:
-        raise DeployError(f"profile_timeout_s must be > 0 seconds, got {profile_timeout_s!r}")
-    store = configured_store(profile_store)
+    store = configured_store(profiling.store)
     given = set(profiles)
     blocked = {}
     for name in names:
@@ -436,10 +426,10 @@ def deploy(
                     models[name],
                     example_inputs[name],
                     slo_us=slo_us,
-                    num_blocks=num_blocks,
-                    batch_sizes=batch_sizes,
+                    num_blocks=profiling.num_blocks,
+                    batch_sizes=profiling.batch_sizes,
                     store=store,
-                    timeout_s=profile_timeout_s,
+                    timeout_s=profiling.timeout_s,
                 )
                 profiles[name], blocked[name] = measured.profile, measured.blocked
                 slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
@@ -448,6 +438,7 @@ def deploy(
     kinds = {(s.gpu, s.slices) for s in slots}
     for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
         profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
+    slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
     if plan is None:
         from daskpipe.plan.milp import make_plan
 
@@ -456,11 +447,8 @@ def deploy(
             physical_gpus(slots),
             weights=weights,
             gpus_per_server=gpus_per_server(slots),
-            bw_gbps=bw_gbps,
-            slo_us={m: s * 1e3 for m, s in (slo_ms or {}).items()},
-            margin=margin,
-            max_parts=max_parts,
-            strategy=strategy,
+            slo_us=slos_us,
+            options=planner,
         )
     unplanned = sorted(set(names) - {m.name for m in plan.models})
     if unplanned:
@@ -492,7 +480,7 @@ def deploy(
                 profile=profiles[name].to_dict(),
                 stages=stage_rows[name],
                 time_dilation=float(time_dilation),
-                bw_gbps=float(plan.cluster.get("bw_gbps", bw_gbps)),
+                bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps)),
                 dispatcher=dispatcher,
                 max_queued=max_queued,
                 sample_nbytes=specs[name].sample_nbytes,
@@ -514,13 +502,8 @@ def deploy(
                 },
                 plan=plan.to_dict(),
                 stages=stage_rows,
-                options={
-                    "bw_gbps": float(plan.cluster.get("bw_gbps", bw_gbps)),
-                    "slo_us": {m: s * 1e3 for m, s in (slo_ms or {}).items()},
-                    "margin": margin,
-                    "max_parts": max_parts,
-                    "strategy": strategy,
-                },
+                options=replace(planner, bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps))).to_dict(),
+                slo_us=slos_us,
                 weights=dict(weights) if weights else None,
                 time_dilation=float(time_dilation),
                 dispatcher=dispatcher,

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from daskpipe.sched.registry import DATAPLANES
+from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.simulate import SimResult, find_max_load, load_grid
 from daskpipe.sim.simulate import simulate as run_simulation
 
@@ -188,30 +189,30 @@ def simulate_command(
             settings = PPipeSettings(slack_quantile=None if slack_quantile == "off" else slack_quantile)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--slack-quantile") from None
-    kwargs = dict(
-        dataplane=dataplane,
-        arrivals=arrivals,
-        duration=duration,
-        seed=seed,
-        noise=noise,
-        bursty_cv=bursty_cv,
-        latency_ratios=read_ratios(ratios_path) if ratios_path else None,
-        bw_gbps=bw_gbps,
-        timeout_s=timeout_ms / 1e3,
-        max_batch=max_batch,
-        settings=settings,
-    )
     try:
+        config = SimulationConfig(
+            dataplane=dataplane,
+            arrivals=arrivals,
+            duration=duration,
+            seed=seed,
+            noise=noise,
+            bursty_cv=bursty_cv,
+            latency_ratios=read_ratios(ratios_path) if ratios_path else None,
+            bw_gbps=bw_gbps,
+            timeout_s=timeout_ms / 1e3,
+            max_batch=max_batch,
+            settings=settings,
+        )
         if search_max_load:
             from daskpipe.progress import progress_bar
 
             grid = load_grid(0.05, max_load)
             with progress_bar("finding max load", total=len(plan.models) * max(1, len(grid).bit_length())) as advance:
                 result = find_max_load(
-                    plan, profiles, max_load=max_load, progress=lambda model, lf: advance(note=f"{model[:24]} LF {lf:.2f}"), **kwargs
+                    plan, profiles, config, max_load=max_load, progress=lambda model, lf: advance(note=f"{model[:24]} LF {lf:.2f}")
                 )
         else:
-            result = run_simulation(plan, profiles, load_factor=load_factor, **kwargs)
+            result = run_simulation(plan, profiles, config, load_factor=load_factor)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     out = summary(result)

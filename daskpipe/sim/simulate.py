@@ -1,8 +1,9 @@
 """Simulate a plan under a workload, and find the highest load it sustains.
 
 Each model of the plan runs in its own engine on its own placed slots, fed at ``load_factor`` times
-its reference rate (the plan's throughput for it, PPipe's definition of load factor; pass
-``base_rates`` to feed another plan at the same absolute rates, as the paper does for baselines).
+its reference rate (the plan's throughput for it, PPipe's definition of load factor; give
+``SimulationConfig.base_rates`` to feed another plan at the same absolute rates, as the paper does
+for baselines).
 Models are independent there, as in the paper's simulator: a pooled plan never shares a GPU
 between models, and per-model runs leave out NIC sharing between models placed on one server.
 A co-located plan (``Partition.device``, docs/colocation.md) does share GPUs between models; its
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -23,8 +24,9 @@ from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Dispatch, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.registry import check_name, make_dispatcher
-from daskpipe.sim.engine import Engine, Trace, check_ratios, on_time
+from daskpipe.sched.registry import make_dispatcher
+from daskpipe.sim.config import SimulationConfig
+from daskpipe.sim.engine import Engine, Trace, on_time
 from daskpipe.sim.workload import Trace as ArrivalTrace
 from daskpipe.sim.workload import arrivals as make_arrivals
 
@@ -136,50 +138,23 @@ def model_result(trace: Trace, model: str, load_factor: float, offered_rate: flo
 
 @dataclass
 class _Setup:
-    """Everything a run needs that does not depend on the load factor."""
+    """Everything a run needs that does not depend on the load factor: the config, with what it
+    leaves to the plan resolved."""
 
     plan: Plan
     profiles: Mapping[str, Profile]
     placements: Mapping[str, Placement]
     bw_gbps: float
     base_rates: Mapping[str, float]
-    dataplane: str
     arrivals: str | ArrivalTrace
-    duration: float
-    seed: int
-    noise: float
-    latency_ratios: Sequence[float] | None
-    cv: float
-    dispatcher_kwargs: Mapping[str, Any]
+    config: SimulationConfig
 
 
-def _prepare(
-    plan: Plan,
-    profiles: Mapping[str, Profile],
-    *,
-    dataplane: str = "ppipe",
-    arrivals: str | ArrivalTrace = "poisson",
-    duration: float = 30.0,
-    seed: int = 1,
-    noise: float = 0.0,
-    latency_ratios: Sequence[float] | None = None,
-    bursty_cv: float = 2.0,
-    bw_gbps: float | None = None,
-    gpus_per_server: Mapping[str, int] | None = None,
-    base_rates: Mapping[str, float] | None = None,
-    placements: Mapping[str, Placement] | None = None,
-    timeout_s: float = 0.002,
-    max_batch: int | None = None,
-    settings: Any = None,
-) -> _Setup:
-    """Validate :func:`simulate`'s arguments (all but the load factor) once."""
-    check_name(dataplane)
-    if not (duration > 0 and math.isfinite(duration)):
-        raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
-    if not (timeout_s >= 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"timeout_s must be a non-negative number of seconds, got {timeout_s!r}")
-    if latency_ratios is not None:
-        check_ratios(latency_ratios)
+def _prepare(plan: Plan, profiles: Mapping[str, Profile], config: SimulationConfig) -> _Setup:
+    """Resolve ``config`` against ``plan`` and ``profiles`` once, checking what the plan decides."""
+    if not isinstance(config, SimulationConfig):
+        raise TypeError(f"config must be a SimulationConfig, got {type(config).__name__}")
+    arrivals = config.arrivals
     if isinstance(arrivals, str) and arrivals not in ("poisson", "bursty"):
         from daskpipe.sim.workload import load_trace
 
@@ -187,29 +162,27 @@ def _prepare(
     missing = [m.name for m in plan.models if m.name not in profiles]
     if missing:
         raise ValueError(f"no profile for model(s) {missing} of the plan (have {sorted(profiles)})")
-    bw = bw_gbps if bw_gbps is not None else plan.cluster.get("bw_gbps")
+    bw = config.bw_gbps if config.bw_gbps is not None else plan.cluster.get("bw_gbps")
     if bw is None:
         raise ValueError("the plan records no cluster bandwidth; pass bw_gbps")
+    placements = config.placements
     if is_colocated(plan):  # dispatchers plan with the co-located latencies; one slot per share
         profiles = {name: colocated_profile(profile, plan) for name, profile in profiles.items()}
         placements = placements if placements is not None else colocated_placements(plan)
     if placements is None:
         from daskpipe.sched.placement import place
 
-        placements = place(plan, gpus_per_server=gpus_per_server)
+        placements = place(plan, gpus_per_server=config.gpus_per_server)
     rates = {m.name: m.throughput for m in plan.models}
-    if base_rates is not None:
-        unknown = [m for m in rates if m not in base_rates]
+    if config.base_rates is not None:
+        unknown = [m for m in rates if m not in config.base_rates]
         if unknown:
             raise ValueError(f"base_rates lacks model(s) {unknown}")
-        rates = {m: float(base_rates[m]) for m in rates}
+        rates = {m: float(config.base_rates[m]) for m in rates}
     for name, rate in rates.items():
         if not (rate >= 0 and math.isfinite(rate)):
             raise ValueError(f"model {name!r}: reference rate must be a non-negative number, got {rate!r}")
-    kwargs: dict[str, Any] = {"settings": settings, "max_batch": max_batch, "timeout_s": timeout_s}
-    return _Setup(
-        plan, profiles, placements, float(bw), rates, dataplane, arrivals, float(duration), seed, noise, latency_ratios, bursty_cv, kwargs
-    )
+    return _Setup(plan, profiles, placements, float(bw), rates, arrivals, config)
 
 
 def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: float) -> tuple[ModelResult, Trace, Placement]:
@@ -218,21 +191,31 @@ def _run_model(setup: _Setup, index: int, model_plan: ModelPlan, load_factor: fl
     if rate <= 0:
         return ModelResult(model_plan.name, load_factor, rate, 0, 0, 0, {}, None, None, None), Trace(), placement
     profile = setup.profiles[model_plan.name]
-    rng = np.random.default_rng([setup.seed, index])
-    times = make_arrivals(setup.arrivals, rate, setup.duration, rng, cv=setup.cv)
+    config = setup.config
+    rng = np.random.default_rng([config.seed, index])
+    times = make_arrivals(setup.arrivals, rate, config.duration, rng, cv=config.bursty_cv)
     if not model_plan.pipelines:  # the plan gives it nothing: every request is refused
         dropped = {"no-capacity": len(times)} if len(times) else {}
         return ModelResult(model_plan.name, load_factor, rate, len(times), 0, 0, dropped, None, None, None), Trace(), placement
     slo = model_plan.slo_us / 1e6
-    dispatcher = make_dispatcher(setup.dataplane, model_plan, placement, profile, bw_gbps=setup.bw_gbps, **setup.dispatcher_kwargs)
+    dispatcher = make_dispatcher(
+        config.dataplane,
+        model_plan,
+        placement,
+        profile,
+        bw_gbps=setup.bw_gbps,
+        settings=config.settings,
+        max_batch=config.max_batch,
+        timeout_s=config.timeout_s,
+    )
     engine = Engine(
         {model_plan.name: dispatcher},
         placement.slots,
         ProfileDurations(setup.plan, setup.profiles, setup.bw_gbps),
-        noise=setup.noise,
-        latency_ratios=setup.latency_ratios,
-        seed=setup.seed * 1000 + index,
-        horizon=setup.duration,
+        noise=config.noise,
+        latency_ratios=config.latency_ratios,
+        seed=config.seed * 1000 + index,
+        horizon=config.duration,
     )
     engine.add_arrivals(Request(i, model_plan.name, float(t), float(t) + slo) for i, t in enumerate(times))
     trace = engine.run()
@@ -255,56 +238,16 @@ def _utilization(
 
 
 def simulate(
-    plan: Plan,
-    profiles: Mapping[str, Profile],
-    *,
-    dataplane: str = "ppipe",
-    arrivals: str | ArrivalTrace = "poisson",
-    load_factor: float = 0.9,
-    duration: float = 30.0,
-    seed: int = 1,
-    noise: float = 0.0,
-    latency_ratios: Sequence[float] | None = None,
-    bursty_cv: float = 2.0,
-    bw_gbps: float | None = None,
-    gpus_per_server: Mapping[str, int] | None = None,
-    base_rates: Mapping[str, float] | None = None,
-    placements: Mapping[str, Placement] | None = None,
-    timeout_s: float = 0.002,
-    max_batch: int | None = None,
-    settings: Any = None,
+    plan: Plan, profiles: Mapping[str, Profile], config: SimulationConfig = SimulationConfig(), *, load_factor: float = 0.9
 ) -> SimResult:
-    """Run every model of ``plan`` for ``duration`` seconds of arrivals at ``load_factor``.
+    """Run every model of ``plan`` for ``config.duration`` seconds of arrivals at ``load_factor``.
 
-    ``arrivals``: ``"poisson"``, ``"bursty"`` (gamma gaps with ``bursty_cv``), a trace file path or
-    a loaded trace. ``noise``: sigma of a mean-one log-normal factor on every duration;
-    ``latency_ratios``: measured/profiled compute ratios, one drawn for each compute (latency noise
-    as the runtime measured it; docs/simulator.md).
-    ``timeout_s``/``max_batch`` are the timeout data plane's knobs (``max_batch`` also caps the
-    eager and deferred ones); ``settings`` goes to the dispatcher. Arrivals stop at ``duration``;
-    the run goes on until every request is completed or dropped; utilisation counts busy time
-    within ``[0, duration)``.
+    Arrivals stop at the duration; the run goes on until every request is completed or dropped;
+    utilisation counts busy time within ``[0, duration)``.
     """
     if not (load_factor >= 0 and math.isfinite(load_factor)):
         raise ValueError(f"load_factor must be a non-negative number, got {load_factor!r}")
-    setup = _prepare(
-        plan,
-        profiles,
-        dataplane=dataplane,
-        arrivals=arrivals,
-        duration=duration,
-        seed=seed,
-        noise=noise,
-        latency_ratios=latency_ratios,
-        bursty_cv=bursty_cv,
-        bw_gbps=bw_gbps,
-        gpus_per_server=gpus_per_server,
-        base_rates=base_rates,
-        placements=placements,
-        timeout_s=timeout_s,
-        max_batch=max_batch,
-        settings=settings,
-    )
+    setup = _prepare(plan, profiles, config)
     results, busy, slots, runs = {}, {}, {}, {}
     for index, model_plan in enumerate(plan.models):
         result, trace, placement = _run_model(setup, index, model_plan, load_factor)
@@ -312,8 +255,8 @@ def simulate(
         runs[model_plan.name] = (placement, trace)
         busy.update(trace.slot_busy)
         slots.update(placement.slots)
-    cluster, used = _utilization(plan, busy, slots, setup.duration)
-    return SimResult(dataplane, _arrivals_name(setup.arrivals), setup.duration, seed, results, cluster, used, runs=runs)
+    cluster, used = _utilization(plan, busy, slots, config.duration)
+    return SimResult(config.dataplane, _arrivals_name(setup.arrivals), config.duration, config.seed, results, cluster, used, runs=runs)
 
 
 def _arrivals_name(arrivals: str | ArrivalTrace) -> str:
@@ -329,12 +272,12 @@ def load_grid(step: float, max_load: float) -> list[float]:
 def find_max_load(
     plan: Plan,
     profiles: Mapping[str, Profile],
+    config: SimulationConfig = SimulationConfig(),
     *,
     target: float = 0.99,
     step: float = 0.05,
     max_load: float = 1.0,
     progress: Callable[[str, float], None] | None = None,
-    **kwargs: Any,
 ) -> SimResult:
     """The highest load factor on the ``step`` grid up to ``max_load`` at which each model keeps
     at least ``target`` attainment, per model.
@@ -343,12 +286,12 @@ def find_max_load(
     ``max_load`` first (most plans hold at or near it), then halve the bracket; about
     log2(max_load/step) runs per model instead of one per grid point. A model that fails even at
     ``step`` gets 0. The result's per-model figures and utilisation are those at each model's max
-    load (at ``step`` when it is 0). ``kwargs`` are :func:`simulate`'s.
+    load (at ``step`` when it is 0). ``config`` is :func:`simulate`'s.
     """
     if not 0 < target <= 1:
         raise ValueError(f"target attainment must be in (0, 1], got {target!r}")
     grid = load_grid(step, max_load)
-    setup = _prepare(plan, profiles, **kwargs)
+    setup = _prepare(plan, profiles, config)
     results, best, busy, slots, reported = {}, {}, {}, {}, {}
     for index, model_plan in enumerate(plan.models):
         runs: dict[int, tuple[ModelResult, Trace, Placement]] = {}
@@ -377,5 +320,5 @@ def find_max_load(
         reported[model_plan.name] = (placement, trace)
         busy.update(trace.slot_busy)
         slots.update(placement.slots)
-    cluster, used = _utilization(plan, busy, slots, setup.duration)
-    return SimResult(setup.dataplane, _arrivals_name(setup.arrivals), setup.duration, setup.seed, results, cluster, used, best, reported)
+    cluster, used = _utilization(plan, busy, slots, config.duration)
+    return SimResult(config.dataplane, _arrivals_name(setup.arrivals), config.duration, config.seed, results, cluster, used, best, reported)

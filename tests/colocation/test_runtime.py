@@ -70,12 +70,17 @@ def sliced_tiny_profile(name: str, base_ms: float):
 
 def test_deploy_with_a_colocation_strategy_shares_one_gpu_between_models(l4_halves):
     import daskpipe
+    from daskpipe.plan.options import PlannerOptions
     from tests.runtime.helpers import example, tiny_model
 
     names = ("tiny-a", "tiny-b")
     profiles = {"tiny-a": sliced_tiny_profile("tiny-a", 4.0), "tiny-b": sliced_tiny_profile("tiny-b", 6.0)}
     svc = daskpipe.deploy(
-        l4_halves, {n: tiny_model() for n in names}, example_inputs={n: example() for n in names}, profiles=profiles, strategy="inss"
+        l4_halves,
+        {n: tiny_model() for n in names},
+        example_inputs={n: example() for n in names},
+        profiles=profiles,
+        planner=PlannerOptions(strategy="inss"),
     )
     try:
         parts = [p.partitions[0] for m in svc.plan.models for p in m.pipelines]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from distributed import get_task_stream
 import daskpipe
 from daskpipe.profiles.store import ProfileStore
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, profile_on_cluster
+from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.service import inventory
 from tests.runtime.helpers import example, tiny_model
 
@@ -38,8 +39,7 @@ def test_each_kind_is_profiled_once_on_its_own_worker_all_at_once_and_the_plan_s
             {"tiny": tiny_model()},
             example_inputs={"tiny": example()},
             slo_ms={"tiny": 500.0},
-            num_blocks=2,
-            batch_sizes=(1, 32, 64, 128),
+            profiling=ProfilingOptions(num_blocks=2, batch_sizes=(1, 32, 64, 128)),
         )
     with svc:
         tasks = profiling_tasks(stream)
@@ -109,7 +109,7 @@ def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_clu
 def test_profiling_past_the_timeout_excludes_the_kind(cpu_cluster):
     cluster, client = cpu_cluster
     convs = torch.nn.Sequential(*(torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))).eval()  # ~0.2 s of timing: more than the limit
-    with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than profile_timeout_s=0.01"):
+    with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than timeout_s=0.01"):
         profile_on_cluster(
             client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01
         )
@@ -128,9 +128,7 @@ def test_a_second_deploy_with_the_store_does_no_profiling_and_is_faster(cpu_clus
                 {"convs": model},
                 example_inputs={"convs": x},
                 slo_ms={"convs": 5000},
-                num_blocks=2,
-                batch_sizes=(1, 8, 16),
-                profile_store=tmp_path,
+                profiling=ProfilingOptions(num_blocks=2, batch_sizes=(1, 8, 16), store=tmp_path),
             )
         seconds = time.perf_counter() - started
         svc.close()
@@ -181,3 +179,19 @@ def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_clu
             store=ProfileStore(tmp_path),
         )
     assert not profiling_tasks(stream) and again.profile.origin("cpu", 1) == "measured"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_blocks=0), "num_blocks must be an integer >= 1, got 0"),
+        (dict(num_blocks=2.5), "num_blocks must be an integer >= 1, got 2.5"),
+        (dict(batch_sizes="8"), "batch_sizes must be an integer >= 1 or a sequence of them, got '8'"),
+        (dict(batch_sizes=[1, 0]), "each of batch_sizes must be an integer >= 1, got 0"),
+        (dict(store=3), "store must be a folder path or None, got int"),
+        (dict(timeout_s=0), "timeout_s must be > 0 seconds, got 0"),
+    ],
+)
+def test_a_bad_profiling_option_is_named(fields, message):
+    with pytest.raises(DeployError, match="^" + re.escape(message)):
+        ProfilingOptions(**fields)

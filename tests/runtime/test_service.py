@@ -14,6 +14,7 @@ from distributed import as_completed, wait
 
 import daskpipe
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.profiling import ProfilingOptions
 from tests.helpers import paced, wait_until
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
 
@@ -23,7 +24,13 @@ pytestmark = pytest.mark.timeout(120)
 def test_deploy_profiles_plans_and_serves_on_plain_cpu_workers(cpu_cluster):
     cluster, client = cpu_cluster
     model = tiny_model()
-    svc = daskpipe.deploy(client, {"cpu-tiny": model}, example_inputs={"cpu-tiny": example()}, slo_ms={"cpu-tiny": 500}, num_blocks=2)
+    svc = daskpipe.deploy(
+        client,
+        {"cpu-tiny": model},
+        example_inputs={"cpu-tiny": example()},
+        slo_ms={"cpu-tiny": 500},
+        profiling=ProfilingOptions(num_blocks=2),
+    )
     try:
         assert {p.gpu for m in svc.plan.models for pipe in m.pipelines for p in pipe.partitions} == {"cpu"}
         assert svc.profiles["cpu-tiny"].gpu_types == ["cpu"]
@@ -226,14 +233,8 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
         ({"weights": {"tiny": -1}}, "weights['tiny'] must be a finite number > 0, got -1"),
         ({"time_dilation": "2"}, "time_dilation must be a number, got '2' (str)"),
         ({"time_dilation": 0}, "time_dilation must be a finite number > 0, got 0"),
-        ({"bw_gbps": -1.0}, "bw_gbps must be a finite number > 0 Gbit/s, got -1.0 Gbit/s"),
-        ({"num_blocks": 0}, "num_blocks must be an integer >= 1, got 0"),
-        ({"num_blocks": 2.5}, "num_blocks must be an integer >= 1, got 2.5"),
-        ({"batch_sizes": "8"}, "batch_sizes must be an integer >= 1 or a sequence of them, got '8'"),
-        ({"batch_sizes": [1, 0]}, "each of batch_sizes must be an integer >= 1, got 0"),
-        ({"margin": 1.5}, "margin must be a number in [0, 1) (the share of the SLO kept free), got 1.5"),
-        ({"max_parts": 0}, "max_parts must be an integer >= 1, got 0"),
-        ({"strategy": None}, "strategy must be a name (str), got None"),
+        ({"planner": {"margin": 0.2}}, "planner must be a PlannerOptions, e.g. PlannerOptions(), got dict"),
+        ({"profiling": None}, "profiling must be a ProfilingOptions, e.g. ProfilingOptions(), got NoneType"),
         ({"dispatcher": 1}, "dispatcher must be a name (str), got 1"),
         ({"allow_nonfinite": "yes"}, "allow_nonfinite must be True or False, got 'yes'"),
         ({"plan": 42}, "plan must be a Plan or the path of a plan.json, got int"),
@@ -293,7 +294,7 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
                 {"zeros": RefusesRandomInputs()},
                 example_inputs={"zeros": torch.zeros(1, *INPUT)},
                 slo_ms={"zeros": 500.0},
-                num_blocks=2,
+                profiling=ProfilingOptions(num_blocks=2),
             )
         tasks, futures = settled(before)
         assert (

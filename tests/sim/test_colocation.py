@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from daskpipe.colocation.latency import Colocated
+from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.simulate import simulate
 from tests.colocation.helpers import cache_model, shared_gpu_plan, sliced_profile
 from tests.sim.helpers import toy_plan
@@ -21,8 +22,8 @@ def compute_ms(result, model: str) -> set[tuple[int, float]]:
 def test_a_stage_runs_as_long_as_the_model_says_next_to_its_corunners():
     model = cache_model()
     profiles = {name: sliced_profile(name, 4.0, slo_ms=200.0) for name in ("a", "b")}
-    together = simulate(shared_gpu_plan(model, [("a", 0.5), ("b", 0.5)]), profiles, load_factor=0.8, duration=3.0)
-    alone = simulate(shared_gpu_plan(model, [("a", 0.5)]), profiles, load_factor=0.8, duration=3.0)
+    together = simulate(shared_gpu_plan(model, [("a", 0.5), ("b", 0.5)]), profiles, SimulationConfig(duration=3.0), load_factor=0.8)
+    alone = simulate(shared_gpu_plan(model, [("a", 0.5)]), profiles, SimulationConfig(duration=3.0), load_factor=0.8)
     for result in (together, alone):
         r = result.models["a"]
         assert r.submitted > 50 and r.on_time + r.late + r.dropped_total == r.submitted
@@ -42,4 +43,4 @@ def test_plans_mixing_pools_and_colocated_partitions_are_refused():
     mixed = dataclasses.replace(plan, models=plan.models + (pooled,))
     profiles = {"a": sliced_profile("a", 4.0, slo_ms=200.0), pooled.name: sliced_profile(pooled.name, 4.0, slo_ms=200.0)}
     with pytest.raises(ValueError, match="the simulator executes plans that are one or the other"):
-        simulate(mixed, profiles, duration=1.0)
+        simulate(mixed, profiles, SimulationConfig(duration=1.0))

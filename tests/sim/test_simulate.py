@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from daskpipe.sched.registry import DATAPLANES
 from daskpipe.sim.cli import simulate as simulate_cli
+from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.simulate import find_max_load, simulate
 
 from .helpers import batching_plan
@@ -17,7 +18,7 @@ from .helpers import batching_plan
 @pytest.mark.parametrize("dataplane", ["deferred", "eager", "timeout"])
 def test_every_request_is_accounted_for(toy, dataplane):
     plan, profiles = toy
-    result = simulate(plan, profiles, dataplane=dataplane, load_factor=1.5, duration=0.5, seed=2)
+    result = simulate(plan, profiles, SimulationConfig(dataplane=dataplane, duration=0.5, seed=2), load_factor=1.5)
     r = result.models["toy"]
     assert r.submitted == pytest.approx(750, rel=0.15)
     assert r.on_time + r.late + r.dropped_total == r.submitted
@@ -26,25 +27,28 @@ def test_every_request_is_accounted_for(toy, dataplane):
 
 def test_runs_are_deterministic_under_a_seed(toy):
     plan, profiles = toy
-    runs = [simulate(plan, profiles, dataplane="deferred", arrivals="bursty", duration=0.5, seed=s).to_dict() for s in (4, 4, 5)]
+    runs = [
+        simulate(plan, profiles, SimulationConfig(dataplane="deferred", arrivals="bursty", duration=0.5, seed=s)).to_dict()
+        for s in (4, 4, 5)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_utilization_counts_slices_and_idle_inventory(toy):
     plan, profiles = toy
-    result = simulate(plan, profiles, dataplane="deferred", load_factor=1.0, duration=0.5)
+    result = simulate(plan, profiles, SimulationConfig(dataplane="deferred", duration=0.5), load_factor=1.0)
     # the plan places 2 of the 4 B GPUs: utilisation over the inventory is half that over the placed ones
     assert result.utilization["B"] == pytest.approx(result.utilization_placed["B"] / 2)
 
 
 def test_find_max_load_is_the_edge_of_the_grid(toy):
     plan, profiles = toy
-    kwargs = dict(dataplane="deferred", duration=0.5, seed=3)
-    found = find_max_load(plan, profiles, max_load=3.0, **kwargs)
+    config = SimulationConfig(dataplane="deferred", duration=0.5, seed=3)
+    found = find_max_load(plan, profiles, config, max_load=3.0)
     lf = found.max_load_factor["toy"]
     assert 0 < lf < 3.0 and round(lf / 0.05, 6).is_integer()
     assert found.models["toy"].attainment >= 0.99
-    assert simulate(plan, profiles, load_factor=lf + 0.05, **kwargs).models["toy"].attainment < 0.99
+    assert simulate(plan, profiles, config, load_factor=lf + 0.05).models["toy"].attainment < 0.99
 
 
 def test_bad_arguments(toy):
@@ -52,11 +56,11 @@ def test_bad_arguments(toy):
     with pytest.raises(
         ValueError, match="unknown data plane 'magic'; known: ppipe, ppipe-two-pass, deferred, eager, timeout, reactive, hybrid"
     ):
-        simulate(plan, profiles, dataplane="magic")
+        simulate(plan, profiles, SimulationConfig(dataplane="magic"))
     with pytest.raises(ValueError, match="load_factor"):
         simulate(plan, profiles, load_factor=-1)
     with pytest.raises(ValueError, match="no profile"):
-        simulate(plan, {}, dataplane="deferred", duration=0.1)
+        simulate(plan, {}, SimulationConfig(dataplane="deferred", duration=0.1))
 
 
 def test_cli_writes_the_contract(tmp_path, toy):
@@ -108,13 +112,13 @@ def test_fcn_golden_cluster_holds_high_load(ppipe_dir):
     """PPipe's golden case (FCN on 4 V100 + 12 P4, 6 Gb/s): its plan with its data plane keeps
     >= 99% attainment at LF 0.9 (the paper: up to 0.95)."""
     from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.options import PlannerOptions
     from daskpipe.profiles.loader import load_profiles
 
     profiles = load_profiles(ppipe_dir, ["fcn"])
-    plan = make_plan(
-        profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, bw_gbps=6.0, margin=0.4, max_parts=2, time_limit=30
-    )
-    result = simulate(plan, profiles, dataplane="ppipe", load_factor=0.9, duration=1.0)
+    options = PlannerOptions(bw_gbps=6.0, margin=0.4, max_parts=2, time_limit=30)
+    plan = make_plan(profiles, {"V100": 4, "P4": 12}, gpus_per_server={"V100": 2, "P4": 1}, options=options)
+    result = simulate(plan, profiles, SimulationConfig(dataplane="ppipe", duration=1.0), load_factor=0.9)
     (r,) = result.models.values()
     assert r.attainment >= 0.99 and r.on_time + r.late + r.dropped_total == r.submitted
 
@@ -123,7 +127,7 @@ def test_fcn_golden_cluster_holds_high_load(ppipe_dir):
 def test_planned_and_staged_dataplanes_run_on_the_toy_plan(toy, dataplane):
     pytest.importorskip(f"daskpipe.sched.{dataplane}")
     plan, profiles = toy
-    result = simulate(plan, profiles, dataplane=dataplane, load_factor=0.8, duration=0.5, seed=2)
+    result = simulate(plan, profiles, SimulationConfig(dataplane=dataplane, duration=0.5, seed=2), load_factor=0.8)
     r = result.models["toy"]
     assert r.on_time + r.late + r.dropped_total == r.submitted > 0
     assert r.attainment > 0.9
@@ -135,7 +139,7 @@ def test_a_model_without_pipelines_has_its_requests_refused(toy):
     plan, profiles = toy
     starved = Plan(1.0, plan.models + (ModelPlan("none", 50_000.0, 1.0, 0.0, ()),), cluster=plan.cluster)
     profiles = dict(profiles, none=profiles["toy"])
-    result = simulate(starved, profiles, dataplane="deferred", duration=0.2, base_rates={"toy": 1000.0, "none": 500.0})
+    result = simulate(starved, profiles, SimulationConfig(dataplane="deferred", duration=0.2, base_rates={"toy": 1000.0, "none": 500.0}))
     r = result.models["none"]
     assert r.submitted > 0 and r.dropped == {"no-capacity": r.submitted} and r.attainment == 0.0
 
@@ -187,7 +191,7 @@ def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
     from tests.runtime.helpers import two_stage
 
     profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))
-    result = simulate(plan, {"tiny": profile}, dataplane=dataplane, load_factor=0.7, duration=5.0, bw_gbps=10.0)
+    result = simulate(plan, {"tiny": profile}, SimulationConfig(dataplane=dataplane, duration=5.0, bw_gbps=10.0), load_factor=0.7)
     tiny = result.models["tiny"]
     assert result.dataplane == dataplane and tiny.submitted > 0.7 * plan.model("tiny").throughput * 5.0 * 0.9
     assert tiny.attainment >= 0.99, tiny

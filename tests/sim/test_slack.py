@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from daskpipe.sched.ppipe import PPipeSettings
-from daskpipe.sim import simulate
+from daskpipe.sim import SimulationConfig, simulate
 
 from .helpers import batching_plan
 
@@ -20,7 +20,9 @@ RUNTIME_LIKE_RATIOS = [float(r) for r in np.clip(1.14 * np.exp(np.random.default
 def attainments(settings: PPipeSettings, load: float, **noise) -> list[float]:
     plan, profiles = batching_plan()
     return [
-        simulate(plan, profiles, load_factor=load, duration=10.0, seed=seed, settings=settings, **noise).models["g"].attainment
+        simulate(plan, profiles, SimulationConfig(duration=10.0, seed=seed, settings=settings, **noise), load_factor=load)
+        .models["g"]
+        .attainment
         for seed in (1, 2, 3)
     ]
 
@@ -44,7 +46,7 @@ def test_without_noise_both_policies_decide_alike(toy, plan_of):
     plan, profiles = toy if plan_of == "toy" else batching_plan()
     decided = []
     for settings in (SLACK_AWARE, LAST_MOMENT):
-        result = simulate(plan, profiles, load_factor=0.6, duration=2.0, settings=settings)
+        result = simulate(plan, profiles, SimulationConfig(duration=2.0, settings=settings), load_factor=0.6)
         decided.append(
             [(at, d.batch_size, d.hops, [r.id for r in d.requests]) for _, trace in result.runs.values() for at, d in trace.dispatches]
         )
