@@ -41,7 +41,7 @@ import uuid
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -51,7 +51,8 @@ from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.placement import gpus_per_server, physical_gpus, place
+from daskpipe.runtime.deployment import hand_over, ppipe_launches, retire_stages, start_stages
+from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.served import Served
 from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Time
 
@@ -192,31 +193,6 @@ class Holding(Dispatcher):
         return len(self.requests)
 
 
-def stage_submit_kwargs(
-    name: str, pipeline: int, partition: int, slot: WorkerSlot, *, input_shape: Sequence[int], input_dtype: str
-) -> dict[str, Any]:
-    """The ``client.submit(Stage, name, partition, modules, **kwargs)`` keywords that pin a stage
-    actor of ``name``'s (pipeline, partition) on ``slot``; shared by ``deploy`` and re-plans."""
-    return dict(
-        input_shape=tuple(input_shape),
-        input_dtype=input_dtype,
-        device="cpu" if slot.gpu == messages.CPU or slot.emulated else messages.GPU_DEVICE,
-        emulated=slot.emulated,
-        actor=True,
-        workers=[slot.address],
-        allow_other_workers=False,
-        pure=False,
-        key=f"daskpipe-stage-{name}-{pipeline}-{partition}-{uuid.uuid4().hex[:8]}",
-    )
-
-
-def next_pool_peers(started: Iterable[tuple[str, int, int, str, Any]]) -> dict[tuple[str, int, int], list[str]]:
-    """For each started (model, pipeline, partition, address, ...) stage's pool: the addresses of
-    the next partition's pool, to which its stages open streams before the first batch."""
-    rows = list(started)
-    return {(m, p, q): [a for mm, pp, qq, a, *_ in rows if (mm, pp, qq) == (m, p, q + 1)] for m, p, q, *_ in rows}
-
-
 def kind_tables(
     name: str,
     blocks: list[bytes],
@@ -257,13 +233,6 @@ def kind_tables(
         }
     measured = {kind: table for kind, table in profile.latency_us.items() if profile.origin(*kind) == MEASURED}
     return estimate_kinds(blocked, kinds, name=name, batch_sizes=top, slo_us=profile.slo_us, measured=measured)[0]
-
-
-async def _connect_stage(key: str, peers: list[str], dask_worker: Any) -> None:
-    """On the stage's worker: open its streams to the next pool. The stage is looked up by key, not
-    through an ``Actor`` handle, whose future would belong to whatever client ``get_client`` finds
-    in the scheduler's process (a handle released later would release the stage with it)."""
-    await dask_worker.state.actors[key].connect(peers)
 
 
 def _client_security(security: Any) -> Any:
@@ -504,11 +473,24 @@ class Elastic:
             self.leaving.clear()
             self.changed_at = time.monotonic()  # the cooldown holds off the next attempt
             return
-        placed = place(plan, list(dep.models), [s for s in slots if s.address in alive])
-        rows = await self._start_stages(dep, plan, placed)
-        if rows is None:
+        launches = ppipe_launches(
+            plan,
+            [s for s in slots if s.address in alive],
+            {m: spec.input_shapes for m, spec in dep.models.items()},
+            {m: spec.input_dtype for m, spec in dep.models.items()},
+        )
+        try:  # PPipe's preload: the new plan's stages start while the old ones serve
+            stages = await start_stages(
+                await self._get_client(),
+                launches,
+                {m: spec.blocks for m, spec in dep.models.items()},
+                timeout=max(60.0, self.settings.plan_time_limit_s),
+            )
+        except Exception as exc:
+            logger.warning("daskpipe: the new plan's stages could not start (%r); the plan in force stays", exc)
             return
-        await self._switch(dep, plan, rows)
+        self._stage_futures.update((str(future.key), future) for future in stages.futures)
+        await self._switch(dep, plan, stages.rows)
         self.history.append(
             {"deployment": group, "epoch": dep.epoch, "reasons": reasons, "seconds": time.perf_counter() - started, "plan": plan.to_dict()}
         )
@@ -633,48 +615,6 @@ class Elastic:
             )
         return self._client
 
-    async def _start_stages(
-        self, dep: Deployment, plan: Plan, placed: Mapping[str, list[tuple[int, int, WorkerSlot]]]
-    ) -> dict[str, list[list]] | None:
-        """Start and connect the new plan's stages while the old ones serve (PPipe's preload)."""
-        from distributed import wait
-
-        from daskpipe.runtime.stage import Stage
-
-        client = await self._get_client()
-        started = []
-        for name, placements in placed.items():
-            spec, model_plan = dep.models[name], plan.model(name)
-            blocks = await client.scatter(spec.blocks)  # once per model, not in every stage's task
-            for p, q, slot in placements:
-                start, end = model_plan.pipelines[p].partitions[q].blocks
-                kwargs = stage_submit_kwargs(name, p, q, slot, input_shape=spec.input_shapes[start], input_dtype=spec.input_dtype)
-                started.append((name, p, q, slot.address, client.submit(Stage, name, q, blocks[start:end], **kwargs)))
-        futures = [row[-1] for row in started]
-        try:
-            await wait(futures, timeout=max(60.0, self.settings.plan_time_limit_s))
-            errors = [(future.key, await future.exception()) for *_, future in started if future.status != "finished"]
-            if errors:
-                raise RuntimeError(f"stage actor {errors[0][0]} could not start: {errors[0][1]!r}")
-            peers = next_pool_peers(started)
-            await asyncio.gather(
-                *(
-                    client.run(_connect_stage, future.key, peers[(m, p, q)], workers=[address])
-                    for m, p, q, address, future in started
-                    if peers[(m, p, q)]
-                )
-            )
-        except Exception as exc:
-            logger.warning("daskpipe: the new plan's stages could not start (%r); the plan in force stays", exc)
-            for future in futures:
-                future.release()
-            return None
-        rows: dict[str, list[list]] = {}
-        for name, p, q, address, future in started:
-            self._stage_futures[future.key] = future
-            rows.setdefault(name, []).append([p, q, address, future.key])
-        return rows
-
     async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]]) -> None:
         """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration)."""
         plugin = self.plugin
@@ -711,35 +651,11 @@ class Elastic:
             plugin.resume(model, holding.requests)
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at
-        self._hand_over(old_keys, [row[3] for model_rows in rows.values() for row in model_rows])
-        self._release_stages(old_keys)
+        scheduler = plugin.scheduler
+        new_keys = [row[3] for model_rows in rows.values() for row in model_rows]
+        hand_over(scheduler, old_keys, new_keys, self._stage_futures, self._client.id if self._client is not None else None)
+        retire_stages(scheduler, old_keys, self._stage_futures)
         plugin.arm()
-
-    def _hand_over(self, old_keys: list[str], new_keys: list[str]) -> None:
-        """The clients that held the old stages (``deploy``'s) hold the new ones: a service whose
-        client leaves is closed with its stages, as before the re-plan."""
-        scheduler = self.plugin.scheduler
-        mine = self._client.id if self._client is not None else None
-        owners = {cs.client_key for key in old_keys if (ts := scheduler.tasks.get(key)) is not None for cs in ts.who_wants or ()} - {mine}
-        for owner in owners:
-            scheduler.client_desires_keys(keys=new_keys, client=owner)
-        if owners:
-            for key in new_keys:
-                future = self._stage_futures.pop(key, None)
-                if future is not None:
-                    future.release()
-
-    def _release_stages(self, keys: Iterable[str]) -> None:
-        """Forget stage actors no plan uses, whichever client started them (``deploy``'s or ours)."""
-        scheduler = self.plugin.scheduler
-        for key in keys:
-            future = self._stage_futures.pop(key, None)
-            if future is not None:
-                future.release()
-            ts = scheduler.tasks.get(key)
-            if ts is not None:
-                for cs in list(ts.who_wants or ()):
-                    scheduler.client_releases_keys(keys=[key], client=cs.client_key, stimulus_id=f"daskpipe-replan-{time.time()}")
 
     # -- the periodic look at the load -----------------------------------------------------------
     async def _tick_forever(self, every_s: float = 1.0) -> None:
@@ -753,7 +669,7 @@ class Elastic:
     def _tick(self, now: float) -> None:
         for group, dep in list(self.deployments.items()):
             if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
-                self._release_stages(row[3] for rows in dep.rows.values() for row in rows)
+                retire_stages(self.plugin.scheduler, (row[3] for rows in dep.rows.values() for row in rows), self._stage_futures)
                 del self.deployments[group]
         self._samples.append(
             (

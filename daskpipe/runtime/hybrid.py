@@ -16,13 +16,12 @@ the shape the profile records there.
 
 from __future__ import annotations
 
-import pickle
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
-from distributed import Client, Future, wait
+from distributed import Client
 from torch import nn
 
 from daskpipe.graft.execute import entry_shape
@@ -32,10 +31,11 @@ from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.profiles.fx import SegmentationError
 from daskpipe.runtime.arguments import check_example, check_module, check_positive, check_profile
-from daskpipe.runtime.elastic import stage_submit_kwargs
+from daskpipe.runtime.deployment import StageLaunch, pickle_blocks, release, start_stages
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory, release
+from daskpipe.runtime.placement import FreeSlots
+from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory
 from daskpipe.runtime.stage import Stage, decode_inputs
 
 FEATURE_MAP_DTYPE = torch.float16
@@ -163,7 +163,9 @@ class SharedStage(Stage):
     for the constituents' separate holds.
     """
 
-    def __init__(self, model: str, partition: int, modules: bytes, *, max_batch: int, latency_s: Sequence[float], **kwargs: Any):
+    def __init__(
+        self, model: str, partition: int, modules: bytes | Sequence[bytes], *, max_batch: int, latency_s: Sequence[float], **kwargs: Any
+    ):
         if max_batch < 1 or len(latency_s) < max_batch:
             raise ValueError(
                 f"a shared stage needs max_batch >= 1 and a latency for every batch size up to it, got {max_batch} and {len(latency_s)}"
@@ -266,9 +268,8 @@ def deploy_hybrid(
         blocked = cut_blocks(name, module, example_input, profile)
     except SegmentationError as exc:
         raise DeployError(f"model {name!r} cannot be cut into the profile's blocks: {exc}") from exc
-    placed = _place_stages(hybrid, slots)
-    actors = _start_stage_actors(client, hybrid, placed, blocked, profile, example_input.dtype, time_dilation)
-    rows = [[p, q, slot.address, actors[(index, slot.address)].key] for (p, q), index in hybrid.stage_of.items() for slot in placed[index]]
+    launches = hybrid_launches(hybrid, slots, profile, example_input.dtype, time_dilation)
+    started = client.sync(start_stages, client, launches, {name: pickle_blocks(blocked.blocks)})
     largest: dict[int, int] = {}
     for pipeline in hybrid.plan.model(name).pipelines:
         largest[pipeline.entry_block] = max(largest.get(pipeline.entry_block, 0), pipeline.batch_size)
@@ -280,95 +281,54 @@ def deploy_hybrid(
             model=name,
             plan=hybrid.plan.to_dict(),
             profile=profile.to_dict(),
-            stages=rows,
+            stages=started.rows[name],
             time_dilation=float(time_dilation),
             bw_gbps=float(bw_gbps),
             dispatcher="hybrid",
             sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
         )
     except Exception:
-        release(actors.values())
+        release(started.futures)
         raise
-    return Service(client, hybrid.plan, {name: profile}, specs, list(actors.values()), float(time_dilation), entries=entries)
+    return Service(client, hybrid.plan, {name: profile}, specs, started.futures, float(time_dilation), entries=entries)
 
 
-def _place_stages(hybrid: HybridPlan, slots: list[WorkerSlot]) -> dict[int, list[WorkerSlot]]:
-    """``instances`` free slots of the plan's GPU with the stage's slice count, per stage."""
-    free: dict[int, list[WorkerSlot]] = defaultdict(list)
-    for s in sorted(slots, key=lambda s: (s.server, s.address)):
-        if s.gpu == hybrid.serving.gpu:
-            free[s.slices].append(s)
-    placed = {}
+def hybrid_launches(
+    hybrid: HybridPlan, slots: list[WorkerSlot], profile: Profile, input_dtype: torch.dtype, time_dilation: float
+) -> list[StageLaunch]:
+    """One stage per (plan stage, slot): ``instances`` free slots of the plan's GPU with the stage's
+    slice count; a shared stage is a :class:`SharedStage` and stands in every pipeline it is part of."""
+    gpu, shared, free = hybrid.serving.gpu, hybrid.shared, FreeSlots(slots)
+    following: dict[int, set[int]] = defaultdict(set)
+    for (p, q), index in hybrid.stage_of.items():
+        if (p, q + 1) in hybrid.stage_of:
+            following[index].add(hybrid.stage_of[(p, q + 1)])
+    launches = []
     for index in sorted(set(hybrid.stage_of.values())):
         stage, v = hybrid.serving.stages[index], hybrid.slices[index]
-        if len(free[v]) < stage.instances:
-            raise DeployError(
-                f"stage {index} (blocks [{stage.start}, {stage.end}), {stage.share}% share) needs {stage.instances} free "
-                f"{hybrid.serving.gpu}/v{v} slots, the cluster has {len(free[v])} left"
-            )
-        placed[index] = [free[v].pop(0) for _ in range(stage.instances)]
-    return placed
-
-
-def _start_stage_actors(
-    client: Client,
-    hybrid: HybridPlan,
-    placed: Mapping[int, list[WorkerSlot]],
-    blocked: Any,
-    profile: Profile,
-    input_dtype: torch.dtype,
-    time_dilation: float,
-) -> dict[tuple[int, str], Future]:
-    """One actor per (stage, slot), shared stages as :class:`SharedStage`, streams to the next stages open."""
-    gpu, shared = hybrid.serving.gpu, hybrid.shared
-    actors: dict[tuple[int, str], Future] = {}
-    for index, stage_slots in placed.items():
-        stage = hybrid.serving.stages[index]
-        dtype = input_dtype if stage.start == 0 else FEATURE_MAP_DTYPE
-        partition = min(q for (_, q), i in hybrid.stage_of.items() if i == index)  # a shared stage takes each batch's from its route
-        extra: dict[str, Any] = {}
+        serves = tuple(sorted(pq for pq, i in hybrid.stage_of.items() if i == index))
+        options: dict[str, Any] = {}
         if index in shared:
-            most = min(stage.batch, profile.max_batch(gpu, hybrid.slices[index]))
-            extra = {
+            most = min(stage.batch, profile.max_batch(gpu, v))
+            options = {
                 "max_batch": most,
-                "latency_s": [
-                    profile.latency(gpu, hybrid.slices[index], b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)
-                ],
+                "latency_s": [profile.latency(gpu, v, b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)],
             }
-        for slot in stage_slots:  # actor keys name the plan stage where deploy's name the pipeline
-            kwargs = stage_submit_kwargs(
-                hybrid.serving.model,
-                index,
-                partition,
-                slot,
-                input_shape=entry_shape(profile, stage.start),
-                input_dtype=str(dtype).removeprefix("torch."),
+        dtype = input_dtype if stage.start == 0 else FEATURE_MAP_DTYPE
+        for slot in free.take(gpu, v, stage.instances, f"stage {index} (blocks [{stage.start}, {stage.end}), {stage.share}% share)"):
+            launches.append(
+                StageLaunch(
+                    model=hybrid.serving.model,
+                    partition=min(q for _, q in serves),  # a shared stage takes each batch's from its route
+                    blocks=(stage.start, stage.end),
+                    slot=slot,
+                    input_shape=entry_shape(profile, stage.start),
+                    input_dtype=str(dtype).removeprefix("torch."),
+                    stage_class=SharedStage if index in shared else Stage,
+                    pool=(index,),
+                    feeds=tuple((nxt,) for nxt in sorted(following[index])),
+                    serves=serves,
+                    options=options,
+                )
             )
-            actors[(index, slot.address)] = client.submit(
-                SharedStage if index in shared else Stage,
-                hybrid.serving.model,
-                partition,
-                pickle.dumps(blocked.blocks[stage.start : stage.end]),
-                **kwargs,
-                **extra,
-            )
-    try:
-        wait(list(actors.values()))
-        for future in actors.values():
-            if future.status != "finished":
-                raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
-        following: dict[int, set[int]] = defaultdict(set)
-        for (p, q), index in hybrid.stage_of.items():
-            if (p, q + 1) in hybrid.stage_of:
-                following[index].add(hybrid.stage_of[(p, q + 1)])
-        calls = [
-            future.result().connect([slot.address for nxt in following[index] for slot in placed[nxt]])
-            for (index, _), future in actors.items()
-            if following[index]
-        ]
-        for call in calls:
-            call.result()
-    except BaseException:
-        release(actors.values())
-        raise
-    return actors
+    return launches

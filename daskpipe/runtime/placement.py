@@ -35,22 +35,34 @@ def gpus_per_server(slots: list[WorkerSlot]) -> dict[str, int]:
     return most
 
 
+class FreeSlots:
+    """The slots not taken yet, per (GPU type, slices), in (server, address) order: pools fill servers in turn."""
+
+    def __init__(self, slots: list[WorkerSlot]):
+        self._free: dict[tuple[str, int], list[WorkerSlot]] = defaultdict(list)
+        for s in sorted(slots, key=lambda s: (s.server, s.address)):
+            self._free[(s.gpu, s.slices)].append(s)
+
+    def take(self, gpu: str, slices: int, count: int, taker: str) -> list[WorkerSlot]:
+        """``count`` free slots of the kind for ``taker`` (named in the error when too few are left)."""
+        pool = self._free[(gpu, slices)]
+        if len(pool) < count:
+            raise DeployError(
+                f"{taker} needs {count} free {gpu}/v{slices} slots, the cluster has {len(pool)} left; re-plan for this cluster"
+            )
+        taken, pool[:] = pool[:count], pool[count:]
+        return taken
+
+
 def place(plan: Plan, names: list[str], slots: list[WorkerSlot]) -> dict[str, list[tuple[int, int, WorkerSlot]]]:
     """Pick the slots of every pool: ``vgpus`` free slots of the pool's (GPU type, slices)."""
-    free: dict[tuple[str, int], list[WorkerSlot]] = defaultdict(list)
-    for s in sorted(slots, key=lambda s: (s.server, s.address)):
-        free[(s.gpu, s.slices)].append(s)
+    free = FreeSlots(slots)
     placed: dict[str, list[tuple[int, int, WorkerSlot]]] = {}
     for name in names:
-        rows = []
+        rows: list[tuple[int, int, WorkerSlot]] = []
         for p, pipeline in enumerate(plan.model(name).pipelines):
             for q, part in enumerate(pipeline.partitions):
-                pool = free[(part.gpu, part.slices)]
-                if len(pool) < part.vgpus:
-                    raise DeployError(
-                        f"the plan needs {part.vgpus} free {part.gpu}/v{part.slices} slots for {name!r} pipeline {p} partition {q}, "
-                        f"the cluster has {len(pool)} left; re-plan for this cluster"
-                    )
-                rows.extend((p, q, pool.pop(0)) for _ in range(part.vgpus))
+                taken = free.take(part.gpu, part.slices, part.vgpus, f"{name!r} pipeline {p} partition {q}")
+                rows.extend((p, q, slot) for slot in taken)
         placed[name] = rows
     return placed

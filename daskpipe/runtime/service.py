@@ -20,17 +20,15 @@ import itertools
 import logging
 import math
 import os
-import pickle
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from distributed import Client, Future, wait
+from distributed import Client, Future
 from torch import nn
 
 from daskpipe.plan.options import PlannerOptions
@@ -43,11 +41,11 @@ from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
-from daskpipe.runtime.elastic import ElasticSettings, next_pool_peers, stage_submit_kwargs
-from daskpipe.runtime.placement import gpus_per_server, physical_gpus, place
+from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
+from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
-from daskpipe.runtime.stage import Stage
 
 SUBMIT_CHUNK = 256
 """Most requests in one submit message: the scheduler registers a message's keys in one go on its
@@ -466,10 +464,16 @@ def deploy(
         shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
         specs[name] = InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
-    placed = place(plan, names, slots)
+    launches = ppipe_launches(
+        plan,
+        slots,
+        {name: [blocked[name].input_shape, *blocked[name].boundary_shapes] for name in names},
+        {name: str(specs[name].dtype).removeprefix("torch.") for name in names},
+    )
     # each block pickled once: every stage of its pools and the scheduler's re-planning take these bytes
-    pickled = {name: [pickle.dumps(blocked[name].blocks[i : i + 1]) for i in range(len(blocked[name].blocks))] for name in names}
-    stage_futures, stage_rows = _start_stages(client, placed, plan, blocked, pickled, specs)
+    pickled = {name: pickle_blocks(blocked[name].blocks) for name in names}
+    started = client.sync(start_stages, client, launches, pickled)
+    stage_futures, stage_rows = started.futures, started.rows
     served: list[str] = []
     try:
         for name in names:
@@ -520,13 +524,6 @@ def deploy(
 
 
 # -- steps of deploy ---------------------------------------------------------------------------
-def release(futures: Iterable[Future]) -> None:
-    """Release what a failed deploy made (scattered data, stage actors) now: the error's traceback
-    holds the frames that hold these futures, for as long as the caller keeps the error."""
-    for future in futures:
-        future.release()
-
-
 def open_stream(client: Client) -> ClientStream:
     """The client's own stream to the scheduler, for a service's requests and their resolutions."""
     stream = ClientStream(client)
@@ -554,46 +551,3 @@ def cut_blocks(name: str, module: nn.Module, example: torch.Tensor, profile: Pro
     if not bounds:
         raise DeployError(f"profile of {name!r} has no meta.segment_boundaries, so its blocks cannot be rebuilt; profile it with daskpipe")
     return cut_model(module, example, bounds)
-
-
-def _start_stages(
-    client: Client, placed, plan: Plan, blocked, pickled: Mapping[str, list[bytes]], specs: Mapping[str, InputSpec]
-) -> tuple[list[Future], dict[str, list[list]]]:
-    """One stage actor per (pool, slot), its streams to the next pool open; the deploy fails with the cause if one cannot start.
-
-    ``pickled`` holds each model's blocks pickled one by one: a stage gets the slice of its partition,
-    scattered once (not embedded in each stage's task, a large graph through the scheduler)."""
-    started: list[tuple[str, int, int, str, Future]] = []
-    scattered = {name: client.scatter(pickled[name]) for name in placed}
-    try:
-        for name, placements in placed.items():
-            model_plan = plan.model(name)
-            for p, q, slot in placements:
-                start, end = model_plan.pipelines[p].partitions[q].blocks
-                input_shape = blocked[name].input_shape if start == 0 else blocked[name].boundary_shapes[start - 1]
-                kwargs = stage_submit_kwargs(
-                    name, p, q, slot, input_shape=input_shape, input_dtype=str(specs[name].dtype).removeprefix("torch.")
-                )
-                future = client.submit(Stage, name, q, scattered[name][start:end], **kwargs)
-                started.append((name, p, q, slot.address, future))
-        futures = [row[-1] for row in started]
-        wait(futures)
-        for future in futures:
-            if future.status != "finished":
-                raise DeployError(f"stage actor {future.key} could not start: {future.exception()!r}")
-        connecting = []
-        peers = next_pool_peers(started)
-        for name, p, q, _, future in started:
-            if peers[(name, p, q)]:
-                connecting.append(future.result().connect(peers[(name, p, q)]))
-        for call in connecting:
-            call.result()
-    except BaseException:
-        release([row[-1] for row in started])
-        raise
-    finally:  # the started stages hold their blocks now
-        release([block for blocks in scattered.values() for block in blocks])
-    rows: dict[str, list[list]] = defaultdict(list)
-    for name, p, q, address, future in started:
-        rows[name].append([p, q, address, future.key])
-    return futures, dict(rows)

@@ -95,9 +95,10 @@ class BatchExpired(Exception):
 class Stage:
     """Partition ``partition`` of ``model`` on this worker's device.
 
-    ``modules`` is the pickled list of the partition's torch.fx blocks (or a sequence of such
-    pickles, concatenated: a re-plan's cut), loaded on the worker when the actor is created: a partition that does not fit fails the deploy with the cause, not the
-    first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
+    ``modules`` is the pickled list of the partition's torch.fx blocks, or a sequence of such
+    pickles, concatenated (every deployment sends its blocks pickled one by one,
+    ``deployment.pickle_blocks``), loaded on the worker when the actor is created: a partition
+    that does not fit fails the deploy with the cause, not the first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
     (a torch dtype name) is the requests' dtype, with which the first partition rebuilds a batch
     from the requests' raw bytes (``service.encode_input``).
     """
@@ -124,7 +125,7 @@ class Stage:
         # on the worker, in the thread that creates the actor: load the partition on the device and
         # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
         # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
-        chunks = [modules] if isinstance(modules, bytes) else modules  # a re-plan sends its blocks pickled one by one
+        chunks = [modules] if isinstance(modules, bytes) else modules
         with LOADING:
             blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
         self._module = nn.Sequential(*blocks).to(self.device).eval()

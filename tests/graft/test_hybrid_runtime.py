@@ -8,6 +8,7 @@ entering at block 2 and run merged. A last test deploys what Graft's planner its
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
@@ -17,6 +18,7 @@ from distributed import Client, Future, wait
 from daskpipe.graft import Fragment, StageCosts, plan_graft
 from daskpipe.profiles.estimator import estimate_profile
 from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.deployment import pickle_blocks
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.hybrid import SharedStage, deploy_hybrid, hybrid_plan
 from daskpipe.runtime.plugin import plugin_of
@@ -60,7 +62,10 @@ def test_three_entries_through_one_shared_stage(model_and_profile) -> None:
             wait([f for fs in futures.values() for f in fs], timeout=60)
             for k, fs in futures.items():
                 torch.testing.assert_close(torch.cat(client.gather(fs)), expected[k], rtol=1e-2, atol=1e-2)
-            dispatcher = plugin_of(cluster.scheduler).served["tiny"].dispatcher
+            served = plugin_of(cluster.scheduler).served["tiny"]
+            stage_tasks = [pickle.dumps(cluster.scheduler.tasks[key].run_spec) for key in set(served.stages.values())]
+            assert max(map(len, stage_tasks)) < min(map(len, pickle_blocks(blocked.blocks)))  # blocks travel scattered, once
+            dispatcher = served.dispatcher
             shared = [a for w in cluster.workers.values() for a in w.state.actors.values() if isinstance(a, SharedStage)]
             assert len(shared) == 1
             merged = [call for call in shared[0].info()["recent"] if len({dispatcher.entry_of(d) for d in call["dispatches"]}) > 1]
