@@ -50,7 +50,7 @@ def check_positive(what: str, value: Any, unit: str = "") -> None:
     """``value`` is a finite real number > 0 (``unit`` is named in the message: the user's, e.g. " ms")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise DeployError(f"{what} must be a number{unit and ' of' + unit}, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and float(value) > 0):
         raise DeployError(f"{what} must be a finite number > 0{unit}, got {value!r}{unit}")
 
 
@@ -120,7 +120,7 @@ def check_deploy_arguments(
         raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {batch_sizes!r}")
     for size in sizes:
         check_count("each of batch_sizes", size)
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= float(margin) < 1:
         raise DeployError(f"margin must be a number in [0, 1) (the share of the SLO kept free), got {margin!r}")
     check_count("max_parts", max_parts)
     for what, value in (("strategy", strategy), ("dispatcher", dispatcher)):
