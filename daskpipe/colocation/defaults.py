@@ -174,11 +174,11 @@ def _solo_running_ms(model: InterferenceModel, name: str, anchor: Anchor) -> flo
     return (anchor.total_ms - overhead) / inflation
 
 
-def _raw_ratio(source: str, along: str) -> dict[float, float]:
-    """Relative latency along ``along`` of a source's own anchors (before any fit)."""
-    rows = [a for a in ANCHORS[source] if (a.share == 0.3 if along == "batch" else a.batch == 4)]
-    ref = next(a for a in rows if (a.batch == 4 if along == "batch" else True))
-    return {(a.batch if along == "batch" else a.share): a.total_ms / ref.total_ms for a in rows}
+def _raw_batch_ratio(source: str) -> dict[int, float]:
+    """Relative latency along the batch of a source's own anchors at share 0.3 (before any fit)."""
+    rows = [a for a in ANCHORS[source] if a.share == 0.3]
+    ref = next(a for a in rows if a.batch == 4)
+    return {a.batch: a.total_ms / ref.total_ms for a in rows}
 
 
 @lru_cache(maxsize=1)
@@ -222,7 +222,7 @@ def _templated(
     sms = ANCHOR_GPU.sm_count
     extra = []
     if along == "batch":  # name has a share sweep at batch 4: add batches at each of its shares
-        raw = _raw_ratio(source, "batch")
+        raw = _raw_batch_ratio(source)
         for _, s, ms in [p for p in points if p[0] == 4]:
             for b in _GRID_BATCHES if src else sorted(raw):
                 factor = src.solo_running_ms(b, s * sms) / src.solo_running_ms(4, s * sms) if src else raw[b]

@@ -11,7 +11,7 @@ stands in for a GPU, and the test data with known parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -214,14 +214,8 @@ def _fit_colocation(model: InterferenceModel, co: Sequence[CoSample]) -> Interfe
             slowdown = [c.running_ms / solo_model.breakdown(gpu, c.me, c.others, interference=False).running_ms - 1.0 for c in mine]
             sensitivity, _ = fit_line(pressure, slowdown, through_origin=True)
             old = coefficients[(m, gpu)]
-            coefficients[(m, gpu)] = _with(old, cache_sensitivity=max(0.0, sensitivity))
+            coefficients[(m, gpu)] = replace(old, cache_sensitivity=max(0.0, sensitivity))
     return InterferenceModel(gpus=gpus, coefficients=coefficients, name=model.name)
-
-
-def _with(c: ModelCoefficients, **changes: float) -> ModelCoefficients:
-    from dataclasses import replace
-
-    return replace(c, **changes)
 
 
 def _report(model: InterferenceModel, solo: Sequence[SoloSample], co: Sequence[CoSample]) -> FitReport:

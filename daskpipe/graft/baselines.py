@@ -60,7 +60,8 @@ def optimum(
     for mask in range(1, 1 << n):
         if bin(mask).count("1") <= group_size:
             group_of[mask] = realign(costs, [merged[i] for i in range(n) if mask >> i & 1])
-    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] + [(np.inf, ())] * ((1 << n) - 1)
+    no_groups: tuple[int, ...] = ()
+    best = [(0.0, no_groups)] + [(np.inf, no_groups)] * ((1 << n) - 1)
     for mask in range(1, 1 << n):
         lowest = mask & -mask  # the group holding the lowest fragment left: enumerate each partition once
         rest = mask ^ lowest

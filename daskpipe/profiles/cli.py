@@ -95,7 +95,7 @@ def torchvision_command(
     """Profile torchvision MODEL (random weights) on the local device, optionally adding estimates."""
     import torch
     import torchvision
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
     from daskpipe.profiles.catalog import load_catalog
     from daskpipe.profiles.estimator import estimate_profile
@@ -114,7 +114,7 @@ def torchvision_command(
         raise click.BadParameter(f"--estimate {estimate_gpus!r}: the catalog knows {', '.join(sorted(known))}")
 
     with Progress(transient=True) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def report(stage: str, done: int, total: int) -> None:
             if stage not in tasks:

@@ -344,7 +344,8 @@ def estimate_kinds(
     """
     kinds = sorted(set(kinds))
     catalog = load_catalog()
-    references = sorted(k for k in (measured or {}) if k[0] in catalog)
+    measured = measured or {}
+    references = sorted(k for k in measured if k[0] in catalog)
     estimated = estimate_profile(
         blocked,
         gpus=sorted({g for g, _ in [*kinds, *references]}),

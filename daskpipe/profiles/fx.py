@@ -71,7 +71,7 @@ class SegmentedModel:
             raise SegmentationError(f"block boundaries must start at 0 and end at the segment count {self.num_segments}, got {bounds}")
         if any(b >= a for a, b in zip(bounds[1:], bounds)):
             raise SegmentationError(f"block boundaries must be strictly increasing, got {bounds}")
-        blocks = [self._block(self.cuts[a], self.cuts[b]) for a, b in zip(bounds, bounds[1:])]
+        blocks: list[nn.Module] = [self._block(self.cuts[a], self.cuts[b]) for a, b in zip(bounds, bounds[1:])]
         inner = [self.cuts[b] for b in bounds[1:-1]]
         return BlockedModel(
             blocks=blocks,

@@ -119,6 +119,7 @@ def timed(module: nn.Module, x: torch.Tensor, *, repeats: int, warmup: int = 1) 
             best = timing
         if not best.busy:
             break
+    assert best is not None, "the loop above runs at least once"
     return best
 
 

@@ -116,8 +116,9 @@ def configured_store(store: str | os.PathLike | ProfileStore | None) -> ProfileS
     """``store`` as a :class:`ProfileStore`, or the one the Dask config key ``daskpipe.profile-store`` names."""
     if isinstance(store, ProfileStore):
         return store
-    if store is None:
+    location = store
+    if location is None:
         import dask.config
 
-        store = dask.config.get(CONFIG_KEY, None)
-    return ProfileStore(store) if store else None
+        location = dask.config.get(CONFIG_KEY, None)
+    return ProfileStore(location) if location else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from distributed.deploy.adaptive import Adaptive
 
@@ -27,8 +27,9 @@ from daskpipe.runtime.worker import WorkerSpecError, worker_specs
 
 logger = logging.getLogger(__name__)
 
-GrowFn = Callable[[Any, Mapping[str, int]], Awaitable[None] | None]
-"""``grow(cluster, {gpu type: slots})``: start that many more workers of each GPU type."""
+GrowFn = Callable[[Any, Mapping[str, int]], object]
+"""``grow(cluster, {gpu type: slots})``: start that many more workers of each GPU type (what it
+returns is awaited when awaitable, else ignored)."""
 
 
 def add_emulated_gpus(cluster: Any, gpus: Mapping[str, int]) -> list[str]:
@@ -73,7 +74,8 @@ class DaskpipeAdaptive(Adaptive):
         """Only workers that hold no stage (the plugin drains a surplus GPU type by re-planning first)."""
         return list(self.advice["closable"])[: max(0, len(self.plan) - target)]
 
-    async def scale_up(self, n: int) -> None:
+    # distributed's AdaptiveCore annotates scale_up(workers: Iterable) but calls it with the target count n
+    async def scale_up(self, n: int) -> None:  # type: ignore[override]
         wanted = {gpu: count for gpu, count in self.advice["wanted"].items() if count > 0}
         if not wanted:
             return

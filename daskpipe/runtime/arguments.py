@@ -52,7 +52,7 @@ def check_positive(what: str, value: Any, unit: str = "") -> None:
     """``value`` is a finite real number > 0 (``unit`` is named in the message: the user's, e.g. " ms")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise DeployError(f"{what} must be a number{unit and ' of' + unit}, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and float(value) > 0):
         raise DeployError(f"{what} must be a finite number > 0{unit}, got {value!r}{unit}")
 
 

@@ -42,7 +42,9 @@ class ServedFuture(Future):
         self.inline: Any = _NOTHING
 
     async def _result(self, raiseit: bool = True) -> Any:
-        await self._state.wait()
+        state = self._state
+        assert state is not None, "a future made with its client is bound at construction"
+        await state.wait()
         if self.inline is not _NOTHING and self.status == "finished":
             return unpack_tensor(self.inline)  # unpacked when asked for: a burst's futures are often gathered instead
         return await super()._result(raiseit)
@@ -67,7 +69,9 @@ class ClientStream:
         self._reader = asyncio.ensure_future(self._read(comm))
 
     def send(self, message: dict) -> None:
-        self.client.loop.add_callback(self._out.send, message)
+        loop = self.client.loop
+        assert loop is not None, "an open stream's client runs a loop"
+        loop.add_callback(self._out.send, message)
 
     async def close(self) -> None:
         if self._out.comm is not None:

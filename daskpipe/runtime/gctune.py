@@ -37,7 +37,8 @@ def raise_gc_thresholds() -> tuple[int, int, int]:
             "daskpipe: %s must be a number from 1 to 1000, got %r; the GC thresholds stay %s", GC_CONFIG, factor, gc.get_threshold()
         )
         return gc.get_threshold()
-    wanted = tuple(max(now, round(default * factor)) for now, default in zip(gc.get_threshold(), CPYTHON_THRESHOLDS))
+    gen0, gen1, gen2 = (max(now, round(default * factor)) for now, default in zip(gc.get_threshold(), CPYTHON_THRESHOLDS))
+    wanted = (gen0, gen1, gen2)
     if wanted != gc.get_threshold():
         gc.set_threshold(*wanted)
         logger.debug("daskpipe: GC thresholds of this process raised to %s", wanted)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Generic, TypeVar
 
 import dask.config
 
@@ -101,20 +101,23 @@ class Suspect:
         return {"since_s": round(now - self.since, 3), "detail": self.detail, "probes": self.probes, "last_ratio": self.last_ratio}
 
 
+Item = TypeVar("Item")
+
+
 @dataclass
-class Watchlist:
+class Watchlist(Generic[Item]):
     """Moments at which something must have happened, earliest first; entries are checked when due
     and are skipped by the checker if what they wait for happened meanwhile (lazy deletion)."""
 
-    heap: list[tuple[float, int, Hashable]] = field(default_factory=list)
+    heap: list[tuple[float, int, Item]] = field(default_factory=list)
     order: itertools.count = field(default_factory=itertools.count)
 
-    def push(self, due: float, item: Hashable) -> None:
+    def push(self, due: float, item: Item) -> None:
         heapq.heappush(self.heap, (due, next(self.order), item))
 
-    def due(self, now: float) -> list[Hashable]:
+    def due(self, now: float) -> list[Item]:
         """The items due by ``now``, removed."""
-        out = []
+        out: list[Item] = []
         while self.heap and self.heap[0][0] <= now:
             out.append(heapq.heappop(self.heap)[2])
         return out

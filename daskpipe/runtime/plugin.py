@@ -185,7 +185,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.to_workers: Streams | None = None  # batches and pings, opened at start
         self._pongs: dict[int, asyncio.Future] = {}
         self._ping_tokens = itertools.count()
-        self._watch = Watchlist()  # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
+        # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
+        self._watch: Watchlist[tuple[str, int, int, int]] = Watchlist()
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_at = float("inf")
         self._watch_fired = 0.0
@@ -357,7 +358,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         suspect.probe = (token, profiled)
         suspect.probes += 1
         hold = profiled if address in served.emulated else 0.0
-        self.to_workers.send(
+        self._to_worker(
             address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold}
         )
 
@@ -366,7 +367,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """A suspect's probe computed over [start, end): re-admit it when that is in line."""
         served = self.served.get(model)
         suspect = served.suspects.get(worker) if served is not None else None
-        if suspect is None or suspect.probe is None or suspect.probe[0] != token:
+        if served is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
             return
         profiled = suspect.probe[1]
         suspect.probe = None
@@ -420,7 +421,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for model, dispatch, index, strike in self._watch.due(now):
             served = self.served.get(model)
             flight = served.flights.get(dispatch) if served is not None else None
-            if flight is None:
+            if served is None or flight is None:
                 continue
             if index == EXPIRY:
                 self._expire(served, model, dispatch, flight, now)
@@ -514,11 +515,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         try:
             await self.scheduler.handle_stream(comm, extra={"client": client} if client is not None else {"worker": worker})
         finally:
-            if reply is not None:
+            if client is not None and reply is not None:
                 if self.client_streams.get(client) is reply:
                     del self.client_streams[client]
                 reply.abort()
         return Status.dont_reply
+
+    def _to_worker(self, address: str, message: dict) -> None:
+        """``message`` to ``address``'s worker on the scheduler's streams (opened at start)."""
+        assert self.to_workers is not None, "the plugin has started"
+        self.to_workers.send(address, message)
 
     async def round_trips(self, address: str, count: int, timeout: float = 10.0) -> list[float]:
         """Seconds of ``count`` PING -> PONG round trips to ``address``'s stage worker, after one to open the streams."""
@@ -527,7 +533,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             token = next(self._ping_tokens)
             pong = self._pongs[token] = asyncio.get_running_loop().create_future()
             sent = time.monotonic()
-            self.to_workers.send(address, {"op": messages.PING, "token": token})
+            self._to_worker(address, {"op": messages.PING, "token": token})
             try:
                 await asyncio.wait_for(pong, timeout)
             except asyncio.TimeoutError:
@@ -644,7 +650,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             control.margin_s * 1e3,
         )
 
-    def close_models(self, models: Iterable[str] | None = None, reason: str = "shutdown") -> dict[str, int]:
+    def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]:
         """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
 
         Batches already dispatched run to the end; ``status`` shows them in ``in_flight``.
@@ -751,7 +757,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self._refuse(client, model, [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable])
             return
         now = time.monotonic()
-        refused, accepted = [], []
+        refused: list[tuple[Any, str, str, str]] = []
+        accepted: list[tuple[Any, bytes, int]] = []
         room = served.max_queued - len(served.inputs)
         for key, payload, size in zip(keys, inputs, sizes):
             if key not in tasks and _is_key(key):
@@ -859,7 +866,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._feedback(served, model, dispatch, timings, overrun)
         flight = served.flights.pop(dispatch, None)
         delays = flight.control_delays() if flight is not None else None
-        if delays is not None:
+        if flight is not None and delays is not None:
             served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1])
         counts = served.counts
         for key in keys:
@@ -891,7 +898,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
         failing = (
             self._isolate(served, model, flight, live, now)
-            if len(live) > 1 and not flight.staged
+            if flight is not None and len(live) > 1 and not flight.staged
             else [key for key in keys if key in served.deadlines]
         )
         served.counts["failed"] += len(failing)
@@ -905,7 +912,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def _isolate(self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
         """Send each half of a failed batch's ``live`` requests along its route again, while the
         deadlines and the budget allow; the keys of the halves that cannot go."""
-        failing = []
+        failing: list[Any] = []
         span = sum(flight.spans) + served.control.margin_s
         half = len(live) // 2
         for part in (live[:half], live[half:]):
@@ -1056,21 +1063,21 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return
         pipeline = served.model.pipelines[action.pipeline]
         first, last = action.hops[0].partition, action.hops[-1].partition
-        sources = [served.parked.pop(key, None) for key in keys] if first > 0 else []
+        parked_on = [served.parked.pop(key, None) for key in keys] if first > 0 else []
         samples = sum(sizes)
         try:
             holds = [
                 served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0
                 for hop in action.hops
             ]
-            if None in sources:
+            if None in parked_on:
                 raise ValueError(f"partition {first} for requests that ran no partition {first - 1}")
         except ValueError as exc:  # a dispatcher bug: the batch fails, with the cause
             failure = RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc)
             self._err(served, model, keys, lambda key: failure)
             served.counts["failed"] += len(keys)
             return
-        route = [
+        route: list[dict[str, Any]] = [
             {
                 "address": hop.slot,
                 "stage": served.stages[(action.pipeline, hop.partition, hop.slot)],
@@ -1081,6 +1088,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         ]
         if last < len(pipeline.partitions) - 1:
             route[-1]["park"] = True
+        sources = [address for address in parked_on if address is not None]  # all of them (checked above)
         addresses = frozenset(r["address"] for r in route).union(sources)
         missing = [a for a in addresses if a not in self.scheduler.workers]
         if missing:
@@ -1139,13 +1147,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             "expires": max(limits) + time.time() - time.monotonic(),
         }
         if not flight.sources:
-            self.to_workers.send(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
+            self._to_worker(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
             return
         parts: dict[str, list] = {}
         for key, source in zip(flight.keys, flight.sources):
             parts.setdefault(source, []).append(key)
         for source, take in parts.items():  # each sends its part to the first stage, which gathers them
-            self.to_workers.send(source, {"op": messages.FORWARD, **batch, "take": take})
+            self._to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
 
     # -- ending requests -----------------------------------------------------------------------
     def _resolve(self, keys: list, outputs: dict[Any, Any] | None) -> None:
@@ -1176,7 +1184,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 discard.setdefault(parked, []).append(key)
             self._err_key(key, error(key))
         for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
-            self.to_workers.send(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
+            self._to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
 
     def _err_key(self, key: Any, exc: Exception) -> None:
         self._err_keys([key], Serialized(*serialize(exc)))

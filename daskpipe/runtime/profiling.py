@@ -138,29 +138,27 @@ def profile_on_cluster(
     blocked = cut_by_estimate(module, example[:1], num_blocks, catalog[reference])
     sizes = normalise_batch_sizes(batch_sizes)
     fingerprint = model_fingerprint(module, example) if store is not None else None
-    keys = (
-        {
+    keys: dict[Kind, MeasurementKey] = {}
+    tables: dict[Kind, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    measurements: dict[str, dict] = {}
+    if store is not None and fingerprint:
+        keys = {
             kind: measurement_key(
                 fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address]
             )
             for kind, (address, _) in probes.items()
         }
-        if fingerprint
-        else {}
-    )
-    tables: dict[Kind, np.ndarray] = {}
-    origin: dict[str, str] = {}
-    measurements: dict[str, dict] = {}
-    for kind, key in keys.items():
-        found = store.get(key)
-        if found is not None:
-            tables[kind] = found
-            measurements[kind_label(*kind)] = {
-                "worker": probes[kind][0],
-                "device": key.device,
-                "cpu_threads": key.threads or None,
-                "store": str(store.path(key)),
-            }
+        for kind, key in keys.items():
+            found = store.get(key)
+            if found is not None:
+                tables[kind] = found
+                measurements[kind_label(*kind)] = {
+                    "worker": probes[kind][0],
+                    "device": key.device,
+                    "cpu_threads": key.threads or None,
+                    "store": str(store.path(key)),
+                }
     to_measure = {kind: where for kind, where in probes.items() if kind not in tables}
     measured, excluded = _measure(client, to_measure, name, blocked, sizes, slo_us, timeout_s) if to_measure else ({}, {})
     for kind, profile in measured.items():
@@ -177,7 +175,7 @@ def profile_on_cluster(
             from rich.console import Console
 
             Console(stderr=True).print(f"daskpipe: {name} on {kind_label(*kind)}: {timing['warning']}")
-        elif kind in keys:
+        elif store is not None and kind in keys:
             measurements[kind_label(*kind)]["store"] = str(store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()}))
     origin.update({kind_label(*k): MEASURED for k in tables})
     for kind, reason in excluded.items():
@@ -199,6 +197,8 @@ def profile_on_cluster(
         tables.update(estimated)
         origin.update({kind_label(*k): ESTIMATED for k in estimated})
         slo = slo if slo is not None else _default_slo(estimated)
+    if slo is None:  # neither measured nor estimated tables
+        raise DeployError(f"no latency table of {name!r} could be measured or estimated for {[kind_label(*k) for k in unmeasured]}")
     profile = Profile(
         model=name,
         slo_us=slo,

@@ -70,6 +70,7 @@ class Served:
     dispatcher: Dispatcher
     stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
     emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
+    durations: BatchDurations  # what an emulated slot holds a batch for (time-dilated); the simulator's model
     inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, Flight] = field(default_factory=dict)
@@ -89,7 +90,6 @@ class Served:
     )
     dropped: dict[str, int] = field(default_factory=dict)
     closing: bool = False
-    durations: BatchDurations | None = None  # what an emulated slot holds a batch for (time-dilated); the simulator's model
     parked: dict[Any, str] = field(
         default_factory=dict
     )  # key -> the worker holding its intermediate data between two stages of a staged data plane

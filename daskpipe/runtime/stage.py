@@ -141,6 +141,7 @@ class Stage:
         the tensor (de)serialisation path once.
         """
         sample = self._compute(torch.zeros((1, *self._input_shape)), split=None)
+        assert isinstance(sample, torch.Tensor), "split=None computes one feature map"
         streams = _SLOTS[self.worker].to_peers
         others = [a for a in peers if a != self.worker.address]
         for address in others:
@@ -241,7 +242,7 @@ class Stage:
             return
         if rest:
             nxt = rest[0]
-            forwarded = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
+            forwarded: dict[str, Any] = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
             forwarded.update(route=rest, sent_at=time.time())
             slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
             slot.report(

@@ -60,7 +60,7 @@ class SlotSpec:
 
     @property
     def resources(self) -> dict[str, float]:
-        resources = {SLOT_RESOURCE: 1, gpu_resource(self.gpu_type): 1, slices_resource(self.slices): 1}
+        resources: dict[str, float] = {SLOT_RESOURCE: 1, gpu_resource(self.gpu_type): 1, slices_resource(self.slices): 1}
         if self.emulated:
             resources[EMULATED_RESOURCE] = 1
         return resources

@@ -588,9 +588,10 @@ class PPipeDispatcher(Dispatcher):
                 if rank < best:
                     best, best_end = rank, end
                     pick = (i, sent, start)
+            assert pick is not None, "every stage has a slot"
             path.append(pick)
             t = best_end
-            sender_ul = uls[pick[0]]  # type: ignore[index]
+            sender_ul = uls[pick[0]]
         return t, path
 
     def _hops(self, pipe: _Pipe, bs: int, path: list[tuple[int, Time, Time]]) -> tuple[Hop, ...]:

@@ -264,7 +264,7 @@ class DeferredDispatcher(Dispatcher):
             cap = max_batch[name] if isinstance(max_batch, Mapping) else max_batch
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"model {name!r}: max_batch must be an integer >= 1, got {cap!r}")
-            table = []
+            table: list[float] = []
             for b in range(1, cap + 1):
                 value = float(latency(name, b))
                 if not (value > 0 and math.isfinite(value)):
@@ -461,8 +461,10 @@ class DeferredDispatcher(Dispatcher):
             if not self._dispatch(model, unit, now, actions):
                 heapq.heappush(self._idle, self._idle_key(unit))
             return
-        model.candidate.pending = True
-        heapq.heappush(self._pending, (model.candidate.latest, next(self._seq), model.name, model.version))
+        candidate = model.candidate
+        assert candidate is not None, "a live model timer belongs to a candidate"
+        candidate.pending = True
+        heapq.heappush(self._pending, (candidate.latest, next(self._seq), model.name, model.version))
 
     def _on_gpu_timer(self, unit: _Unit, now: Time, actions: list[Action]) -> None:
         while True:
@@ -472,6 +474,7 @@ class DeferredDispatcher(Dispatcher):
             _, _, name, _ = heapq.heappop(self._pending)
             model = self._models[name]
             candidate = model.candidate
+            assert candidate is not None, "a live pending entry belongs to a candidate"
             if (
                 now + model.l(candidate.samples) > candidate.deadline
             ):  # expired (GetBatch's own test, not latest < now, so rounding cannot loop)
