@@ -589,7 +589,7 @@ class Elastic:
                     key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
                 )
                 tables.update(measured)
-                if key is not None:
+                if store is not None and key is not None:
                     store.put(key, measured[kind], {"model": name, "measured_at": time.time()})
             except Exception as exc:
                 logger.warning(

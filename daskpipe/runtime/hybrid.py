@@ -125,7 +125,7 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
         )
     model = ModelPlan(
         name=serving.model,
-        slo_us=max(p.slo_us for p in pipelines),
+        slo_us=max(p.slo_us or 0.0 for p in pipelines),  # every hybrid pipeline has its fragments' budget
         weight=1.0,
         throughput=sum(p.throughput for p in pipelines),
         pipelines=tuple(pipelines),

@@ -201,7 +201,7 @@ class Service:
                 self._plan = Plan.from_dict(current)
         return self._plan
 
-    def submit(self, model: str, x: torch.Tensor, start_block: int = 0) -> Future:
+    def submit(self, model: str, x: torch.Tensor, start_block: int = 0) -> ServedFuture:
         """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``).
 
         ``start_block=k > 0`` (hybrid inference, docs/hybrid.md): ``x`` is the float16 feature map a
@@ -210,7 +210,7 @@ class Service:
         """
         return self.map(model, [x], start_block=start_block)[0]
 
-    def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[Future]:
+    def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[ServedFuture]:
         """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order.
 
         All or nothing: every input is checked before any is sent. If one is refused, none is sent,
@@ -230,7 +230,7 @@ class Service:
                 f"not sent: map() sends all of its inputs or none, and {len(refused)} of its {len(keys)} inputs of model {model!r} "
                 f"were refused, the first (input {first}) as: {problem}"
             )
-            futures = [ServedFuture(key, self.client) for key in keys]
+            futures: list[ServedFuture] = [ServedFuture(key, self.client) for key in keys]
             for key, outcome in zip(keys, admitted):
                 self.client.futures[key].set_error(outcome if isinstance(outcome, InvalidRequest) else unsent, None)
             return futures
@@ -239,14 +239,14 @@ class Service:
             future = self._stream.pending[key] = ServedFuture(key, self.client)
             futures.append(future)
         for first in range(0, len(keys), SUBMIT_CHUNK):
-            chunk = admitted[first : first + SUBMIT_CHUNK]
+            chunk = [row for row in admitted[first : first + SUBMIT_CHUNK] if not isinstance(row, InvalidRequest)]
             self._send(
                 model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block
             )
         return futures
 
     def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0) -> None:
-        message = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
+        message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
         if start_block:
             message["start_block"] = start_block
         self._stream.send(message)
@@ -297,7 +297,7 @@ class Service:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+        await self._close(30.0)
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

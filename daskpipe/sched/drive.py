@@ -153,6 +153,7 @@ def drive(
             start = clock()
             actions = dispatcher.wake(t_wake)
         else:
+            assert request is not None  # t_arrival is finite
             start = clock()
             actions = dispatcher.submit(request, t_arrival)
             submitted += 1
