@@ -14,7 +14,7 @@ import daskpipe
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.adaptive import add_emulated_gpus
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
@@ -267,12 +267,12 @@ def test_re_planning_works_over_tls(tmp_path):
 def test_the_scheduler_uses_its_own_certificate_as_a_client():
     from distributed.security import Security
 
-    from daskpipe.runtime.elastic import _client_security
+    from daskpipe.runtime.elastic import client_security
 
     scheduler_only = Security(tls_ca_file=__file__, tls_scheduler_cert=__file__, tls_scheduler_key=__file__, require_encryption=True)
-    own = _client_security(scheduler_only)
+    own = client_security(scheduler_only)
     assert (own.tls_client_cert, own.tls_client_key) == (__file__, __file__) and scheduler_only.tls_client_cert is None
-    assert _client_security(None) is None
+    assert client_security(None) is None
 
 
 def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in():
@@ -305,7 +305,7 @@ def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in(
 def test_a_real_kind_is_measured_on_its_worker_the_way_deploy_measures_it(fake_gpu_cluster):
     import pickle
 
-    from daskpipe.runtime.elastic import kind_tables
+    from daskpipe.runtime.reprofiling import kind_tables
     from daskpipe.runtime.profiling import profile_on_cluster
     from daskpipe.runtime.service import inventory
 
