@@ -300,27 +300,3 @@ def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in(
             futures = svc.map("cnn", [ex] * 24)
             wait(futures, timeout=30)
             assert [f.status for f in futures] == ["finished"] * 24
-
-
-def test_a_real_kind_is_measured_on_its_worker_the_way_deploy_measures_it(fake_gpu_cluster):
-    import pickle
-
-    from daskpipe.runtime.reprofiling import kind_tables
-    from daskpipe.runtime.profiling import profile_on_cluster
-    from daskpipe.runtime.service import inventory
-
-    cluster, client = fake_gpu_cluster
-    slots = inventory(client)
-    l4 = [s for s in slots if s.gpu == "L4"]
-    result = profile_on_cluster(client, l4, "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=(1, 2, 4))
-    blocks = [pickle.dumps([block]) for block in result.blocked.blocks]
-    shapes = [result.blocked.input_shape, *result.blocked.boundary_shapes]
-    t4 = next(s.address for s in slots if s.gpu == "T4")
-    measured = client.submit(
-        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("T4", 1)], True, workers=[t4]
-    ).result()
-    assert list(measured) == [("T4", 1)] and measured[("T4", 1)].shape == result.profile.table("L4", 2).shape
-    estimated = client.submit(
-        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("V100", 1)], False, workers=[t4]
-    ).result()
-    assert list(estimated) == [("V100", 1)] and (estimated[("V100", 1)] > 0).all()
