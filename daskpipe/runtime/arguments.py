@@ -19,7 +19,7 @@ from torch import nn
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import ProfilingOptions
 

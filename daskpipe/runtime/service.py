@@ -42,7 +42,7 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
-from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
@@ -373,7 +373,7 @@ def deploy(
         Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
     elastic
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
-        ``Adaptive`` (:class:`~daskpipe.runtime.elastic.ElasticSettings`); ``None``: the plan stays.
+        ``Adaptive`` (:class:`~daskpipe.runtime.elastic_state.ElasticSettings`); ``None``: the plan stays.
 
     Raises :class:`DeployError` when the cluster cannot serve the models as asked. With an
     asynchronous client, ``svc = await deploy(client, ...)`` (and ``await svc.plan``,

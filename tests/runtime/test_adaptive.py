@@ -12,7 +12,7 @@ import daskpipe
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.adaptive import DaskpipeAdaptive, add_emulated_gpus
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.worker import WorkerSpecError
 from tests.helpers import paced, wait_until

@@ -14,7 +14,7 @@ import daskpipe
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.adaptive import add_emulated_gpus
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.elastic import ElasticSettings
+from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
@@ -267,12 +267,12 @@ def test_re_planning_works_over_tls(tmp_path):
 def test_the_scheduler_uses_its_own_certificate_as_a_client():
     from distributed.security import Security
 
-    from daskpipe.runtime.elastic import _client_security
+    from daskpipe.runtime.elastic import client_security
 
     scheduler_only = Security(tls_ca_file=__file__, tls_scheduler_cert=__file__, tls_scheduler_key=__file__, require_encryption=True)
-    own = _client_security(scheduler_only)
+    own = client_security(scheduler_only)
     assert (own.tls_client_cert, own.tls_client_key) == (__file__, __file__) and scheduler_only.tls_client_cert is None
-    assert _client_security(None) is None
+    assert client_security(None) is None
 
 
 def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in():
@@ -300,27 +300,3 @@ def test_a_gpu_type_the_profile_lacks_is_estimated_when_it_joins_and_planned_in(
             futures = svc.map("cnn", [ex] * 24)
             wait(futures, timeout=30)
             assert [f.status for f in futures] == ["finished"] * 24
-
-
-def test_a_real_kind_is_measured_on_its_worker_the_way_deploy_measures_it(fake_gpu_cluster):
-    import pickle
-
-    from daskpipe.runtime.elastic import kind_tables
-    from daskpipe.runtime.profiling import profile_on_cluster
-    from daskpipe.runtime.service import inventory
-
-    cluster, client = fake_gpu_cluster
-    slots = inventory(client)
-    l4 = [s for s in slots if s.gpu == "L4"]
-    result = profile_on_cluster(client, l4, "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=(1, 2, 4))
-    blocks = [pickle.dumps([block]) for block in result.blocked.blocks]
-    shapes = [result.blocked.input_shape, *result.blocked.boundary_shapes]
-    t4 = next(s.address for s in slots if s.gpu == "T4")
-    measured = client.submit(
-        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("T4", 1)], True, workers=[t4]
-    ).result()
-    assert list(measured) == [("T4", 1)] and measured[("T4", 1)].shape == result.profile.table("L4", 2).shape
-    estimated = client.submit(
-        kind_tables, "tiny", blocks, shapes, result.blocked.output_shape, result.profile, [("V100", 1)], False, workers=[t4]
-    ).result()
-    assert list(estimated) == [("V100", 1)] and (estimated[("V100", 1)] > 0).all()
