@@ -1,19 +1,28 @@
 """What the scheduler plugin checks of what comes in: models to serve and submissions.
 
-Pure functions: a model whose SLO cannot be served, an unknown dispatcher or a malformed submit
-message is refused here with a clear error, before the plugin keeps anything of it.
+Functions of what they are given, none of the plugin's state: a model whose SLO cannot be served,
+an unknown dispatcher or a malformed submit message is refused here with a clear error, before the
+plugin keeps anything of it.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from daskpipe.plan.schema import ModelPlan
+from daskpipe.colocation.execute import colocated_latency, colocated_profile
+from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
+from daskpipe.runtime.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.errors import DeployError
-from daskpipe.sched.registry import check_name, known
+from daskpipe.runtime.gray import GrayPolicy
+from daskpipe.runtime.messages import WorkerSlot
+from daskpipe.runtime.served import Served, queue_bound
+from daskpipe.sched.api import Placement, Slot
+from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 
 def check_feasible(
@@ -96,3 +105,64 @@ def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Pr
         replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines),
         replace(profile, slo_us=profile.slo_us * k, latency_us=tables),
     )
+
+
+def served_from(
+    model: str,
+    plan: dict,
+    profile: dict,
+    stages: list[list],
+    slots: dict[str, WorkerSlot],
+    *,
+    control: ControlPath,
+    time_dilation: float,
+    bw_gbps: float,
+    dispatcher: str,
+    max_queued: int | None,
+    sample_nbytes: int,
+) -> tuple[Served, Placement]:
+    """What serving ``model`` on ``stages`` (rows of [pipeline, partition, worker address, actor
+    key]) among ``slots`` takes, with its dispatcher's placement; a model that cannot be served
+    is refused with the reason (:func:`check_feasible`). ``control``'s cap is set for it."""
+    if not time_dilation > 0:
+        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+    check_dispatcher(dispatcher)
+    try:
+        gray = GrayPolicy.from_config()
+    except (TypeError, ValueError) as exc:
+        raise DeployError(f"the scheduler's Dask config: {exc}") from None
+    k = float(time_dilation)
+    whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
+    model_plan, model_profile = dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
+    stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
+    pools: dict[tuple[int, int], list[str]] = {}
+    for p, q, address in stage_keys:
+        if address not in slots:
+            raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pools.setdefault((p, q), []).append(address)
+    slot_of = {a: slots[a] for _, _, a in stage_keys}
+    placement = Placement(
+        model=model,
+        pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
+        slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
+    )
+    budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
+    headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
+    control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
+    control.refresh(time.monotonic())
+    served = Served(
+        model=model_plan,
+        profile=model_profile,
+        dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
+        stages=stage_keys,
+        emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
+        durations=BatchDurations(
+            model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
+        ),
+        max_queued=queue_bound(model_plan, max_queued),
+        sample_nbytes=int(sample_nbytes),
+        budgets=budgets,
+        control=control,
+        gray=gray,
+    )
+    return served, placement

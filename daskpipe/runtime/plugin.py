@@ -28,29 +28,25 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import dask.config
-from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol import Serialized, serialize
+from distributed.protocol import Serialized
 
-from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
-from daskpipe.runtime.control import MAX_SHARE, ControlPath, seed_from_round_trips
+from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
-from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded, refusal_error
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.gray import GrayPolicy
-from daskpipe.runtime.intake import check_dispatcher, check_feasible, dilated, is_key, malformed
+from daskpipe.runtime.keys import Refusal, err_key, err_keys, free_keys, make_keys, refuse, resolve, store
+from daskpipe.runtime.intake import check_dispatcher, is_key, malformed, served_from
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.runtime.watch import GrayWatch
-from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
-from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Request
 from daskpipe.sched.metrics import ServiceMetrics
-from daskpipe.sched.registry import TIMEOUT_S, make_dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -299,56 +295,27 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         old = self.served.get(model)
         if old is not None and not (old.closing and not old.flights):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
-        if not time_dilation > 0:
-            raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-        check_dispatcher(dispatcher)
-        try:
-            gray = GrayPolicy.from_config()
-        except (TypeError, ValueError) as exc:
-            raise DeployError(f"the scheduler's Dask config: {exc}") from None
-        k = float(time_dilation)
-        whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
-        model_plan, model_profile = dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
-        stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
-        pools: dict[tuple[int, int], list[str]] = {}
-        for p, q, address in stage_keys:
-            if address not in self.slots:
-                raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
-            pools.setdefault((p, q), []).append(address)
-        slot_of = {a: self.slots[a] for _, _, a in stage_keys}
-        placement = Placement(
-            model=model,
-            pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
-            slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
-        )
-        budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
-        headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
-        control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
-        control.refresh(time.monotonic())
-        self.served[model] = Served(
-            model=model_plan,
-            profile=model_profile,
-            dispatcher=make_dispatcher(
-                dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k
-            ),
-            stages=stage_keys,
-            emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
-            durations=BatchDurations(
-                model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
-            ),
-            max_queued=queue_bound(model_plan, max_queued),
-            sample_nbytes=int(sample_nbytes),
-            budgets=budgets,
+        served, placement = served_from(
+            model,
+            plan,
+            profile,
+            stages,
+            self.slots,
             control=control,
-            gray=gray,
+            time_dilation=time_dilation,
+            bw_gbps=bw_gbps,
+            dispatcher=dispatcher,
+            max_queued=max_queued,
+            sample_nbytes=sample_nbytes,
         )
-        self.metrics.serve(model, model_plan, placement, control=control.summary, suspects=functools.partial(self.watch.suspects, model))
+        self.served[model] = served
+        self.metrics.serve(model, served.model, placement, control=control.summary, suspects=functools.partial(self.watch.suspects, model))
         logger.info(
             "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
             model,
-            len(stage_keys),
-            len(model_plan.pipelines),
-            k,
+            len(served.stages),
+            len(served.model.pipelines),
+            float(time_dilation),
             control.margin_s * 1e3,
         )
 
@@ -435,8 +402,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def _submit_slice(
         self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
     ) -> None:
-        """Refuse what cannot be served before it becomes a key (:meth:`_refuse`); make keys of,
-        queue and dispatch the rest."""
+        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
+        make keys of, queue and dispatch the rest."""
         tasks = self.scheduler.tasks
         usable = [k for k in keys if is_key(k) and k not in tasks]
         if len(usable) < len(keys):
@@ -447,13 +414,25 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 client,
             )
         if problem is not None:
-            self._refuse(client, model, [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable])
+            refuse(
+                self.scheduler,
+                self.client_streams,
+                client,
+                model,
+                [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable],
+            )
             return
         if served is None or served.closing:
-            self._refuse(client, model, [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable])
+            refuse(
+                self.scheduler,
+                self.client_streams,
+                client,
+                model,
+                [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable],
+            )
             return
         now = time.monotonic()
-        refused: list[tuple[Any, str, str, str]] = []
+        refused: list[Refusal] = []
         accepted: list[tuple[Any, bytes, int]] = []
         room = served.max_queued - len(served.inputs)
         for key, payload, size in zip(keys, inputs, sizes):
@@ -470,10 +449,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     refused.append((key, "dropped", detail, "overload"))
                 else:
                     accepted.append((key, payload, size))
-        self._refuse(client, model, refused)
-        for key, _, _ in accepted:
-            self.scheduler.new_task(key, None, "released")
-        self.scheduler.client_desires_keys(keys=[key for key, _, _ in accepted], client=client)
+        refuse(self.scheduler, self.client_streams, client, model, refused)
+        make_keys(self.scheduler, client, [key for key, _, _ in accepted])
         deadline = now + served.budgets[start_block] - served.control.margin_s
         for key, payload, size in accepted:
             served.inputs[key] = (payload, size)
@@ -481,29 +458,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
             self.act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         self.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))
-
-    def _refuse(self, client: str, model: Any, refused: list[tuple[Any, str, str, str]]) -> None:
-        """End requests refused on arrival, each ``(key, "invalid" | "dropped", text, reason)``.
-
-        They never become keys: the client's stream takes one REFUSED message, whose errors the
-        client raises in their futures (:class:`~daskpipe.runtime.futures.ClientStream`). A flood of
-        them then costs the scheduler no task, transition or report of Dask's. A submission from a
-        client without a daskpipe stream is refused through Dask's erred keys instead."""
-        if not refused:
-            return
-        stream = self.client_streams.get(client)
-        if stream is not None:
-            try:
-                stream.send({"op": messages.REFUSED, "model": model, "refused": [list(r) for r in refused]})
-                return
-            except CommClosedError:  # the client is leaving: nothing is waiting for these
-                return
-        keys = [key for key, _, _, _ in refused]
-        for key in keys:
-            self.scheduler.new_task(key, None, "released")
-        self.scheduler.client_desires_keys(keys=keys, client=client)
-        for key, kind, text, reason in refused:
-            self._err_key(key, refusal_error(kind, text, reason, model, key))
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
@@ -534,28 +488,18 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return
         served = self.served.get(model)
         if served is not None and dispatch in served.abandoned:  # retried or dropped meanwhile: discard what it computed
-            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": list(keys), "stimulus_id": f"daskpipe-abandoned-{time.time()}"})
+            free_keys(self.scheduler, worker, list(keys), "abandoned")
             return
         tasks = self.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
         if pending:
-            self._resolve(pending, dict(zip(keys, outputs)) if outputs is not None else None)
+            resolve(self.scheduler, self.client_streams, pending, dict(zip(keys, outputs)) if outputs is not None else None)
         asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic())
 
     @guarded
     def _done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float) -> None:
         """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and counts."""
-        tasks = self.scheduler.tasks
-        pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
-        if pending:
-            self.scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
-        orphans = [
-            k
-            for k in keys
-            if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
-        ]
-        if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
-            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": orphans, "stimulus_id": f"daskpipe-released-{time.time()}"})
+        store(self.scheduler, worker, keys, nbytes)
         served = self.served.get(model)
         if served is None:
             return
@@ -585,7 +529,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         isolation budget leave no retry, errs with the stage's RequestFailed."""
         served = self.served.get(model)
         if served is None:
-            self._err_keys(keys, exception)
+            err_keys(self.scheduler, keys, exception)
             return
         if dispatch in served.abandoned:  # its requests were retried or dropped when it was taken away
             return
@@ -602,7 +546,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         for key in failing:
             served.deadlines.pop(key, None)
             served.inputs.pop(key, None)
-        self._err_keys(failing, exception)
+        err_keys(self.scheduler, failing, exception)
         self.arm()
 
     # -- the control surface of a re-plan (daskpipe.runtime.elastic) -----------------------------
@@ -705,14 +649,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 self._dispatch(served, model, action)
             elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
                 self.drop(served, model, action.request.id, action.reason, action.detail)
-
-    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
-        self._count_drop(served, model, reason, detail)
-        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
-
-    def _count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
-        served.dropped[reason] = served.dropped.get(reason, 0) + 1
-        self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
     def _dispatch(self, served: Served, model: str, action: Dispatch) -> None:
         """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
@@ -824,23 +760,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
 
     # -- ending requests -----------------------------------------------------------------------
-    def _resolve(self, keys: list, outputs: dict[Any, Any] | None) -> None:
-        """Tell the clients that want ``keys`` on their daskpipe streams, ahead of Dask's report
-        stream, with the small ``outputs`` that came with them (never deserialized here)."""
-        per_client: dict[str, list] = {}
-        tasks = self.scheduler.tasks
-        for key in keys:
-            for cs in tasks[key].who_wants or ():
-                if cs.client_key in self.client_streams:
-                    per_client.setdefault(cs.client_key, []).append(key)
-        for client, wanted in per_client.items():
-            message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted}
-            if outputs is not None:
-                message["outputs"] = [outputs[key] for key in wanted]
-            try:
-                self.client_streams[client].send(message)
-            except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
-                pass
+    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
+        self._count_drop(served, model, reason, detail)
+        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
+
+    def _count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
+        served.dropped[reason] = served.dropped.get(reason, 0) + 1
+        self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
     def _err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
         discard: dict[str, list] = {}
@@ -850,26 +776,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             parked = served.parked.pop(key, None)
             if parked is not None and parked in self.slots:
                 discard.setdefault(parked, []).append(key)
-            self._err_key(key, error(key))
+            err_key(self.scheduler, key, error(key))
         for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
             self.to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
-
-    def _err_key(self, key: Any, exc: Exception) -> None:
-        self._err_keys([key], Serialized(*serialize(exc)))
-
-    def _err_keys(self, keys: list, exception: Serialized) -> None:
-        """Put pending ``keys`` in ``erred`` with ``exception``; their clients' futures raise it."""
-        recommendations = {}
-        for key in keys:
-            ts = self.scheduler.tasks.get(key)
-            if ts is None or ts.state != "released":  # released by its client already
-                continue
-            ts.exception = exception
-            ts.exception_blame = ts
-            ts.traceback = None
-            recommendations[key] = "erred"
-        if recommendations:
-            self.scheduler.transitions(recommendations, stimulus_id=f"daskpipe-err-{time.time()}")
 
     # -- the timer -----------------------------------------------------------------------------
     def arm(self) -> None:
