@@ -1,28 +1,40 @@
-"""What the scheduler plugin checks of what comes in: models to serve and submissions.
+"""What comes into the scheduler plugin: models to serve, and clients' submissions.
 
-Functions of what they are given, none of the plugin's state: a model whose SLO cannot be served,
-an unknown dispatcher or a malformed submit message is refused here with a clear error, before the
-plugin keeps anything of it.
+The checks are functions of what they are given, none of the plugin's state: a model whose SLO
+cannot be served, an unknown dispatcher or a malformed submit message is refused here with a clear
+error, before the plugin keeps anything of it. :class:`Intake` takes the submissions that pass.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.keys import Refusal, make_keys, refuse
 from daskpipe.runtime.gray import GrayPolicy
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.served import Served, queue_bound
-from daskpipe.sched.api import Placement, Slot
+from daskpipe.runtime.streams import ImmediateSend
+from daskpipe.sched.api import Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.metrics import ServiceMetrics
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_SLICE = 64
+"""Requests of one submit message handled between two event-loop turns (a few milliseconds at
+most): a message of any size never holds the loop (timers, other clients, workers' streams) for
+more than one slice."""
 
 
 def check_feasible(
@@ -166,3 +178,128 @@ def served_from(
         gray=gray,
     )
     return served, placement
+
+
+class Submitting(Protocol):
+    """What taking submissions needs of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
+    which creates the :class:`Intake`): its models, the clients' streams, and stepping the dispatcher."""
+
+    scheduler: Any
+    served: dict[str, Served]
+    client_streams: dict[str, ImmediateSend]
+    metrics: ServiceMetrics
+
+    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
+
+    def act(self, served: Served, model: str, actions: list) -> None: ...
+
+    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None: ...
+
+    def arm(self) -> None: ...
+
+
+class Intake:
+    """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
+    served, queues them and steps the dispatcher; refuses the rest on arrival."""
+
+    def __init__(self, plugin: Submitting) -> None:
+        self.plugin = plugin
+
+    async def on_submit(
+        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
+    ) -> None:
+        """New requests from ``client``: make their keys, queue them, step the dispatcher.
+
+        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
+        The message is checked whole before any key is made, so a malformed one errs every one of
+        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
+        loop running whatever waits between two slices, whatever the message's size."""
+        try:
+            if not isinstance(keys, (list, tuple)):
+                logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
+                return
+            problem = malformed(model, keys, inputs, sizes, start_block, unknown)
+            served = self.plugin.served.get(model) if problem is None else None
+            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
+                problem = (
+                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+                )
+            for first in range(0, len(keys), SUBMIT_SLICE):
+                if first:
+                    await asyncio.sleep(0)
+                    served = self.plugin.served.get(model) if problem is None else None  # it may have closed meanwhile
+                stop = first + SUBMIT_SLICE
+                self._submit_slice(
+                    client,
+                    model,
+                    served,
+                    keys[first:stop],
+                    problem,
+                    inputs[first:stop] if problem is None else (),
+                    sizes[first:stop] if problem is None else (),
+                    start_block,
+                )
+            self.plugin.arm()
+        except Exception:
+            logger.exception("daskpipe: a submission from client %s failed", client)
+
+    def _submit_slice(
+        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
+    ) -> None:
+        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
+        make keys of, queue and dispatch the rest."""
+        plugin = self.plugin
+        tasks = plugin.scheduler.tasks
+        usable = [k for k in keys if is_key(k) and k not in tasks]
+        if len(usable) < len(keys):
+            logger.warning(
+                "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
+                len(keys) - len(usable),
+                model,
+                client,
+            )
+        if problem is not None:
+            refuse(
+                plugin.scheduler,
+                plugin.client_streams,
+                client,
+                model,
+                [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable],
+            )
+            return
+        if served is None or served.closing:
+            refuse(
+                plugin.scheduler,
+                plugin.client_streams,
+                client,
+                model,
+                [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable],
+            )
+            return
+        now = time.monotonic()
+        refused: list[Refusal] = []
+        accepted: list[tuple[Any, bytes, int]] = []
+        room = served.max_queued - len(served.inputs)
+        for key, payload, size in zip(keys, inputs, sizes):
+            if key not in tasks and is_key(key):
+                served.counts["submitted"] += 1
+                refusal = served.refusal(payload, size, start_block)
+                if refusal is not None:
+                    served.counts["invalid"] += 1
+                    plugin.metrics.refuse(model, 1, now)
+                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
+                elif len(accepted) >= room:
+                    detail = f"{served.max_queued} requests queued (max_queued)"
+                    plugin.count_drop(served, model, "overload", detail)
+                    refused.append((key, "dropped", detail, "overload"))
+                else:
+                    accepted.append((key, payload, size))
+        refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
+        make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
+        deadline = now + served.budgets[start_block] - served.control.margin_s
+        for key, payload, size in accepted:
+            served.inputs[key] = (payload, size)
+            served.deadlines[key] = now + served.budgets[start_block]
+            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
+            plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
+        plugin.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))

@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
-import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import dask.config
@@ -39,11 +38,11 @@ from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.keys import Refusal, err_key, err_keys, free_keys, make_keys, refuse, resolve, store
-from daskpipe.runtime.intake import check_dispatcher, is_key, malformed, served_from
+from daskpipe.runtime.keys import err_key, err_keys, free_keys, resolve, store
+from daskpipe.runtime.intake import Intake, check_dispatcher, served_from
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
-from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
+from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
 from daskpipe.runtime.watch import GrayWatch
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Request
 from daskpipe.sched.metrics import ServiceMetrics
@@ -53,10 +52,6 @@ logger = logging.getLogger(__name__)
 PINGS = 20
 """Round trips to each stage's worker when a model is deployed: they seed its control-path margin
 (:mod:`daskpipe.runtime.control`) and decide whether its SLO can be served at all."""
-SUBMIT_SLICE = 64
-"""Requests of one submit message handled between two event-loop turns (a few milliseconds at
-most): a message of any size never holds the loop (timers, other clients, workers' streams) for
-more than one slice."""
 EXTENSIONS_CONFIG = "daskpipe.scheduler-extensions"
 """Dask config key: the ``module:function`` names the plugin runs on its scheduler as it starts.
 Layers above the runtime add themselves here (``daskpipe/__init__.py`` sets the dashboard's pages
@@ -77,10 +72,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._timer_at = float("inf")
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
         self.to_workers: Streams | None = None  # batches and pings, opened at start
-        self._pongs: dict[int, asyncio.Future] = {}
-        self._ping_tokens = itertools.count()
+        self.pings = Pings()  # round trips to stage workers, measured when a model is served
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
+        self.intake = Intake(self)  # submissions from clients
         self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/gray.py)
 
     # -- SchedulerPlugin hooks -----------------------------------------------------------------
@@ -100,13 +95,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             scheduler.stream_handlers.update(
                 {
-                    messages.SUBMIT: self.on_submit,
+                    messages.SUBMIT: self.intake.on_submit,
                     messages.FEEDBACK: self.on_feedback,
                     messages.DONE: self.on_done,
                     messages.FAILED: self.on_failed,
                     messages.EXPIRED: self.watch.on_expired,
                     messages.PROBED: self.watch.on_probed,
-                    messages.PONG: self.on_pong,
+                    messages.PONG: self.pings.on_pong,
                 }
             )
             for address in scheduler.workers:
@@ -156,7 +151,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         "worker-lost" (:meth:`_dispatch`) until a re-plan."""
         dispatcher = served.dispatcher
         if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
-            self.act(served, model, self._step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
+            self.act(served, model, self.step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
 
     def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
         """Queue the requests of ``flights`` again, with their original deadlines; one the retry
@@ -169,7 +164,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 served.inputs[key] = (payload, size)
                 served.counts["retried"] = served.counts.get("retried", 0) + 1
                 retry = replace(request)  # its original deadline
-                actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
+                actions = self.step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
                         action.reason, action.detail = reason, f"{why}; the retry was dropped ({action.reason}): {action.detail}"
@@ -224,29 +219,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         assert self.to_workers is not None, "the plugin has started"
         self.to_workers.send(address, message)
 
-    async def round_trips(self, address: str, count: int, timeout: float = 10.0) -> list[float]:
-        """Seconds of ``count`` PING -> PONG round trips to ``address``'s stage worker, after one to open the streams."""
-        times = []
-        for i in range(count + 1):
-            token = next(self._ping_tokens)
-            pong = self._pongs[token] = asyncio.get_running_loop().create_future()
-            sent = time.monotonic()
-            self.to_worker(address, {"op": messages.PING, "token": token})
-            try:
-                await asyncio.wait_for(pong, timeout)
-            except asyncio.TimeoutError:
-                raise DeployError(f"worker {address} did not answer daskpipe's ping within {timeout:g} s") from None
-            finally:
-                self._pongs.pop(token, None)
-            if i:
-                times.append(time.monotonic() - sent)
-        return times
-
-    def on_pong(self, worker: str, token: int) -> None:
-        pong = self._pongs.get(token)
-        if pong is not None and not pong.done():
-            pong.set_result(None)
-
     # -- rpc handlers (client -> scheduler) ----------------------------------------------------
     def inventory(self) -> list[dict]:
         """The slots a plan may use: the daskpipe workers if any, else every worker as a CPU slot."""
@@ -269,7 +241,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 raise DeployError(f"a stage of {model!r} is placed on {address}, which is not a worker of this cluster")
         pipelines = Plan.from_dict(plan).model(model).pipelines
         longest = max((len(p.partitions) for p in pipelines), default=1)
-        round_trips = [t for address in addresses for t in await self.round_trips(address, PINGS)]
+        round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
         return "OK"
 
@@ -331,7 +303,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             if served is None:
                 continue
             served.closing = True
-            actions = self._step(served, model, lambda: served.dispatcher.drain(now, reason))
+            actions = self.step(served, model, lambda: served.dispatcher.drain(now, reason))
             self.act(served, model, actions)
             leftover = list(served.inputs)  # anything the dispatcher did not hand back
             for key in leftover:
@@ -361,104 +333,6 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         return out
 
     # -- stream handlers -----------------------------------------------------------------------
-    async def on_submit(
-        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
-    ) -> None:
-        """New requests from ``client``: make their keys, queue them, step the dispatcher.
-
-        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
-        The message is checked whole before any key is made, so a malformed one errs every one of
-        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
-        loop running whatever waits between two slices, whatever the message's size."""
-        try:
-            if not isinstance(keys, (list, tuple)):
-                logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
-                return
-            problem = malformed(model, keys, inputs, sizes, start_block, unknown)
-            served = self.served.get(model) if problem is None else None
-            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
-                problem = (
-                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
-                )
-            for first in range(0, len(keys), SUBMIT_SLICE):
-                if first:
-                    await asyncio.sleep(0)
-                    served = self.served.get(model) if problem is None else None  # it may have closed meanwhile
-                stop = first + SUBMIT_SLICE
-                self._submit_slice(
-                    client,
-                    model,
-                    served,
-                    keys[first:stop],
-                    problem,
-                    inputs[first:stop] if problem is None else (),
-                    sizes[first:stop] if problem is None else (),
-                    start_block,
-                )
-            self.arm()
-        except Exception:
-            logger.exception("daskpipe: a submission from client %s failed", client)
-
-    def _submit_slice(
-        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
-    ) -> None:
-        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
-        make keys of, queue and dispatch the rest."""
-        tasks = self.scheduler.tasks
-        usable = [k for k in keys if is_key(k) and k not in tasks]
-        if len(usable) < len(keys):
-            logger.warning(
-                "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
-                len(keys) - len(usable),
-                model,
-                client,
-            )
-        if problem is not None:
-            refuse(
-                self.scheduler,
-                self.client_streams,
-                client,
-                model,
-                [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable],
-            )
-            return
-        if served is None or served.closing:
-            refuse(
-                self.scheduler,
-                self.client_streams,
-                client,
-                model,
-                [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable],
-            )
-            return
-        now = time.monotonic()
-        refused: list[Refusal] = []
-        accepted: list[tuple[Any, bytes, int]] = []
-        room = served.max_queued - len(served.inputs)
-        for key, payload, size in zip(keys, inputs, sizes):
-            if key not in tasks and is_key(key):
-                served.counts["submitted"] += 1
-                refusal = served.refusal(payload, size, start_block)
-                if refusal is not None:
-                    served.counts["invalid"] += 1
-                    self.metrics.refuse(model, 1, now)
-                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
-                elif len(accepted) >= room:
-                    detail = f"{served.max_queued} requests queued (max_queued)"
-                    self._count_drop(served, model, "overload", detail)
-                    refused.append((key, "dropped", detail, "overload"))
-                else:
-                    accepted.append((key, payload, size))
-        refuse(self.scheduler, self.client_streams, client, model, refused)
-        make_keys(self.scheduler, client, [key for key, _, _ in accepted])
-        deadline = now + served.budgets[start_block] - served.control.margin_s
-        for key, payload, size in accepted:
-            served.inputs[key] = (payload, size)
-            served.deadlines[key] = now + served.budgets[start_block]
-            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
-            self.act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
-        self.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))
-
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
         served = self.served.get(model)
@@ -555,7 +429,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         dispatcher and the queued requests it gave up (they are still in the plugin's care)."""
         served = self.served[model]
         old, served.dispatcher = served.dispatcher, holding
-        drained = self._step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
+        drained = self.step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
         return old, [action.request for action in drained if isinstance(action, Drop)]
 
     def switch(
@@ -605,10 +479,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         now = time.monotonic()
         for request in requests:
             if request.id in served.inputs:  # else it ended meanwhile
-                self.act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
 
     # -- stepping the dispatcher ---------------------------------------------------------------
-    def _step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
         """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
         try:
             return call()
@@ -641,7 +515,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     self._park(served, model, dispatch, flight, now)
                 self.watch.pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
             self.metrics.feedback(model, fb)
-            self.act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
+            self.act(served, model, self.step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
     def act(self, served: Served, model: str, actions: list) -> None:
         for action in actions:
@@ -761,10 +635,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     # -- ending requests -----------------------------------------------------------------------
     def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
-        self._count_drop(served, model, reason, detail)
+        self.count_drop(served, model, reason, detail)
         self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
-    def _count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
+    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
         served.dropped[reason] = served.dropped.get(reason, 0) + 1
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
@@ -805,7 +679,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
                 # waiting for a batch's last moment would find it just past, and drop the batch
                 at = max(wake, now - served.control.margin_s)
-                self.act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.wake(at)))
         self.arm()
 
 
