@@ -52,8 +52,6 @@ class ServingPlugin(Protocol):
 
     def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None: ...
 
-    def send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None: ...
-
     def arm(self) -> None: ...
 
 
@@ -266,9 +264,13 @@ class GrayWatch:
         return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
 
     # -- poison isolation ----------------------------------------------------------------------
-    def isolate(self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
-        """Send each half of a failed batch's ``live`` requests along its route again, while the
-        deadlines and the budget allow; the keys of the halves that cannot go."""
+    def isolate(
+        self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float
+    ) -> tuple[list[tuple[int, Flight]], list]:
+        """Each half of a failed batch's ``live`` requests that goes along its route again, while
+        the deadlines and the budget allow, as (dispatch id, flight) to send; and the keys of the
+        halves that cannot go."""
+        halves: list[tuple[int, Flight]] = []
         failing: list[Any] = []
         span = sum(flight.spans) + served.control.margin_s
         half = len(live) // 2
@@ -280,15 +282,15 @@ class GrayWatch:
                 and flight.addresses <= set(self.plugin.scheduler.workers)
             ):
                 served.counts["isolated"] += 1
-                self.plugin.send(
-                    served,
-                    model,
-                    next(self._isolation_ids),
-                    Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True),
+                halves.append(
+                    (
+                        next(self._isolation_ids),
+                        Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True),
+                    )
                 )
             else:
                 failing.extend(r.id for r, _, _ in part)
-        return failing
+        return halves, failing
 
 
 def _abandon(served: Served, dispatch: int, address: str) -> None:
