@@ -7,12 +7,12 @@ workers are slots from their resources, and steps each model's :class:`Dispatche
 real clock: on submissions, on feedback, and on a single timer re-armed at the earliest
 ``next_wake``. It never uses the ``transition`` hook.
 
-Requests are real Dask keys. On submission the plugin creates a ``released`` task without a
-run spec for each key and records that the submitting client wants it; when the last stage
-reports its outputs stored, ``Scheduler.update_data`` moves the keys to memory on that worker
-(as ``scatter`` does) and the clients' futures finish; a drop or failure puts the key in
-``erred`` with a daskpipe exception, which the client's future raises. Request inputs are raw
-bytes that the scheduler keeps and forwards as they are: it never deserializes them.
+Its parts each have a module: submissions come in through :class:`~daskpipe.runtime.intake.Intake`;
+batches go out to their stages, and their reports come back, through
+:class:`~daskpipe.runtime.batches.Batches`; :class:`~daskpipe.runtime.watch.GrayWatch` watches
+them for gray failures; :class:`~daskpipe.runtime.elastic.Elastic` re-plans. Requests are real
+Dask keys (:mod:`daskpipe.runtime.keys`). Request inputs are raw bytes that the scheduler keeps and
+forwards as they are: it never deserializes them.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
+from daskpipe.runtime.batches import Batches
 from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.intake import Intake, check_dispatcher, served_from
+from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
-from daskpipe.runtime.batches import Batches
 from daskpipe.runtime.watch import GrayWatch
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
 from daskpipe.sched.metrics import ServiceMetrics
@@ -148,7 +148,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
         """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
         (``supports_pools`` false) keeps it, and what it still sends there is dropped as
-        "worker-lost" (:meth:`_dispatch`) until a re-plan."""
+        "worker-lost" (:meth:`~daskpipe.runtime.batches.Batches.dispatch`) until a re-plan."""
         dispatcher = served.dispatcher
         if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
             self.act(served, model, self.step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
@@ -404,6 +404,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return []
 
     def act(self, served: Served, model: str, actions: list) -> None:
+        """Carry out what a dispatcher call returned: send its batches, end what it dropped."""
         for action in actions:
             if isinstance(action, Dispatch):
                 self.batches.dispatch(served, model, action)
@@ -412,6 +413,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     # -- ending requests -----------------------------------------------------------------------
     def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
+        """End ``key`` as a :class:`~daskpipe.runtime.errors.RequestDropped`, counted."""
         self.count_drop(served, model, reason, detail)
         self.err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
@@ -420,6 +422,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
     def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+        """End ``keys`` with ``error(key)``; a worker holding their parked data discards it."""
         discard: dict[str, list] = {}
         for key in keys:
             served.inputs.pop(key, None)
