@@ -9,7 +9,9 @@ each keeps its constructor arguments for ``__reduce__``.
 
 from __future__ import annotations
 
-from typing import Hashable
+import functools
+import logging
+from typing import Any, Callable, Hashable
 
 DROP_EXPLANATIONS = {
     "deadline": "no batch could finish before its deadline",
@@ -67,3 +69,20 @@ def refusal_error(kind: str, text: str, reason: str, model: str, key: Hashable) 
     """The error of a request the scheduler refused on arrival (sent as plain values, not pickled):
     ``"invalid"`` -> :class:`InvalidRequest` saying ``text``; ``"dropped"`` -> :class:`RequestDropped`."""
     return InvalidRequest(text) if kind == "invalid" else RequestDropped(reason, text, model, key)
+
+
+def guarded(method: Callable) -> Callable:
+    """The scheduler plugin's handlers, hooks and timers log their own exceptions (on their
+    module's logger): a daskpipe bug must never close a client's or a worker's stream, nor stop
+    the scheduler."""
+    logger = logging.getLogger(method.__module__)
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            logger.exception("daskpipe: %s failed", method.__name__)
+            return None
+
+    return wrapper

@@ -7,12 +7,12 @@ workers are slots from their resources, and steps each model's :class:`Dispatche
 real clock: on submissions, on feedback, and on a single timer re-armed at the earliest
 ``next_wake``. It never uses the ``transition`` hook.
 
-Requests are real Dask keys. On submission the plugin creates a ``released`` task without a
-run spec for each key and records that the submitting client wants it; when the last stage
-reports its outputs stored, ``Scheduler.update_data`` moves the keys to memory on that worker
-(as ``scatter`` does) and the clients' futures finish; a drop or failure puts the key in
-``erred`` with a daskpipe exception, which the client's future raises. Request inputs are raw
-bytes that the scheduler keeps and forwards as they are: it never deserializes them.
+Its parts each have a module: submissions come in through :class:`~daskpipe.runtime.intake.Intake`;
+batches go out to their stages, and their reports come back, through
+:class:`~daskpipe.runtime.batches.Batches`; :class:`~daskpipe.runtime.watch.GrayWatch` watches
+them for gray failures; :class:`~daskpipe.runtime.elastic.Elastic` re-plans. Requests are real
+Dask keys (:mod:`daskpipe.runtime.keys`). Request inputs are raw bytes that the scheduler keeps and
+forwards as they are: it never deserializes them.
 """
 
 from __future__ import annotations
@@ -20,153 +20,41 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
-import itertools
 import logging
-import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import dask.config
-from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol import Serialized, serialize
 
-from daskpipe.colocation.execute import colocated_latency, colocated_profile
-from daskpipe.plan.schema import ModelPlan, Plan
+from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
-from daskpipe.runtime.control import MAX_SHARE, ControlPath, seed_from_round_trips
+from daskpipe.runtime.batches import Batches
+from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
-from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, refusal_error
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.gray import GrayPolicy, Suspect, Watchlist
+from daskpipe.runtime.intake import Intake, check_dispatcher, served_from
+from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
-from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
-from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Feedback, Placement, Request, Slot
-from daskpipe.sched.durations import BatchDurations
+from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
+from daskpipe.runtime.watch import GrayWatch
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
 from daskpipe.sched.metrics import ServiceMetrics
-from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
 
 logger = logging.getLogger(__name__)
 
 PINGS = 20
 """Round trips to each stage's worker when a model is deployed: they seed its control-path margin
 (:mod:`daskpipe.runtime.control`) and decide whether its SLO can be served at all."""
-SUBMIT_SLICE = 64
-"""Requests of one submit message handled between two event-loop turns (a few milliseconds at
-most): a message of any size never holds the loop (timers, other clients, workers' streams) for
-more than one slice."""
-ABANDONED_KEPT = 10_000
-"""Batches taken from a suspect slot that are remembered, so that what it reports for them later
-is discarded (:mod:`daskpipe.runtime.gray`)."""
-EXPIRY = -1
-"""The watchlist's partition for a batch's late limit (its hops are 0, 1, ...)."""
-WATCH_TICK_S = 0.005
-"""The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
 EXTENSIONS_CONFIG = "daskpipe.scheduler-extensions"
 """Dask config key: the ``module:function`` names the plugin runs on its scheduler as it starts.
 Layers above the runtime add themselves here (``daskpipe/__init__.py`` sets the dashboard's pages
 as the default), so the runtime imports none of them."""
-
-
-def guarded(method: Callable) -> Callable:
-    """Handlers and hooks log their own exceptions: a daskpipe bug must never close a client's
-    or a worker's stream, nor stop the scheduler."""
-
-    @functools.wraps(method)
-    def wrapper(self: DaskpipeSchedulerPlugin, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except Exception:
-            logger.exception("daskpipe: %s failed", method.__name__)
-            return None
-
-    return wrapper
-
-
-def check_feasible(
-    model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float
-) -> float:
-    """Refuse a model whose every entry cannot be served even for a lone request on an idle
-    pipeline (batch 1, no queueing) plus the control path's margin: it would drop everything.
-    Else the headroom: the least, over its entries, of the budget beyond a lone request's latency,
-    the most a margin may take. All times dilated by ``time_dilation`` except the margin, which is
-    real time."""
-    headroom = float("inf")
-    for block, budget in budgets.items():
-        paths = [p for p in plan.pipelines if p.entry_block == block]
-        if not paths:
-            continue
-        fastest = min(sum(_lone_latency_s(profile, part, bw_gbps, first=q == 0) for q, part in enumerate(p.partitions)) for p in paths)
-        if fastest + margin_s > budget:
-            smallest_ms = math.ceil((fastest + margin_s) / time_dilation * 1e3 * 10) / 10
-            entry = f" entering at block {block}" if block else ""
-            raise DeployError(
-                f"the SLO of {plan.name!r}{entry}, {budget / time_dilation * 1e3:.1f} ms, cannot be served: a lone request takes "
-                f"{fastest / time_dilation * 1e3:.1f} ms on its fastest pipeline and the measured control path "
-                f"{margin_s / time_dilation * 1e3:.2f} ms more; the smallest SLO it can serve is {smallest_ms:.1f} ms"
-            )
-        headroom = min(headroom, budget - fastest)
-    return headroom
-
-
-def _lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool) -> float:
-    """Seconds one sample spends in ``part``: its compute at batch 1, and its input's transfer."""
-    transfer = 0.0 if first else profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
-    return profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6 + transfer
-
-
-def _check_dataplane(name: Any) -> None:
-    try:
-        check_name(name)
-    except ValueError:
-        raise DeployError(f"unknown dispatcher {name!r}; known: {', '.join(known())}") from None
-
-
-def _is_key(key: Any) -> bool:
-    """What a daskpipe client sends as a request key (``Service``: strings); Dask takes a few more."""
-    return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
-
-
-def _malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, unknown: dict) -> str | None:
-    """What is wrong with a submission message as a whole, or ``None``; requests are checked one
-    by one later (``Served.refusal``)."""
-    if unknown:
-        return f"unknown fields {sorted(unknown)}"
-    if not isinstance(model, str):
-        return f"the model must be a name, got {type(model).__name__}"
-    if type(start_block) is not int or start_block < 0:
-        return f"start_block must be an integer >= 0, got {start_block!r}"
-    for name, values in (("inputs", inputs), ("sizes", sizes)):
-        if not isinstance(values, (list, tuple)):  # msgpack reads lists as tuples
-            return f"{name} must be a list, got {type(values).__name__}"
-        if len(values) != len(keys):
-            return f"{len(keys)} keys and {len(values)} {name}"
-    return None
-
-
-def _dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
-    """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
-    if k == 1.0:
-        return model, profile
-    pipelines = tuple(
-        replace(
-            p,
-            throughput=p.throughput / k,
-            slo_us=None if p.slo_us is None else p.slo_us * k,
-            partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions),
-        )
-        for p in model.pipelines
-    )
-    tables = {key: table * k for key, table in profile.latency_us.items()}
-    return (
-        replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines),
-        replace(profile, slo_us=profile.slo_us * k, latency_us=tables),
-    )
 
 
 class DaskpipeSchedulerPlugin(SchedulerPlugin):
@@ -183,16 +71,12 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self._timer_at = float("inf")
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
         self.to_workers: Streams | None = None  # batches and pings, opened at start
-        self._pongs: dict[int, asyncio.Future] = {}
-        self._ping_tokens = itertools.count()
-        # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
-        self._watch: Watchlist[tuple[str, int, int, int]] = Watchlist()
-        self._watch_timer: asyncio.TimerHandle | None = None
-        self._watch_at = float("inf")
-        self._watch_fired = 0.0
-        self._isolation_ids = itertools.count(-1, -1)  # batches the plugin sends itself: ids no dispatcher uses
+        self.pings = Pings()  # round trips to stage workers, measured when a model is served
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
+        self.intake = Intake(self)  # submissions from clients
+        self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/gray.py)
+        self.batches = Batches(self, self.watch)  # out to the stages and back
 
     # -- SchedulerPlugin hooks -----------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -211,13 +95,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             )
             scheduler.stream_handlers.update(
                 {
-                    messages.SUBMIT: self.on_submit,
-                    messages.FEEDBACK: self.on_feedback,
-                    messages.DONE: self.on_done,
-                    messages.FAILED: self.on_failed,
-                    messages.EXPIRED: self.on_expired,
-                    messages.PROBED: self.on_probed,
-                    messages.PONG: self.on_pong,
+                    messages.SUBMIT: self.intake.on_submit,
+                    messages.FEEDBACK: self.batches.on_feedback,
+                    messages.DONE: self.batches.on_done,
+                    messages.FAILED: self.batches.on_failed,
+                    messages.EXPIRED: self.watch.on_expired,
+                    messages.PROBED: self.watch.on_probed,
+                    messages.PONG: self.pings.on_pong,
                 }
             )
             for address in scheduler.workers:
@@ -254,27 +138,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
         re-dispatch the requests of the batches that ran through it while their deadlines allow;
         a request the retry cannot serve is dropped as "worker-lost", saying why."""
-        lost = [flight for _, flight in self._take_flights(served, worker)]
+        lost = [flight for _, flight in served.take_flights(worker)]
         if served.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
-            self._remove_slot(served, model, worker, now, "worker-lost")
+            self.remove_slot(served, model, worker, now, "worker-lost")
         for key in [key for key, address in served.parked.items() if address == worker]:
-            self._drop(served, model, key, "worker-lost", f"worker {worker} died holding its data between two stages")
-        self._retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
+            self.drop(served, model, key, "worker-lost", f"worker {worker} died holding its data between two stages")
+        self.retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
 
-    @staticmethod
-    def _take_flights(served: Served, address: str) -> list[tuple[int, Flight]]:
-        """The batches that run through ``address``, no longer in flight."""
-        return [(d, served.flights.pop(d)) for d in [d for d, flight in served.flights.items() if address in flight.addresses]]
-
-    def _remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
+    def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
         """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
         (``supports_pools`` false) keeps it, and what it still sends there is dropped as
-        "worker-lost" (:meth:`_dispatch`) until a re-plan."""
+        "worker-lost" (:meth:`~daskpipe.runtime.batches.Batches.dispatch`) until a re-plan."""
         dispatcher = served.dispatcher
         if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
-            self._act(served, model, self._step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
+            self.act(served, model, self.step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
 
-    def _retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
+    def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
         """Queue the requests of ``flights`` again, with their original deadlines; one the retry
         cannot serve is dropped for ``reason``, with ``why`` and the dispatcher's own reason."""
         for flight in flights:
@@ -285,197 +164,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 served.inputs[key] = (payload, size)
                 served.counts["retried"] = served.counts.get("retried", 0) + 1
                 retry = replace(request)  # its original deadline
-                actions = self._step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
+                actions = self.step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
                         action.reason, action.detail = reason, f"{why}; the retry was dropped ({action.reason}): {action.detail}"
-                self._act(served, model, actions)
-
-    # -- gray failures (daskpipe/runtime/gray.py) ----------------------------------------------
-    def _suspect(self, served: Served, model: str, address: str, detail: str, now: float) -> None:
-        """``address`` stopped keeping its reservations: it gets no new batches, its batches are
-        re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
-        and it is probed until it computes in line again. A dispatcher whose pools are fixed
-        (``supports_pools`` false) has nowhere else to send its batches: no slot is suspected
-        there, and the late limit still ends what a stalled slot holds."""
-        if address not in self.slots or not served.dispatcher.supports_pools:  # gone: remove_worker retries its batches
-            return
-        taken = self._take_flights(served, address)
-        for dispatch, _ in taken:
-            self._abandon(served, dispatch, address)
-        if address not in served.suspects:
-            served.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in served.stages if a == address}))
-            served.counts["suspected"] += 1
-            logger.warning(
-                "daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail
-            )
-            self._remove_slot(served, model, address, now, "slow-worker")
-            self._probe(served, model, address)
-        self._retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
-
-    def _pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
-        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
-        and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
-        slot); suspect it after ``slow_batches``, unless that would leave one of its pools without a
-        slot in line."""
-        gray = served.gray
-        ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
-        mine = {(p, q) for p, q, a in served.stages if a == address}
-        mates = [
-            served.last_ratios[a]
-            for p, q, a in served.stages
-            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
-        ]
-        pace = max(1.0, float(np.median(mates))) if mates else 1.0
-        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
-        if streak < gray.slow_batches or address in served.suspects:
-            return
-        in_line = {(p, q) for p, q, a in served.stages if a != address and a in self.slots and a not in served.suspects}
-        if mine <= in_line:
-            self._suspect(
-                served,
-                model,
-                address,
-                f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
-                now,
-            )
-
-    @staticmethod
-    def _abandon(served: Served, dispatch: int, address: str) -> None:
-        """Whatever batch ``dispatch`` reports from now on is discarded (it ended here)."""
-        served.abandoned[dispatch] = address
-        while len(served.abandoned) > ABANDONED_KEPT:
-            served.abandoned.popitem(last=False)
-
-    def _probe(self, served: Served, model: str, address: str) -> None:
-        """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
-        suspect = served.suspects.get(address)
-        if suspect is None or suspect.probe is not None or address not in self.slots or self.served.get(model) is not served:
-            return
-        p, q = suspect.pools[0]
-        profiled = served.durations.compute_s(p, q, 1)
-        token = next(self._ping_tokens)
-        suspect.probe = (token, profiled)
-        suspect.probes += 1
-        hold = profiled if address in served.emulated else 0.0
-        self._to_worker(
-            address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold}
-        )
-
-    @guarded
-    def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
-        """A suspect's probe computed over [start, end): re-admit it when that is in line."""
-        served = self.served.get(model)
-        suspect = served.suspects.get(worker) if served is not None else None
-        if served is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
-            return
-        profiled = suspect.probe[1]
-        suspect.probe = None
-        suspect.last_ratio = round((end - start) / profiled, 3) if profiled > 0 else 1.0
-        if suspect.last_ratio <= served.gray.readmit_ratio:
-            self._readmit(served, model, worker)
-        else:
-            asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
-
-    def _readmit(self, served: Served, model: str, address: str) -> None:
-        """The suspect ``address`` rejoins its pools."""
-        slot = self.slots.get(address)
-        if slot is None:
-            return
-        suspect = served.suspects.pop(address)
-        served.counts["readmitted"] += 1
-        now = time.monotonic()
-        for p, q in suspect.pools:
-            try:
-                actions = served.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
-            except ValueError:  # a re-plan has put it back already
-                continue
-            self._act(served, model, actions)
-        logger.warning(
-            "daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again",
-            model,
-            address,
-            suspect.last_ratio,
-            now - suspect.since,
-        )
-        self.arm()
-
-    def _arm_watch(self) -> None:
-        """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
-        due = self._watch.next_due
-        if due is None or (self._watch_timer is not None and due >= self._watch_at):
-            return
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-        self._watch_at = due
-        now = time.monotonic()
-        self._watch_timer = asyncio.get_running_loop().call_later(
-            max(0.0, due - now, self._watch_fired + WATCH_TICK_S - now), self._on_watch
-        )
-
-    @guarded
-    def _on_watch(self) -> None:
-        """Suspect the slots of overdue hops; drop requests in flight past the late limit."""
-        self._watch_timer, self._watch_at = None, float("inf")
-        now = self._watch_fired = time.monotonic()
-        for model, dispatch, index, strike in self._watch.due(now):
-            served = self.served.get(model)
-            flight = served.flights.get(dispatch) if served is not None else None
-            if served is None or flight is None:
-                continue
-            if index == EXPIRY:
-                self._expire(served, model, dispatch, flight, now)
-            elif flight.planned[index][0] not in flight.ran:
-                if strike == 1:  # once more: a report that waits behind this loop's own lag gets read meanwhile
-                    self._watch.push(
-                        now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
-                        (model, dispatch, index, 2),
-                    )
-                    continue
-                partition = flight.planned[index][0]
-                detail = f"missed its reservation for stage {partition} of batch {dispatch} twice over ({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
-                self._suspect(served, model, flight.route[index]["address"], detail, now)
-        self._arm_watch()
-        self.arm()
-
-    def _watch_hop(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
-        """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
-        self._watch.push(
-            start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
-            (model, dispatch, index, 1),
-        )
-        self._arm_watch()
-
-    def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
-        """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
-        limit = served.gray.late_limit_slos
-        remaining = []
-        for request, _, _ in flight.retries:
-            if request.id not in served.deadlines:
-                continue
-            until = request.arrival + limit * served.budgets[request.start_block]
-            if now >= until:
-                self._drop(served, model, request.id, "deadline", f"still in flight {limit:g}x its SLO after it arrived")
-            else:
-                remaining.append(until)
-        if remaining:
-            self._watch.push(min(remaining), (model, dispatch, EXPIRY, 0))
-        else:  # whatever it reports later is discarded
-            served.flights.pop(dispatch, None)
-            self._abandon(served, dispatch, "")
-
-    @guarded
-    def on_expired(self, worker: str, model: str, dispatch: int, keys: list) -> None:
-        """A stage skipped a batch that reached it past its requests' late limit."""
-        served = self.served.get(model)
-        if served is None or dispatch in served.abandoned:
-            return
-        served.flights.pop(dispatch, None)
-        limit = served.gray.late_limit_slos
-        for key in keys:
-            if key in served.deadlines:
-                self._drop(served, model, key, "deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived")
-        self.arm()
+                self.act(served, model, actions)
 
     @guarded
     def remove_client(self, scheduler: Any, client: str) -> None:
@@ -485,7 +178,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         tasks = scheduler.tasks
         for model, served in list(self.served.items()):
             for key in [k for k in served.inputs if k not in tasks]:
-                self._drop(served, model, key, "released", f"client {client} left")
+                self.drop(served, model, key, "released", f"client {client} left")
             if not served.closing and any(key not in tasks for key in served.stages.values()):
                 logger.warning("daskpipe: the stage actors of %s were released (client %s left); closing it", model, client)
                 self.close_models([model], reason="shutdown")
@@ -521,33 +214,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 reply.abort()
         return Status.dont_reply
 
-    def _to_worker(self, address: str, message: dict) -> None:
+    def to_worker(self, address: str, message: dict) -> None:
         """``message`` to ``address``'s worker on the scheduler's streams (opened at start)."""
         assert self.to_workers is not None, "the plugin has started"
         self.to_workers.send(address, message)
-
-    async def round_trips(self, address: str, count: int, timeout: float = 10.0) -> list[float]:
-        """Seconds of ``count`` PING -> PONG round trips to ``address``'s stage worker, after one to open the streams."""
-        times = []
-        for i in range(count + 1):
-            token = next(self._ping_tokens)
-            pong = self._pongs[token] = asyncio.get_running_loop().create_future()
-            sent = time.monotonic()
-            self._to_worker(address, {"op": messages.PING, "token": token})
-            try:
-                await asyncio.wait_for(pong, timeout)
-            except asyncio.TimeoutError:
-                raise DeployError(f"worker {address} did not answer daskpipe's ping within {timeout:g} s") from None
-            finally:
-                self._pongs.pop(token, None)
-            if i:
-                times.append(time.monotonic() - sent)
-        return times
-
-    def on_pong(self, worker: str, token: int) -> None:
-        pong = self._pongs.get(token)
-        if pong is not None and not pong.done():
-            pong.set_result(None)
 
     # -- rpc handlers (client -> scheduler) ----------------------------------------------------
     def inventory(self) -> list[dict]:
@@ -564,14 +234,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         request on an idle pipeline, with that margin, is refused here with the smallest SLO it
         could serve. ``options`` are :meth:`start_serving`'s.
         """
-        _check_dataplane(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        check_dispatcher(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
         addresses = sorted({str(row[2]) for row in stages})
         for address in addresses:
             if address not in self.slots:
                 raise DeployError(f"a stage of {model!r} is placed on {address}, which is not a worker of this cluster")
         pipelines = Plan.from_dict(plan).model(model).pipelines
         longest = max((len(p.partitions) for p in pipelines), default=1)
-        round_trips = [t for address in addresses for t in await self.round_trips(address, PINGS)]
+        round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
         return "OK"
 
@@ -597,56 +267,27 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         old = self.served.get(model)
         if old is not None and not (old.closing and not old.flights):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
-        if not time_dilation > 0:
-            raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-        _check_dataplane(dispatcher)
-        try:
-            gray = GrayPolicy.from_config()
-        except (TypeError, ValueError) as exc:
-            raise DeployError(f"the scheduler's Dask config: {exc}") from None
-        k = float(time_dilation)
-        whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
-        model_plan, model_profile = _dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
-        stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
-        pools: dict[tuple[int, int], list[str]] = {}
-        for p, q, address in stage_keys:
-            if address not in self.slots:
-                raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
-            pools.setdefault((p, q), []).append(address)
-        slot_of = {a: self.slots[a] for _, _, a in stage_keys}
-        placement = Placement(
-            model=model,
-            pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
-            slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
-        )
-        budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
-        headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
-        control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
-        control.refresh(time.monotonic())
-        self.served[model] = Served(
-            model=model_plan,
-            profile=model_profile,
-            dispatcher=make_dispatcher(
-                dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k
-            ),
-            stages=stage_keys,
-            emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
-            durations=BatchDurations(
-                model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
-            ),
-            max_queued=queue_bound(model_plan, max_queued),
-            sample_nbytes=int(sample_nbytes),
-            budgets=budgets,
+        served, placement = served_from(
+            model,
+            plan,
+            profile,
+            stages,
+            self.slots,
             control=control,
-            gray=gray,
+            time_dilation=time_dilation,
+            bw_gbps=bw_gbps,
+            dispatcher=dispatcher,
+            max_queued=max_queued,
+            sample_nbytes=sample_nbytes,
         )
-        self.metrics.serve(model, model_plan, placement, control=control.summary, suspects=functools.partial(self.suspects, model))
+        self.served[model] = served
+        self.metrics.serve(model, served.model, placement, control=control.summary, suspects=functools.partial(self.watch.suspects, model))
         logger.info(
             "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
             model,
-            len(stage_keys),
-            len(model_plan.pipelines),
-            k,
+            len(served.stages),
+            len(served.model.pipelines),
+            float(time_dilation),
             control.margin_s * 1e3,
         )
 
@@ -662,19 +303,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             if served is None:
                 continue
             served.closing = True
-            actions = self._step(served, model, lambda: served.dispatcher.drain(now, reason))
-            self._act(served, model, actions)
+            actions = self.step(served, model, lambda: served.dispatcher.drain(now, reason))
+            self.act(served, model, actions)
             leftover = list(served.inputs)  # anything the dispatcher did not hand back
             for key in leftover:
-                self._drop(served, model, key, reason, "")
+                self.drop(served, model, key, reason, "")
             drained[model] = len(actions) + len(leftover)
         return drained
-
-    def suspects(self, model: str) -> dict[str, dict[str, Any]]:
-        """``model``'s suspect slots by address: since when (s), why, its probes."""
-        served = self.served.get(model)
-        now = time.monotonic()
-        return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
 
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
         """Counters per model; ``forget`` removes closed models whose batches have all ended."""
@@ -691,247 +326,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 "in_flight": sum(len(f.keys) for f in served.flights.values()),
                 "closing": served.closing,
                 "control": served.control.summary(),
-                "suspects": self.suspects(model),
+                "suspects": self.watch.suspects(model),
             }
             if forget and served.closing and not served.flights:
                 del self.served[model]
         return out
-
-    # -- stream handlers -----------------------------------------------------------------------
-    async def on_submit(
-        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
-    ) -> None:
-        """New requests from ``client``: make their keys, queue them, step the dispatcher.
-
-        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
-        The message is checked whole before any key is made, so a malformed one errs every one of
-        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
-        loop running whatever waits between two slices, whatever the message's size."""
-        try:
-            if not isinstance(keys, (list, tuple)):
-                logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
-                return
-            problem = _malformed(model, keys, inputs, sizes, start_block, unknown)
-            served = self.served.get(model) if problem is None else None
-            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
-                problem = (
-                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
-                )
-            for first in range(0, len(keys), SUBMIT_SLICE):
-                if first:
-                    await asyncio.sleep(0)
-                    served = self.served.get(model) if problem is None else None  # it may have closed meanwhile
-                stop = first + SUBMIT_SLICE
-                self._submit_slice(
-                    client,
-                    model,
-                    served,
-                    keys[first:stop],
-                    problem,
-                    inputs[first:stop] if problem is None else (),
-                    sizes[first:stop] if problem is None else (),
-                    start_block,
-                )
-            self.arm()
-        except Exception:
-            logger.exception("daskpipe: a submission from client %s failed", client)
-
-    def _submit_slice(
-        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
-    ) -> None:
-        """Refuse what cannot be served before it becomes a key (:meth:`_refuse`); make keys of,
-        queue and dispatch the rest."""
-        tasks = self.scheduler.tasks
-        usable = [k for k in keys if _is_key(k) and k not in tasks]
-        if len(usable) < len(keys):
-            logger.warning(
-                "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
-                len(keys) - len(usable),
-                model,
-                client,
-            )
-        if problem is not None:
-            self._refuse(client, model, [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable])
-            return
-        if served is None or served.closing:
-            self._refuse(client, model, [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable])
-            return
-        now = time.monotonic()
-        refused: list[tuple[Any, str, str, str]] = []
-        accepted: list[tuple[Any, bytes, int]] = []
-        room = served.max_queued - len(served.inputs)
-        for key, payload, size in zip(keys, inputs, sizes):
-            if key not in tasks and _is_key(key):
-                served.counts["submitted"] += 1
-                refusal = served.refusal(payload, size, start_block)
-                if refusal is not None:
-                    served.counts["invalid"] += 1
-                    self.metrics.refuse(model, 1, now)
-                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
-                elif len(accepted) >= room:
-                    detail = f"{served.max_queued} requests queued (max_queued)"
-                    self._count_drop(served, model, "overload", detail)
-                    refused.append((key, "dropped", detail, "overload"))
-                else:
-                    accepted.append((key, payload, size))
-        self._refuse(client, model, refused)
-        for key, _, _ in accepted:
-            self.scheduler.new_task(key, None, "released")
-        self.scheduler.client_desires_keys(keys=[key for key, _, _ in accepted], client=client)
-        deadline = now + served.budgets[start_block] - served.control.margin_s
-        for key, payload, size in accepted:
-            served.inputs[key] = (payload, size)
-            served.deadlines[key] = now + served.budgets[start_block]
-            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
-            self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
-        self.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))
-
-    def _refuse(self, client: str, model: Any, refused: list[tuple[Any, str, str, str]]) -> None:
-        """End requests refused on arrival, each ``(key, "invalid" | "dropped", text, reason)``.
-
-        They never become keys: the client's stream takes one REFUSED message, whose errors the
-        client raises in their futures (:class:`~daskpipe.runtime.futures.ClientStream`). A flood of
-        them then costs the scheduler no task, transition or report of Dask's. A submission from a
-        client without a daskpipe stream is refused through Dask's erred keys instead."""
-        if not refused:
-            return
-        stream = self.client_streams.get(client)
-        if stream is not None:
-            try:
-                stream.send({"op": messages.REFUSED, "model": model, "refused": [list(r) for r in refused]})
-                return
-            except CommClosedError:  # the client is leaving: nothing is waiting for these
-                return
-        keys = [key for key, _, _, _ in refused]
-        for key in keys:
-            self.scheduler.new_task(key, None, "released")
-        self.scheduler.client_desires_keys(keys=keys, client=client)
-        for key, kind, text, reason in refused:
-            self._err_key(key, refusal_error(kind, text, reason, model, key))
-
-    @guarded
-    def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
-        served = self.served.get(model)
-        if served is not None and dispatch not in served.abandoned:
-            self._feedback(served, model, dispatch, timings, overrun)
-            self.arm()
-
-    @guarded
-    def on_done(
-        self,
-        worker: str,
-        model: str,
-        dispatch: int,
-        keys: list,
-        nbytes: list,
-        timings: list,
-        overrun: bool = False,
-        outputs: list | None = None,
-    ) -> None:
-        """The last stage stored the batch's outputs on ``worker``: resolve the clients' futures,
-        with the small ``outputs`` (packed tensors, never unpacked here) that came along.
-
-        Only the resolutions are sent from here; the bookkeeping (the keys into memory on
-        ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
-        No client can act on a resolution before that turn: it takes a round trip."""
-        if worker not in self.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
-            return
-        served = self.served.get(model)
-        if served is not None and dispatch in served.abandoned:  # retried or dropped meanwhile: discard what it computed
-            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": list(keys), "stimulus_id": f"daskpipe-abandoned-{time.time()}"})
-            return
-        tasks = self.scheduler.tasks
-        pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
-        if pending:
-            self._resolve(pending, dict(zip(keys, outputs)) if outputs is not None else None)
-        asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic())
-
-    @guarded
-    def _done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float) -> None:
-        """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and counts."""
-        tasks = self.scheduler.tasks
-        pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
-        if pending:
-            self.scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
-        orphans = [
-            k
-            for k in keys
-            if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
-        ]
-        if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
-            self.scheduler.worker_send(worker, {"op": "free-keys", "keys": orphans, "stimulus_id": f"daskpipe-released-{time.time()}"})
-        served = self.served.get(model)
-        if served is None:
-            return
-        self._feedback(served, model, dispatch, timings, overrun)
-        flight = served.flights.pop(dispatch, None)
-        delays = flight.control_delays() if flight is not None else None
-        if flight is not None and delays is not None:
-            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1])
-        counts = served.counts
-        for key in keys:
-            deadline = served.deadlines.pop(key, None)
-            if deadline is None:  # ended already: both a batch and its retry after a worker loss ran
-                continue
-            served.inputs.pop(key, None)  # a retry still queued has nothing left to do
-            counts["completed"] += 1
-            counts["on_time"] += done <= deadline
-        if flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
-            self.metrics.complete(model, done - np.array([r.arrival for r, _, _ in flight.retries]), done)
-        else:
-            self.metrics.done(model, dispatch, done)
-        self.arm()
-
-    @guarded
-    def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
-        """A stage raised. A batch of several requests is retried in halves (poison isolation,
-        :mod:`daskpipe.runtime.gray`); a request that fails alone, or that its deadline or the
-        isolation budget leave no retry, errs with the stage's RequestFailed."""
-        served = self.served.get(model)
-        if served is None:
-            self._err_keys(keys, exception)
-            return
-        if dispatch in served.abandoned:  # its requests were retried or dropped when it was taken away
-            return
-        flight = served.flights.pop(dispatch, None)
-        now = time.monotonic()
-        live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
-        failing = (
-            self._isolate(served, model, flight, live, now)
-            if flight is not None and len(live) > 1 and not flight.staged
-            else [key for key in keys if key in served.deadlines]
-        )
-        served.counts["failed"] += len(failing)
-        self.metrics.fail(model, dispatch, len(failing), now)
-        for key in failing:
-            served.deadlines.pop(key, None)
-            served.inputs.pop(key, None)
-        self._err_keys(failing, exception)
-        self.arm()
-
-    def _isolate(self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float) -> list:
-        """Send each half of a failed batch's ``live`` requests along its route again, while the
-        deadlines and the budget allow; the keys of the halves that cannot go."""
-        failing: list[Any] = []
-        span = sum(flight.spans) + served.control.margin_s
-        half = len(live) // 2
-        for part in (live[:half], live[half:]):
-            fits = now + span <= min(served.deadlines[r.id] for r, _, _ in part)
-            if (
-                fits
-                and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"])
-                and flight.addresses <= set(self.scheduler.workers)
-            ):
-                served.counts["isolated"] += 1
-                self._send(
-                    served,
-                    model,
-                    next(self._isolation_ids),
-                    Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True),
-                )
-            else:
-                failing.extend(r.id for r, _, _ in part)
-        return failing
 
     # -- the control surface of a re-plan (daskpipe.runtime.elastic) -----------------------------
     def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]:
@@ -939,7 +338,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         dispatcher and the queued requests it gave up (they are still in the plugin's care)."""
         served = self.served[model]
         old, served.dispatcher = served.dispatcher, holding
-        drained = self._step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
+        drained = self.step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
         return old, [action.request for action in drained if isinstance(action, Drop)]
 
     def switch(
@@ -989,10 +388,10 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         now = time.monotonic()
         for request in requests:
             if request.id in served.inputs:  # else it ended meanwhile
-                self._act(served, model, self._step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
 
     # -- stepping the dispatcher ---------------------------------------------------------------
-    def _step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
         """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
         try:
             return call()
@@ -1000,181 +399,30 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             logger.exception("daskpipe: the dispatcher of %s raised", model)
             stake = list(served.inputs) if failing is None else failing
             failure = RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc)
-            self._err(served, model, stake, lambda key: failure)
+            self.err(served, model, stake, lambda key: failure)
             served.counts["failed"] += len(stake)
             return []
 
-    def _feedback(self, served: Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
-        served.counts["overruns"] += bool(overrun)
-        now = time.monotonic()
-        offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
-        flight = served.flights.get(dispatch)
-        for partition, kind, start, end in timings:
-            fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
-            if flight is not None and kind == "compute":
-                flight.ran[fb.partition] = (fb.start, fb.end)
-                index = next((i for i, (partition, _, _) in enumerate(flight.planned) if partition == fb.partition), None)
-                if index is None:
-                    continue
-                if index + 1 < len(flight.planned):
-                    _, planned_start, transfer = flight.planned[index + 1]
-                    self._watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
-                elif flight.staged and flight.route[-1].get(
-                    "park"
-                ):  # before the dispatcher hears of it: it may send the next stage at once
-                    self._park(served, model, dispatch, flight, now)
-                self._pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
-            self.metrics.feedback(model, fb)
-            self._act(served, model, self._step(served, model, lambda: served.dispatcher.feedback(fb, now)))
-
-    def _act(self, served: Served, model: str, actions: list) -> None:
+    def act(self, served: Served, model: str, actions: list) -> None:
+        """Carry out what a dispatcher call returned: send its batches, end what it dropped."""
         for action in actions:
             if isinstance(action, Dispatch):
-                self._dispatch(served, model, action)
+                self.batches.dispatch(served, model, action)
             elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
-                self._drop(served, model, action.request.id, action.reason, action.detail)
+                self.drop(served, model, action.request.id, action.reason, action.detail)
 
-    def _drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
-        self._count_drop(served, model, reason, detail)
-        self._err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
+    # -- ending requests -----------------------------------------------------------------------
+    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
+        """End ``key`` as a :class:`~daskpipe.runtime.errors.RequestDropped`, counted."""
+        self.count_drop(served, model, reason, detail)
+        self.err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
-    def _count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
+    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
         served.dropped[reason] = served.dropped.get(reason, 0) + 1
         self.metrics.drop(model, reason, 1, time.monotonic(), detail)
 
-    def _dispatch(self, served: Served, model: str, action: Dispatch) -> None:
-        """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
-        pipeline, :class:`~daskpipe.sched.api.Dispatch`) that ends before the last partition
-        leaves its requests' intermediate data parked on its last slot; one that starts past
-        partition 0 takes each request's data from the slot where it is parked."""
-        keys, payloads, sizes = [], [], []
-        tasks = self.scheduler.tasks
-        for request in action.requests:
-            queued = served.inputs.pop(request.id, None)
-            if queued is None:  # it already ended (a dispatcher failure failed it)
-                continue
-            if request.id not in tasks:  # its client released it (cancelled, or left): compute nothing for nobody
-                self._drop(served, model, request.id, "released", "")
-            else:
-                keys.append(request.id)
-                payloads.append(queued[0])
-                sizes.append(queued[1])
-        if not keys:
-            return
-        pipeline = served.model.pipelines[action.pipeline]
-        first, last = action.hops[0].partition, action.hops[-1].partition
-        parked_on = [served.parked.pop(key, None) for key in keys] if first > 0 else []
-        samples = sum(sizes)
-        try:
-            holds = [
-                served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0
-                for hop in action.hops
-            ]
-            if None in parked_on:
-                raise ValueError(f"partition {first} for requests that ran no partition {first - 1}")
-        except ValueError as exc:  # a dispatcher bug: the batch fails, with the cause
-            failure = RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc)
-            self._err(served, model, keys, lambda key: failure)
-            served.counts["failed"] += len(keys)
-            return
-        route: list[dict[str, Any]] = [
-            {
-                "address": hop.slot,
-                "stage": served.stages[(action.pipeline, hop.partition, hop.slot)],
-                "partition": hop.partition,
-                "hold_s": hold,
-            }
-            for hop, hold in zip(action.hops, holds)
-        ]
-        if last < len(pipeline.partitions) - 1:
-            route[-1]["park"] = True
-        sources = [address for address in parked_on if address is not None]  # all of them (checked above)
-        addresses = frozenset(r["address"] for r in route).union(sources)
-        missing = [a for a in addresses if a not in self.scheduler.workers]
-        if missing:
-            for key in keys:
-                self._drop(served, model, key, "worker-lost", f"worker {missing[0]} of its pipeline is gone")
-            return
-        requests = {request.id: request for request in action.requests}
-        planned = [
-            (h.partition, h.compute.start, 0.0 if h.transfer_in is None else h.transfer_in[1].end - h.transfer_in[1].start)
-            for h in action.hops
-        ]
-        spans = [h.compute.end - h.compute.start for h in action.hops]
-        served.counts["batches"] += 1
-        self.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
-        flight = Flight(
-            keys,
-            addresses,
-            [(requests[k], p, n) for k, p, n in zip(keys, payloads, sizes)],
-            planned,
-            route=route,
-            spans=spans,
-            sources=sources,
-        )
-        self._send(served, model, action.id, flight)
-
-    def _park(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
-        """A staged batch ended before the pipeline's last partition: its requests queue again (in
-        the dispatcher, for their next stage), their data parked on its last slot."""
-        served.flights.pop(dispatch, None)
-        address = flight.route[-1]["address"]
-        for request, payload, size in flight.retries:
-            if request.id in served.deadlines:
-                served.inputs[request.id] = (payload, size)
-                served.parked[request.id] = address
-        delays = flight.control_delays()
-        if delays is not None:
-            served.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
-        self.metrics.forward(model, dispatch)
-
-    def _send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None:
-        """Send ``flight`` to its first stage, and watch it: its first hop must report within
-        its bound, its requests within the late limit (:mod:`daskpipe.runtime.gray`)."""
-        served.flights[dispatch] = flight
-        if flight.planned:
-            self._watch_hop(served, model, dispatch, flight, 0, flight.planned[0][1])
-        limits = [r.arrival + served.gray.late_limit_slos * served.budgets[r.start_block] for r, _, _ in flight.retries]
-        self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
-        self._arm_watch()
-        retries = flight.retries
-        batch = {
-            "model": model,
-            "dispatch": dispatch,
-            "keys": flight.keys,
-            "sizes": [n for _, _, n in retries],
-            "route": flight.route,
-            "expires": max(limits) + time.time() - time.monotonic(),
-        }
-        if not flight.sources:
-            self._to_worker(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
-            return
-        parts: dict[str, list] = {}
-        for key, source in zip(flight.keys, flight.sources):
-            parts.setdefault(source, []).append(key)
-        for source, take in parts.items():  # each sends its part to the first stage, which gathers them
-            self._to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
-
-    # -- ending requests -----------------------------------------------------------------------
-    def _resolve(self, keys: list, outputs: dict[Any, Any] | None) -> None:
-        """Tell the clients that want ``keys`` on their daskpipe streams, ahead of Dask's report
-        stream, with the small ``outputs`` that came with them (never deserialized here)."""
-        per_client: dict[str, list] = {}
-        tasks = self.scheduler.tasks
-        for key in keys:
-            for cs in tasks[key].who_wants or ():
-                if cs.client_key in self.client_streams:
-                    per_client.setdefault(cs.client_key, []).append(key)
-        for client, wanted in per_client.items():
-            message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted}
-            if outputs is not None:
-                message["outputs"] = [outputs[key] for key in wanted]
-            try:
-                self.client_streams[client].send(message)
-            except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
-                pass
-
-    def _err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+        """End ``keys`` with ``error(key)``; a worker holding their parked data discards it."""
         discard: dict[str, list] = {}
         for key in keys:
             served.inputs.pop(key, None)
@@ -1182,26 +430,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             parked = served.parked.pop(key, None)
             if parked is not None and parked in self.slots:
                 discard.setdefault(parked, []).append(key)
-            self._err_key(key, error(key))
+            err_key(self.scheduler, key, error(key))
         for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
-            self._to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
-
-    def _err_key(self, key: Any, exc: Exception) -> None:
-        self._err_keys([key], Serialized(*serialize(exc)))
-
-    def _err_keys(self, keys: list, exception: Serialized) -> None:
-        """Put pending ``keys`` in ``erred`` with ``exception``; their clients' futures raise it."""
-        recommendations = {}
-        for key in keys:
-            ts = self.scheduler.tasks.get(key)
-            if ts is None or ts.state != "released":  # released by its client already
-                continue
-            ts.exception = exception
-            ts.exception_blame = ts
-            ts.traceback = None
-            recommendations[key] = "erred"
-        if recommendations:
-            self.scheduler.transitions(recommendations, stimulus_id=f"daskpipe-err-{time.time()}")
+            self.to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
 
     # -- the timer -----------------------------------------------------------------------------
     def arm(self) -> None:
@@ -1228,7 +459,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
                 # waiting for a batch's last moment would find it just past, and drop the batch
                 at = max(wake, now - served.control.margin_s)
-                self._act(served, model, self._step(served, model, lambda: served.dispatcher.wake(at)))
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.wake(at)))
         self.arm()
 
 

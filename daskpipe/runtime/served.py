@@ -115,6 +115,10 @@ class Served:
             return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {len(payload)}"
         return None
 
+    def take_flights(self, address: str) -> list[tuple[int, Flight]]:
+        """The batches that run through ``address``, no longer in flight."""
+        return [(d, self.flights.pop(d)) for d in [d for d, flight in self.flights.items() if address in flight.addresses]]
+
     def carry_over(self, held: Served) -> None:
         """Take over what ``held`` (the same model on the plan a re-plan replaces) has in its care:
         its requests, batches in flight and counts, so that none is lost by the switch."""

@@ -19,10 +19,15 @@ daskpipe's plugin, which adds who sent it (``worker=`` or ``client=``) to each m
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from typing import Any, Mapping
+import time
+from typing import Any, Callable, Mapping
 
 from distributed.comm import CommClosedError, connect
+
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import DeployError
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +153,35 @@ class Streams:
                     await stream.close()
                 except Exception:  # closing anyway: a peer that is gone cannot take the flush
                     stream.abort()
+
+
+class Pings:
+    """PING -> PONG round trips from the scheduler to stage workers, each matched by its token."""
+
+    def __init__(self) -> None:
+        self._pongs: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+
+    async def round_trips(self, send: Callable[[str, dict], None], address: str, count: int, timeout: float = 10.0) -> list[float]:
+        """Seconds of ``count`` round trips to ``address``'s stage worker (``send`` writes to it),
+        after one to open the streams."""
+        times = []
+        for i in range(count + 1):
+            token = next(self._tokens)
+            pong = self._pongs[token] = asyncio.get_running_loop().create_future()
+            sent = time.monotonic()
+            send(address, {"op": messages.PING, "token": token})
+            try:
+                await asyncio.wait_for(pong, timeout)
+            except asyncio.TimeoutError:
+                raise DeployError(f"worker {address} did not answer daskpipe's ping within {timeout:g} s") from None
+            finally:
+                self._pongs.pop(token, None)
+            if i:
+                times.append(time.monotonic() - sent)
+        return times
+
+    def on_pong(self, worker: str, token: int) -> None:
+        pong = self._pongs.get(token)
+        if pong is not None and not pong.done():
+            pong.set_result(None)

@@ -30,7 +30,7 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
         for r in requests:  # as ``on_submit`` queues a request
             dask_scheduler.new_task(r.id, None, "released")
             served.inputs[r.id] = (b"", 1)
-        plugin._dispatch(served, "a", Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),)))
+        plugin.act(served, "a", [Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),))])
     finally:
         plugin.to_workers.send = real_send
         plugin.served.pop("a")

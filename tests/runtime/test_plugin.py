@@ -39,8 +39,8 @@ def test_dask_setup_refuses_a_worker():
 
 def test_stream_handlers_log_their_own_errors_and_keep_the_stream():
     plugin = DaskpipeSchedulerPlugin()
-    with captured_logger("daskpipe.runtime.plugin", level=logging.ERROR) as log:
-        assert plugin.on_done(worker="tcp://x", model="m", dispatch=0, keys=["k"], nbytes=[1], timings=[]) is None  # no scheduler
+    with captured_logger("daskpipe.runtime.batches", level=logging.ERROR) as log:
+        assert plugin.batches.on_done(worker="tcp://x", model="m", dispatch=0, keys=["k"], nbytes=[1], timings=[]) is None  # no scheduler
     assert "on_done failed" in log.getvalue()
 
 

@@ -1,0 +1,305 @@
+"""What comes into the scheduler plugin: models to serve, and clients' submissions.
+
+The checks are functions of what they are given, none of the plugin's state: a model whose SLO
+cannot be served, an unknown dispatcher or a malformed submit message is refused here with a clear
+error, before the plugin keeps anything of it. :class:`Intake` takes the submissions that pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable, Protocol, Sequence
+
+from daskpipe.colocation.execute import colocated_latency, colocated_profile
+from daskpipe.plan.schema import ModelPlan, Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.control import MAX_SHARE, ControlPath
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.keys import Refusal, make_keys, refuse
+from daskpipe.runtime.gray import GrayPolicy
+from daskpipe.runtime.messages import WorkerSlot
+from daskpipe.runtime.served import Served, queue_bound
+from daskpipe.runtime.streams import ImmediateSend
+from daskpipe.sched.api import Placement, Request, Slot
+from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.metrics import ServiceMetrics
+from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_SLICE = 64
+"""Requests of one submit message handled between two event-loop turns (a few milliseconds at
+most): a message of any size never holds the loop (timers, other clients, workers' streams) for
+more than one slice."""
+
+
+def check_feasible(
+    model: str, plan: ModelPlan, profile: Profile, budgets: dict[int, float], margin_s: float, *, bw_gbps: float, time_dilation: float
+) -> float:
+    """Refuse a model whose every entry cannot be served even for a lone request on an idle
+    pipeline (batch 1, no queueing) plus the control path's margin: it would drop everything.
+    Else the headroom: the least, over its entries, of the budget beyond a lone request's latency,
+    the most a margin may take. All times dilated by ``time_dilation`` except the margin, which is
+    real time."""
+    headroom = float("inf")
+    for block, budget in budgets.items():
+        paths = [p for p in plan.pipelines if p.entry_block == block]
+        if not paths:
+            continue
+        fastest = min(sum(lone_latency_s(profile, part, bw_gbps, first=q == 0) for q, part in enumerate(p.partitions)) for p in paths)
+        if fastest + margin_s > budget:
+            smallest_ms = math.ceil((fastest + margin_s) / time_dilation * 1e3 * 10) / 10
+            entry = f" entering at block {block}" if block else ""
+            raise DeployError(
+                f"the SLO of {plan.name!r}{entry}, {budget / time_dilation * 1e3:.1f} ms, cannot be served: a lone request takes "
+                f"{fastest / time_dilation * 1e3:.1f} ms on its fastest pipeline and the measured control path "
+                f"{margin_s / time_dilation * 1e3:.2f} ms more; the smallest SLO it can serve is {smallest_ms:.1f} ms"
+            )
+        headroom = min(headroom, budget - fastest)
+    return headroom
+
+
+def lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool) -> float:
+    """Seconds one sample spends in ``part``: its compute at batch 1, and its input's transfer."""
+    transfer = 0.0 if first else profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
+    return profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6 + transfer
+
+
+def check_dispatcher(name: Any) -> None:
+    """Refuse a dispatcher name the registry does not know, listing those it does."""
+    try:
+        check_name(name)
+    except ValueError:
+        raise DeployError(f"unknown dispatcher {name!r}; known: {', '.join(known())}") from None
+
+
+def is_key(key: Any) -> bool:
+    """What a daskpipe client sends as a request key (``Service``: strings); Dask takes a few more."""
+    return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
+
+
+def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, unknown: dict) -> str | None:
+    """What is wrong with a submission message as a whole, or ``None``; requests are checked one
+    by one later (``Served.refusal``)."""
+    if unknown:
+        return f"unknown fields {sorted(unknown)}"
+    if not isinstance(model, str):
+        return f"the model must be a name, got {type(model).__name__}"
+    if type(start_block) is not int or start_block < 0:
+        return f"start_block must be an integer >= 0, got {start_block!r}"
+    for name, values in (("inputs", inputs), ("sizes", sizes)):
+        if not isinstance(values, (list, tuple)):  # msgpack reads lists as tuples
+            return f"{name} must be a list, got {type(values).__name__}"
+        if len(values) != len(keys):
+            return f"{len(keys)} keys and {len(values)} {name}"
+    return None
+
+
+def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
+    """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
+    if k == 1.0:
+        return model, profile
+    pipelines = tuple(
+        replace(
+            p,
+            throughput=p.throughput / k,
+            slo_us=None if p.slo_us is None else p.slo_us * k,
+            partitions=tuple(replace(q, latency_us=q.latency_us * k, transfer_us=q.transfer_us * k) for q in p.partitions),
+        )
+        for p in model.pipelines
+    )
+    tables = {key: table * k for key, table in profile.latency_us.items()}
+    return (
+        replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines),
+        replace(profile, slo_us=profile.slo_us * k, latency_us=tables),
+    )
+
+
+def served_from(
+    model: str,
+    plan: dict,
+    profile: dict,
+    stages: list[list],
+    slots: dict[str, WorkerSlot],
+    *,
+    control: ControlPath,
+    time_dilation: float,
+    bw_gbps: float,
+    dispatcher: str,
+    max_queued: int | None,
+    sample_nbytes: int,
+) -> tuple[Served, Placement]:
+    """What serving ``model`` on ``stages`` (rows of [pipeline, partition, worker address, actor
+    key]) among ``slots`` takes, with its dispatcher's placement; a model that cannot be served
+    is refused with the reason (:func:`check_feasible`). ``control``'s cap is set for it."""
+    if not time_dilation > 0:
+        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+    check_dispatcher(dispatcher)
+    try:
+        gray = GrayPolicy.from_config()
+    except (TypeError, ValueError) as exc:
+        raise DeployError(f"the scheduler's Dask config: {exc}") from None
+    k = float(time_dilation)
+    whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
+    model_plan, model_profile = dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
+    stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
+    pools: dict[tuple[int, int], list[str]] = {}
+    for p, q, address in stage_keys:
+        if address not in slots:
+            raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pools.setdefault((p, q), []).append(address)
+    slot_of = {a: slots[a] for _, _, a in stage_keys}
+    placement = Placement(
+        model=model,
+        pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
+        slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
+    )
+    budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
+    headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
+    control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
+    control.refresh(time.monotonic())
+    served = Served(
+        model=model_plan,
+        profile=model_profile,
+        dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
+        stages=stage_keys,
+        emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
+        durations=BatchDurations(
+            model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
+        ),
+        max_queued=queue_bound(model_plan, max_queued),
+        sample_nbytes=int(sample_nbytes),
+        budgets=budgets,
+        control=control,
+        gray=gray,
+    )
+    return served, placement
+
+
+class Submitting(Protocol):
+    """What taking submissions needs of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
+    which creates the :class:`Intake`): its models, the clients' streams, and stepping the dispatcher."""
+
+    scheduler: Any
+    served: dict[str, Served]
+    client_streams: dict[str, ImmediateSend]
+    metrics: ServiceMetrics
+
+    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
+
+    def act(self, served: Served, model: str, actions: list) -> None: ...
+
+    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None: ...
+
+    def arm(self) -> None: ...
+
+
+class Intake:
+    """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
+    served, queues them and steps the dispatcher; refuses the rest on arrival."""
+
+    def __init__(self, plugin: Submitting) -> None:
+        self.plugin = plugin
+
+    async def on_submit(
+        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
+    ) -> None:
+        """New requests from ``client``: make their keys, queue them, step the dispatcher.
+
+        ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
+        The message is checked whole before any key is made, so a malformed one errs every one of
+        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
+        loop running whatever waits between two slices, whatever the message's size."""
+        try:
+            if not isinstance(keys, (list, tuple)):
+                logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
+                return
+            problem = malformed(model, keys, inputs, sizes, start_block, unknown)
+            served = self.plugin.served.get(model) if problem is None else None
+            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
+                problem = (
+                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+                )
+            for first in range(0, len(keys), SUBMIT_SLICE):
+                if first:
+                    await asyncio.sleep(0)
+                    served = self.plugin.served.get(model) if problem is None else None  # it may have closed meanwhile
+                stop = first + SUBMIT_SLICE
+                self._submit_slice(
+                    client,
+                    model,
+                    served,
+                    keys[first:stop],
+                    problem,
+                    inputs[first:stop] if problem is None else (),
+                    sizes[first:stop] if problem is None else (),
+                    start_block,
+                )
+            self.plugin.arm()
+        except Exception:
+            logger.exception("daskpipe: a submission from client %s failed", client)
+
+    def _submit_slice(
+        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
+    ) -> None:
+        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
+        make keys of, queue and dispatch the rest."""
+        plugin = self.plugin
+        tasks = plugin.scheduler.tasks
+        usable = [k for k in keys if is_key(k) and k not in tasks]
+        if len(usable) < len(keys):
+            logger.warning(
+                "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
+                len(keys) - len(usable),
+                model,
+                client,
+            )
+        if problem is not None:
+            refuse(
+                plugin.scheduler,
+                plugin.client_streams,
+                client,
+                model,
+                [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable],
+            )
+            return
+        if served is None or served.closing:
+            refuse(
+                plugin.scheduler,
+                plugin.client_streams,
+                client,
+                model,
+                [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable],
+            )
+            return
+        now = time.monotonic()
+        refused: list[Refusal] = []
+        accepted: list[tuple[Any, bytes, int]] = []
+        room = served.max_queued - len(served.inputs)
+        for key, payload, size in zip(keys, inputs, sizes):
+            if key not in tasks and is_key(key):
+                served.counts["submitted"] += 1
+                refusal = served.refusal(payload, size, start_block)
+                if refusal is not None:
+                    served.counts["invalid"] += 1
+                    plugin.metrics.refuse(model, 1, now)
+                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
+                elif len(accepted) >= room:
+                    detail = f"{served.max_queued} requests queued (max_queued)"
+                    plugin.count_drop(served, model, "overload", detail)
+                    refused.append((key, "dropped", detail, "overload"))
+                else:
+                    accepted.append((key, payload, size))
+        refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
+        make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
+        deadline = now + served.budgets[start_block] - served.control.margin_s
+        for key, payload, size in accepted:
+            served.inputs[key] = (payload, size)
+            served.deadlines[key] = now + served.budgets[start_block]
+            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
+            plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
+        plugin.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))

@@ -1,0 +1,109 @@
+"""Requests as real Dask keys on the scheduler.
+
+On submission the plugin creates a ``released`` task without a run spec for each key and records
+that the submitting client wants it (:func:`make_keys`); when the last stage reports its outputs
+stored, ``Scheduler.update_data`` moves the keys to memory on that worker, as ``scatter`` does
+(:func:`store`), and the clients' futures finish, told first on their daskpipe streams
+(:func:`resolve`); a drop or failure puts the key in ``erred`` with a daskpipe exception, which the
+client's future raises (:func:`err_keys`). A request refused on arrival never becomes a key at all
+(:func:`refuse`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from distributed.comm import CommClosedError
+from distributed.protocol import Serialized, serialize
+
+from daskpipe.runtime import messages
+from daskpipe.runtime.errors import refusal_error
+from daskpipe.runtime.streams import ImmediateSend
+
+Refusal = tuple[Any, str, str, str]
+"""A request refused on arrival: ``(key, "invalid" | "dropped", text, reason)``."""
+
+
+def make_keys(scheduler: Any, client: str, keys: Sequence) -> None:
+    """A ``released`` task for each of ``keys``, without a run spec, that ``client`` wants."""
+    for key in keys:
+        scheduler.new_task(key, None, "released")
+    scheduler.client_desires_keys(keys=list(keys), client=client)
+
+
+def resolve(scheduler: Any, streams: dict[str, ImmediateSend], keys: list, outputs: dict[Any, Any] | None) -> None:
+    """Tell the clients that want ``keys`` on their daskpipe ``streams``, ahead of Dask's report
+    stream, with the small ``outputs`` that came with them (never deserialized here)."""
+    per_client: dict[str, list] = {}
+    tasks = scheduler.tasks
+    for key in keys:
+        for cs in tasks[key].who_wants or ():
+            if cs.client_key in streams:
+                per_client.setdefault(cs.client_key, []).append(key)
+    for client, wanted in per_client.items():
+        message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted}
+        if outputs is not None:
+            message["outputs"] = [outputs[key] for key in wanted]
+        try:
+            streams[client].send(message)
+        except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
+            pass
+
+
+def store(scheduler: Any, worker: str, keys: list, nbytes: list) -> None:
+    """The pending ``keys`` in memory on ``worker`` (as ``scatter`` does); the others freed there."""
+    tasks = scheduler.tasks
+    pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
+    if pending:
+        scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
+    orphans = [
+        k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
+    ]
+    if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
+        free_keys(scheduler, worker, orphans, "released")
+
+
+def free_keys(scheduler: Any, worker: str, keys: list, why: str) -> None:
+    """``worker`` drops what it stored for ``keys``."""
+    scheduler.worker_send(worker, {"op": "free-keys", "keys": keys, "stimulus_id": f"daskpipe-{why}-{time.time()}"})
+
+
+def refuse(scheduler: Any, streams: dict[str, ImmediateSend], client: str, model: Any, refused: list[Refusal]) -> None:
+    """End requests refused on arrival.
+
+    They never become keys: the client's stream takes one REFUSED message, whose errors the
+    client raises in their futures (:class:`~daskpipe.runtime.futures.ClientStream`). A flood of
+    them then costs the scheduler no task, transition or report of Dask's. A submission from a
+    client without a daskpipe stream is refused through Dask's erred keys instead."""
+    if not refused:
+        return
+    stream = streams.get(client)
+    if stream is not None:
+        try:
+            stream.send({"op": messages.REFUSED, "model": model, "refused": [list(r) for r in refused]})
+            return
+        except CommClosedError:  # the client is leaving: nothing is waiting for these
+            return
+    make_keys(scheduler, client, [key for key, _, _, _ in refused])
+    for key, kind, text, reason in refused:
+        err_key(scheduler, key, refusal_error(kind, text, reason, model, key))
+
+
+def err_key(scheduler: Any, key: Any, exc: Exception) -> None:
+    err_keys(scheduler, [key], Serialized(*serialize(exc)))
+
+
+def err_keys(scheduler: Any, keys: list, exception: Serialized) -> None:
+    """Put pending ``keys`` in ``erred`` with ``exception``; their clients' futures raise it."""
+    recommendations = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state != "released":  # released by its client already
+            continue
+        ts.exception = exception
+        ts.exception_blame = ts
+        ts.traceback = None
+        recommendations[key] = "erred"
+    if recommendations:
+        scheduler.transitions(recommendations, stimulus_id=f"daskpipe-err-{time.time()}")
