@@ -75,7 +75,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
         self.intake = Intake(self)  # submissions from clients
-        self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/gray.py)
+        self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/watch.py)
         self.batches = Batches(self, self.watch)  # out to the stages and back
 
     # -- SchedulerPlugin hooks -----------------------------------------------------------------
@@ -188,6 +188,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             self.close_models(reason="shutdown")
             if self._timer is not None:
                 self._timer.cancel()
+            self.watch.close()
             await self.elastic.close()
             if self.to_workers is not None:
                 await self.to_workers.close()

@@ -87,6 +87,12 @@ class GrayWatch:
         )
         self._arm()
 
+    def close(self) -> None:
+        """Stop the timer: the plugin is closing and drops what is still watched."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, float("inf")
+
     def _arm(self) -> None:
         """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
         due = self._watch.next_due
