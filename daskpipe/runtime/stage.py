@@ -67,9 +67,9 @@ class _SlotRuntime:
     tasks: set[asyncio.Task] = field(default_factory=set)
     slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
     parked: dict[tuple[str, Any], torch.Tensor] = field(default_factory=dict)  # (model, key) -> its feature map between two staged batches
-    gathering: dict[tuple[str, int], dict[Any, torch.Tensor]] = field(
+    gathering: dict[tuple[str, int], tuple[float | None, dict[Any, torch.Tensor]]] = field(
         default_factory=dict
-    )  # (model, dispatch) -> the parts of it arrived so far
+    )  # (model, dispatch) -> (its late limit, the parts of it arrived so far)
 
     def hold_factor(self) -> float:
         factor, until = self.slowdown
@@ -431,13 +431,20 @@ class _BatchHandler:
             )
 
     def _gather(self, batch: dict[str, Any], part: list, data: torch.Tensor) -> torch.Tensor | None:
-        """Keep ``part``'s rows of ``data``; the whole input, in the batch's key order, once the last part came."""
+        """Keep ``part``'s rows of ``data``; the whole input, in the batch's key order, once the last part came.
+
+        Parts of batches past their late limit are let go first: a part that never comes (the
+        worker holding it died) leaves a batch the scheduler has retried or dropped since."""
+        gathering = _SLOTS[self.worker].gathering
+        now = time.time()
+        for stale in [k for k, (expires, _) in gathering.items() if expires is not None and expires < now]:
+            del gathering[stale]
         keys, sizes = batch["keys"], dict(zip(batch["keys"], batch["sizes"]))
-        parts = _SLOTS[self.worker].gathering.setdefault((batch["model"], batch["dispatch"]), {})
+        _, parts = gathering.setdefault((batch["model"], batch["dispatch"]), (batch.get("expires"), {}))
         parts.update(zip(part, torch.split(data, [sizes[key] for key in part])))
         if len(parts) < len(keys):
             return None
-        del _SLOTS[self.worker].gathering[(batch["model"], batch["dispatch"])]
+        del gathering[(batch["model"], batch["dispatch"])]
         return torch.cat([parts[key] for key in keys])
 
 
