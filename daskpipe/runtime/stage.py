@@ -122,9 +122,10 @@ class Stage:
         self.overruns = 0
         self.worker = get_worker()
         install(self.worker)
-        # on the worker, in the thread that creates the actor: load the partition on the device and
-        # run it once, so the first request pays neither for the move nor for lazy set-ups (torch's
-        # kernels; dask's sizeof registrations, ~0.2 s, which storing the outputs would trigger)
+        # on the worker: load the partition on the device and run it once on the slot's compute
+        # thread, so the first request pays neither for the move nor for lazy set-ups (the thread
+        # itself and its torch threads, torch's kernels; dask's sizeof registrations, ~0.2 s, which
+        # storing the outputs would trigger)
         chunks = [modules] if isinstance(modules, bytes) else modules
         with LOADING:
             blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
@@ -132,7 +133,7 @@ class Stage:
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
         self._input_shape = tuple(input_shape)
         self._input_dtype = getattr(torch, input_dtype)
-        sizeof(self._compute(torch.zeros((1, *input_shape)), split=[1]))
+        sizeof(_SLOTS[self.worker].executor.submit(self._compute, torch.zeros((1, *input_shape)), [1]).result())
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.
