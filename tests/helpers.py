@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -49,3 +51,17 @@ def paced(
         time.sleep(max(0.0, start + offset - time.monotonic()))
         out.append(submit())
     return out
+
+
+@contextmanager
+def fresh_heap() -> Iterator[None]:
+    """Run a real-time check with this process's heap as a fresh scheduler's would be: the
+    LocalCluster's scheduler lives in the test process, which carries every earlier test's
+    objects, and a full collection walking them stalls its event loop for tens of milliseconds.
+    ``gc.freeze`` keeps what exists now out of the collector's walks until the block ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -28,7 +28,7 @@ from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.service import encode_input
-from tests.helpers import REPO, paced, wait_until
+from tests.helpers import REPO, fresh_heap, paced, wait_until
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
@@ -149,6 +149,7 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
     from daskpipe.runtime.futures import ClientStream
 
     with (
+        fresh_heap(),
         EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster,
         Client(cluster) as client,
         Client(cluster) as flooder,

@@ -15,7 +15,7 @@ from distributed import as_completed, wait
 import daskpipe
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.profiling import ProfilingOptions
-from tests.helpers import paced, wait_until
+from tests.helpers import fresh_heap, paced, wait_until
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(120)
@@ -386,7 +386,7 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
     from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
 
-    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+    with fresh_heap(), EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
         with deploy_two_stage(client, slo_ms=50.0) as svc:
             wait(svc.map("tiny", frames(30, seed=2)), timeout=60)  # warm, and the margin measured
             before = svc.status()["tiny"]
