@@ -216,30 +216,30 @@ class Service:
         All or nothing: every input is checked before any is sent. If one is refused, none is sent,
         and every future is already done: a refused input's raises its own :class:`InvalidRequest`,
         each other's an ``InvalidRequest`` saying it was not sent and which input was refused."""
-        admitted: list[tuple[int, bytes] | InvalidRequest] = []
-        for x in xs:
+        admitted: list[tuple[int, bytes]] = []
+        refused: dict[int, InvalidRequest] = {}
+        for i, x in enumerate(xs):
             try:
                 admitted.append(self._admit(model, x, start_block))
             except InvalidRequest as exc:
-                admitted.append(exc)
-        keys = [f"daskpipe-{model}-{self._token}-{next(self._counter)}" for _ in admitted]
-        refused = [(i, exc) for i, exc in enumerate(admitted) if isinstance(exc, InvalidRequest)]
+                refused[i] = exc
+        keys = [f"daskpipe-{model}-{self._token}-{next(self._counter)}" for _ in range(len(admitted) + len(refused))]
         if refused:
-            first, problem = refused[0]
+            first, problem = next(iter(refused.items()))
             unsent = InvalidRequest(
                 f"not sent: map() sends all of its inputs or none, and {len(refused)} of its {len(keys)} inputs of model {model!r} "
                 f"were refused, the first (input {first}) as: {problem}"
             )
-            futures: list[ServedFuture] = [ServedFuture(key, self.client) for key in keys]
-            for key, outcome in zip(keys, admitted):
-                self.client.futures[key].set_error(outcome if isinstance(outcome, InvalidRequest) else unsent, None)
+            futures = [ServedFuture(key, self.client) for key in keys]
+            for i, key in enumerate(keys):
+                self.client.futures[key].set_error(refused.get(i, unsent), None)
             return futures
         futures = []
         for key in keys:
             future = self._stream.pending[key] = ServedFuture(key, self.client)
             futures.append(future)
         for first in range(0, len(keys), SUBMIT_CHUNK):
-            chunk = [row for row in admitted[first : first + SUBMIT_CHUNK] if not isinstance(row, InvalidRequest)]
+            chunk = admitted[first : first + SUBMIT_CHUNK]
             self._send(
                 model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block
             )
