@@ -8,8 +8,6 @@ or a negative SLO reported in microseconds by a worker).
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from typing import Any, Callable, Mapping
 
@@ -20,7 +18,7 @@ from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.elastic_state import ElasticSettings
-from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.errors import DeployError, check_count, check_positive
 from daskpipe.runtime.profiling import ProfilingOptions
 
 
@@ -46,20 +44,6 @@ def check_example(what: str, value: Any) -> None:
         problem = f"a tensor of shape {tuple(value.shape)}"
     if problem is not None:
         raise DeployError(f"{what} must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got {problem}")
-
-
-def check_positive(what: str, value: Any, unit: str = "") -> None:
-    """``value`` is a finite real number > 0 (``unit`` is named in the message: the user's, e.g. " ms")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise DeployError(f"{what} must be a number{unit and ' of' + unit}, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(value) and float(value) > 0):
-        raise DeployError(f"{what} must be a finite number > 0{unit}, got {value!r}{unit}")
-
-
-def check_count(what: str, value: Any) -> None:
-    """``value`` is an integer >= 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise DeployError(f"{what} must be an integer >= 1, got {value!r}")
 
 
 def check_mapping(what: str, value: Any, names: list[str] | None, check: Callable[[str, Any], None]) -> None:

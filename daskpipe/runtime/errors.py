@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import numbers
 from typing import Any, Callable, Hashable
 
 DROP_EXPLANATIONS = {
@@ -86,3 +88,18 @@ def guarded(method: Callable) -> Callable:
             return None
 
     return wrapper
+
+
+# -- checks of deploy's arguments and option bundles: a bad value fails, named ------------------
+def check_positive(what: str, value: Any, unit: str = "") -> None:
+    """``value`` is a finite real number > 0 (``unit`` is named in the message: the user's, e.g. " ms")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise DeployError(f"{what} must be a number{unit and ' of' + unit}, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and float(value) > 0):
+        raise DeployError(f"{what} must be a finite number > 0{unit}, got {value!r}{unit}")
+
+
+def check_count(what: str, value: Any) -> None:
+    """``value`` is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise DeployError(f"{what} must be an integer >= 1, got {value!r}")

@@ -30,9 +30,9 @@ from daskpipe.graft.planner import ServingPlan
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.profiles.fx import SegmentationError
-from daskpipe.runtime.arguments import check_example, check_module, check_positive, check_profile
+from daskpipe.runtime.arguments import check_example, check_module, check_profile
 from daskpipe.runtime.deployment import StageLaunch, pickle_blocks, release, start_stages
-from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.placement import FreeSlots
 from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory

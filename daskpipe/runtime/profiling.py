@@ -34,7 +34,7 @@ from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes, profile_blocks
 from daskpipe.profiles.store import MeasurementKey, ProfileStore, model_fingerprint
 from daskpipe.runtime import messages
-from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.errors import DeployError, check_count
 from daskpipe.runtime.messages import WorkerSlot
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,12 @@ class ProfilingOptions:
     timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, numbers.Integral) or self.num_blocks < 1:
-            raise DeployError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        check_count("num_blocks", self.num_blocks)
         sizes = [self.batch_sizes] if isinstance(self.batch_sizes, numbers.Integral) else self.batch_sizes
         if isinstance(self.batch_sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
             raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {self.batch_sizes!r}")
         for size in sizes:
-            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-                raise DeployError(f"each of batch_sizes must be an integer >= 1, got {size!r}")
+            check_count("each of batch_sizes", size)
         if self.store is not None and not isinstance(self.store, (str, os.PathLike)):
             raise DeployError(f"store must be a folder path or None, got {type(self.store).__name__}")
         timeout = self.timeout_s
