@@ -13,7 +13,7 @@ resolution reaching the client. The plugin measures those from the feedback of e
 The last message, scheduler to client, is one more message of the same kind on the same kind of
 stream as ``done``, and is counted as one more ``done``. A batch's control delay is the sum.
 
-The margin, by which each request's deadline is moved earlier, is a high percentile
+The margin, by which each request's planned deadline is moved earlier, is a high percentile
 (:data:`MARGIN_QUANTILE`) of the delays of the batches of the last :data:`HORIZON_S` seconds
 (:data:`WINDOW` at most), and never less than the seed: round trips measured when the model is
 deployed, and never less than :data:`MIN_MARGIN_S`. Until :data:`MIN_BATCHES` batches are in the horizon the seed alone is used: one slow
@@ -23,6 +23,12 @@ the same reason the margin never takes more than :data:`MAX_SHARE` of the headro
 model's tightest budget leaves beyond a lone request's latency (nor of the budget itself): a
 request can always still be dispatched, with room to queue, so batches keep running and being
 measured through a stall, and what the pipeline can still serve in time is served.
+
+Dropping a request is a sure miss, so a request is dropped only when its batch cannot finish by
+the SLO less the *typical* delay (the median of the same batches, :attr:`ControlPath.typical_s`):
+the dispatcher is given the difference as the request's tolerance
+(:attr:`daskpipe.sched.api.Request.tolerance`). A batch planned into that band is late only when
+its delays run above their median; dropping it would make every one of its requests late.
 """
 
 from __future__ import annotations
@@ -57,10 +63,17 @@ class ControlPath:
     batches: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (when, total)
     parts: dict[str, deque[float]] = field(default_factory=lambda: {kind: deque(maxlen=WINDOW) for kind in KINDS})
     margin_s: float = 0.0
+    typical_s: float = 0.0
     recorded: int = 0
 
     def __post_init__(self) -> None:
-        self.margin_s = min(max(self.seed_s, MIN_MARGIN_S), self.cap_s)
+        self.margin_s = self.typical_s = min(max(self.seed_s, MIN_MARGIN_S), self.cap_s)
+
+    @property
+    def tolerance_s(self) -> float:
+        """How far past its planned deadline a request's batch may finish rather than drop it: the
+        margin less the typical delay (0 until :data:`MIN_BATCHES` batches are measured)."""
+        return self.margin_s - self.typical_s
 
     def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float) -> None:
         """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before its planned time)."""
@@ -79,14 +92,22 @@ class ControlPath:
         batches = self.batches
         while batches and batches[0][0] < now - HORIZON_S:
             batches.popleft()
-        margin = max(self.seed_s, MIN_MARGIN_S)
+        margin = typical = max(self.seed_s, MIN_MARGIN_S)
         if len(batches) >= MIN_BATCHES:
-            margin = max(margin, float(np.quantile([total for _, total in batches], MARGIN_QUANTILE)))
+            median, high = np.quantile([total for _, total in batches], (0.5, MARGIN_QUANTILE))
+            margin, typical = max(margin, float(high)), float(median)
         self.margin_s = min(margin, self.cap_s)
+        self.typical_s = min(typical, self.margin_s)
 
     def summary(self) -> dict[str, float]:
         """Milliseconds: the margin, and p50 / p99 of each delay and of the batches' totals."""
-        out = {"margin_ms": self.margin_s * 1e3, "seed_ms": self.seed_s * 1e3, "cap_ms": self.cap_s * 1e3, "batches": float(self.recorded)}
+        out = {
+            "margin_ms": self.margin_s * 1e3,
+            "tolerance_ms": self.tolerance_s * 1e3,
+            "seed_ms": self.seed_s * 1e3,
+            "cap_ms": self.cap_s * 1e3,
+            "batches": float(self.recorded),
+        }
         for name, values in (*self.parts.items(), ("total", [total for _, total in self.batches])):
             if values:
                 p50, p99 = np.quantile(np.fromiter(values, float, len(values)), (0.5, 0.99))

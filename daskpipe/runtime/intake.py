@@ -296,10 +296,11 @@ class Intake:
                     accepted.append((key, payload, size))
         refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
         make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
-        deadline = now + served.budgets[start_block] - served.control.margin_s
+        control = served.control
+        deadline, tolerance = now + served.budgets[start_block] - control.margin_s, control.tolerance_s
         for key, payload, size in accepted:
             served.inputs[key] = (payload, size)
             served.deadlines[key] = now + served.budgets[start_block]
-            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block)
+            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance)
             plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         plugin.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))

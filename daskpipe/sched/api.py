@@ -47,12 +47,29 @@ class Placement:
 
 @dataclass(slots=True)
 class Request:
+    """One request as a dispatcher sees it.
+
+    ``deadline`` is the finish that dispatch plans to. ``tolerance`` (seconds, >= 0) is how far
+    past it a batch may still be planned to finish rather than drop the request: the runtime plans
+    to the SLO less a high percentile of its control path's delays, but a request whose batch
+    would finish within the *typical* delay of the SLO is usually on time, while a drop is a sure
+    miss. The PPipe and reactive dispatchers honour it when they decide to drop; deadline order
+    and the last moment of a waiting batch stay on ``deadline``. The simulator, which has no
+    control path, leaves it 0.
+    """
+
     id: Hashable
     model: str
     arrival: Time
     deadline: Time
     size: int = 1  # samples it carries; batch limits count samples (a request is never split)
     start_block: int = 0  # hybrid inference: the block it enters at
+    tolerance: float = 0.0
+
+    @property
+    def drop_after(self) -> Time:
+        """The latest planned finish worth running the request for."""
+        return self.deadline + self.tolerance
 
 
 @dataclass(frozen=True, slots=True)

@@ -333,7 +333,7 @@ class PPipeDispatcher(Dispatcher):
                 else f"size {size} exceeds the largest planned batch ({self._max_batch})"
             )
             return [self._drop(request, "no-capacity", detail)]
-        if now + self._min_work[size] > request.deadline:
+        if now + self._min_work[size] > request.drop_after:
             return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
         queue = self._queue
         if self.settings.max_queued is not None and len(queue) >= self.settings.max_queued:
@@ -650,7 +650,7 @@ class PPipeDispatcher(Dispatcher):
         while queue:
             deadline, seq, head = queue[0]
             size = head.size
-            if now + self._min_work[size] > deadline:  # hopeless whatever the tables say
+            if now + self._min_work[size] > head.drop_after:  # hopeless whatever the tables say
                 self._pop()
                 actions.append(self._drop(head, "deadline", "can no longer finish by its deadline, even on an idle pipeline"))
                 continue
@@ -661,16 +661,23 @@ class PPipeDispatcher(Dispatcher):
             else:  # Step 1: the pipeline with the least waiting time at its planned batch size.
                 pipe, finish, path = self._choose(size, deadline, now)
                 bs = pipe.batch_size
-            # Step 2: shrink the batch until the head's deadline is met.
+            # Step 2: shrink the batch until the head's deadline is met; failing that, the largest
+            # batch that finishes within its tolerance runs (a drop is a sure miss).
             smallest = size
             if settings.two_pass_admission and seq not in self._looked_at:
                 self._looked_at.add(seq)
                 smallest = max(size, round(0.95 * bs))
+            drop_after = head.drop_after
+            tolerated = None
             while finish > deadline and bs > smallest:
+                if tolerated is None and finish <= drop_after:
+                    tolerated = (bs, finish, path)
                 bs -= 1
                 finish, path = probe(pipe, bs, now)
             # Step 3: drop, wait, or dispatch.
-            if finish > deadline:
+            if finish > deadline and tolerated is not None:
+                bs, finish, path = tolerated
+            elif finish > drop_after:
                 self._pop()
                 actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
                 continue
@@ -803,6 +810,8 @@ def check_request(request: Request, model: str) -> None:
         )
     if isinstance(request.size, bool) or not isinstance(request.size, int) or request.size < 1:
         raise ValueError(f"request {request.id!r} has size {request.size!r}; it must be an integer >= 1")
+    if not 0 <= request.tolerance < INF:
+        raise ValueError(f"request {request.id!r} has tolerance {request.tolerance!r}; it must be a finite number of seconds >= 0")
 
 
 def check_inputs(model: ModelPlan, placement: Placement, profile: Profile, bw_gbps: float) -> None:

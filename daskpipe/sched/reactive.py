@@ -129,7 +129,7 @@ class ReactiveDispatcher(Dispatcher):
                 else f"size {size} exceeds the largest planned batch ({self._max_batch})"
             )
             return [self._drop(request, "no-capacity", detail)]
-        if now + self._min_work[size] > request.deadline:
+        if now + self._min_work[size] > request.drop_after:
             return [self._drop(request, "deadline", "cannot finish by its deadline even alone on an idle pipeline")]
         if self.settings.max_queued is not None and self._queued >= self.settings.max_queued:
             return [self._drop(request, "overload", f"{self._queued} requests queued (max_queued)")]
@@ -221,6 +221,10 @@ class ReactiveDispatcher(Dispatcher):
             bs = pool.batch_size
             while bs >= head.size and pool.transfer[bs] + pool.compute[bs] > budget:
                 bs -= 1
+            if bs < head.size and head.tolerance:  # none in time: the largest within the tolerance runs
+                bs = pool.batch_size
+                while bs >= head.size and pool.transfer[bs] + pool.compute[bs] > budget + head.tolerance:
+                    bs -= 1
             first_look = seq not in self._looked_at
             self._looked_at.add(seq)
             if bs < head.size or (settings.first_look_drop and first_look and bs < round(settings.first_look_fraction * pool.batch_size)):
