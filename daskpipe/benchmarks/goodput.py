@@ -183,6 +183,7 @@ def run_trial(service: Any, model: str, images: Sequence[Any], rate: float, dura
     scheduled send time until its output is in this process (fetched if it did not ride the completion)."""
     from distributed import wait
 
+    from daskpipe.benchmarks.remote_client import mark_in_hand
     from daskpipe.runtime.errors import RequestDropped
 
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, size=int(rate * duration * 1.5) + 10))
@@ -198,7 +199,7 @@ def run_trial(service: Any, model: str, images: Sequence[Any], rate: float, dura
             time.sleep(arrivals[due] - now)
             continue
         for index, future in enumerate(service.map(model, [images[i % len(images)] for i in range(len(futures), due)]), start=len(futures)):
-            future.add_done_callback(partial(_in_hand, ended_at, index))
+            future.add_done_callback(partial(mark_in_hand, ended_at, index))
             futures.append(future)
     give_up = start + duration + slo_s + DRAIN_S
     while len(ended_at) < len(futures) and time.perf_counter() < give_up:
@@ -228,17 +229,6 @@ def run_trial(service: Any, model: str, images: Sequence[Any], rate: float, dura
             reason: n - before["dropped"].get(reason, 0) for reason, n in after["dropped"].items() if n > before["dropped"].get(reason, 0)
         },
     )
-
-
-def _in_hand(ended_at: dict[int, float], index: int, future: Any) -> None:
-    """Dask's callback thread: the moment the output is in hand; an error never is."""
-    if future.status != "finished":
-        return
-    try:
-        future.result()
-    except Exception:  # released or lost before the fetch: not in hand
-        return
-    ended_at[index] = time.perf_counter()
 
 
 def run_goodput(

@@ -260,16 +260,12 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
 def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: Any, stop: Any, report: Any) -> None:
     """Another client: Poisson requests of ``model`` (already served) at ``rate`` from this process,
     each at its scheduled time, until ``stop``; reports (offered rate, ended, on time within the
-    model's SLO) once every request has ended. It sends on a daskpipe stream of its own, as a
-    ``Service`` does, without deploying anything."""
+    model's SLO) once every request has ended (:class:`~daskpipe.benchmarks.remote_client.RemoteSender`)."""
     from distributed import Client, wait
 
-    from daskpipe.runtime import messages
-    from daskpipe.runtime.futures import ClientStream, ServedFuture
+    from daskpipe.benchmarks.remote_client import RemoteSender
 
-    with Client(address) as client:
-        stream = ClientStream(client)
-        client.sync(stream.open)
+    with Client(address) as client, RemoteSender(client) as sender:
         slo_s = SLO_MS * 1e-3
         futures, sent_at, done_at = [], [], {}
         flowing.set()
@@ -279,9 +275,8 @@ def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: A
             time.sleep(max(0.0, due - time.perf_counter()))
             if stop.is_set():
                 break
-            future = stream.pending[f"load-{i}"] = ServedFuture(f"load-{i}", client)
+            future = sender.submit(model, payload)
             future.add_done_callback(lambda f: done_at.__setitem__(f.key, time.perf_counter()))
-            stream.send({"op": messages.SUBMIT, "model": model, "keys": [future.key], "inputs": [payload], "sizes": [1]})
             futures.append(future)
             sent_at.append(due)
         offered = len(futures) / (time.perf_counter() - started)
@@ -289,7 +284,6 @@ def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: A
         time.sleep(0.1)  # the last callbacks
         ended = [(f, t) for f, t in zip(futures, sent_at) if f.status == "finished"]
         report.put((offered, len(futures), sum(done_at.get(f.key, float("inf")) - t <= slo_s for f, t in ended)))
-        client.sync(stream.close)
 
 
 def _percentile(ordered: list[float], q: float) -> float:

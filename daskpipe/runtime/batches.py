@@ -54,6 +54,7 @@ class Batches:
     def __init__(self, plugin: Dispatching, watch: GrayWatch) -> None:
         self.plugin = plugin
         self.watch = watch
+        self.slot_ends: dict[str, float] = {}  # address -> end of the last batch it reported computing (scheduler clock)
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
@@ -158,6 +159,11 @@ class Batches:
                 index = next((i for i, (partition, _, _) in enumerate(flight.planned) if partition == fb.partition), None)
                 if index is None:
                     continue
+                # a slot computes one batch at a time and reports in order: until the end of the
+                # one before, this batch waited on compute, not on the control path
+                address = flight.route[index]["address"]
+                flight.slot_free[fb.partition] = self.slot_ends.get(address, -np.inf)
+                self.slot_ends[address] = max(fb.end, self.slot_ends.get(address, -np.inf))
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
                     self.watch.watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))

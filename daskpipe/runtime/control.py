@@ -5,9 +5,12 @@ own path: the batch message reaching the first worker (and the timer that sent i
 each feature map's hop beyond its planned transfer, the completion reaching the scheduler, and the
 resolution reaching the client. The plugin measures those from the feedback of every batch:
 
-* ``dispatch``: the first stage's actual start minus its planned start;
-* ``hop``: a later stage's actual start minus the later of the previous stage's actual end plus
-  its planned transfer and its own planned start (so a planned wait is not counted);
+* ``dispatch``: the first stage's actual start minus the later of its planned start and the end
+  of the batch its slot computed before (a wait behind a batch that ran over its reservation is
+  compute variance, which slack-aware dispatch plans for, not the control path);
+* ``hop``: a later stage's actual start minus the latest of the previous stage's actual end plus
+  its planned transfer, its own planned start (so a planned wait is not counted) and the end of
+  its slot's batch before;
 * ``done``: the completion read on the scheduler minus the last stage's actual end.
 
 The last message, scheduler to client, is one more message of the same kind on the same kind of

@@ -36,6 +36,7 @@ class Flight:
         default_factory=list
     )  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
     ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
+    slot_free: dict[int, float] = field(default_factory=dict)  # partition -> when its slot ended the batch before this one
     route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
@@ -49,16 +50,21 @@ class Flight:
         return bool(self.sources) or bool(self.route and self.route[-1].get("park"))
 
     def control_delays(self) -> tuple[float, list[float]] | None:
-        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`)."""
+        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.control`).
+
+        A stage that started late because its slot was still computing the batch before (one that
+        ran over its reservation) was not held up by the control path: such a wait is compute
+        variance, which dispatch plans for with the measured latencies, and is not counted."""
         if not self.planned or any(partition not in self.ran for partition, _, _ in self.planned):
             return None
         (first, first_start, _), *rest = self.planned
+        free = self.slot_free
         hops, previous_end = [], self.ran[first][1]
         for partition, start, transfer in rest:
             actual_start, actual_end = self.ran[partition]
-            hops.append(actual_start - max(previous_end + transfer, start))
+            hops.append(actual_start - max(previous_end + transfer, start, free.get(partition, -math.inf)))
             previous_end = actual_end
-        return self.ran[first][0] - first_start, hops
+        return self.ran[first][0] - max(first_start, free.get(first, -math.inf)), hops
 
 
 @dataclass

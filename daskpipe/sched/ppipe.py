@@ -8,8 +8,10 @@ wake, feedback that changed a table) it repeats Algorithm 1 while requests are q
    waiting time (finish - now - pure work).
 2. **Shrink the batch**: from the planned size down to the head request's size, probe until the
    batch finishes by the head's deadline.
-3. **Act**: none fits -> drop the head ("deadline"); fewer samples queued than the batch and the
-   last moment not come -> wait; else reserve the path and dispatch the head's batch.
+3. **Act**: none fits -> drop the head ("deadline"), unless the largest batch that finishes
+   within the head's tolerance (:attr:`~daskpipe.sched.api.Request.tolerance`, 0 in the
+   simulator) runs at once instead; fewer samples queued than the batch and the last moment not
+   come -> wait; else reserve the path and dispatch the head's batch.
 
 The last moment is when a batch of one more sample would still finish by the head's deadline on
 an idle pipeline. With ``slack_quantile`` (the default) that is at the quantile of the latency
@@ -321,7 +323,13 @@ class PPipeDispatcher(Dispatcher):
 
     # -- Dispatcher interface ------------------------------------------------------------------
     def submit(self, request: Request, now: Time) -> list[Action]:
-        if request.model != self.model.name or request.start_block or type(request.size) is not int or request.size < 1:
+        if (
+            request.model != self.model.name
+            or request.start_block
+            or type(request.size) is not int
+            or request.size < 1
+            or not 0 <= request.tolerance < INF
+        ):
             check_request(request, self.model.name)  # raises, saying what is wrong
         stats = self.stats
         stats.submitted += 1
@@ -682,7 +690,7 @@ class PPipeDispatcher(Dispatcher):
                 actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
                 continue
             n = self._queued_samples
-            if n < bs and now < deadline - pipe.safe_work[n + 1]:
+            if n < bs and finish <= deadline and now < deadline - pipe.safe_work[n + 1]:  # a batch past its deadline never waits
                 self._waiting = _Waiting(pipe, bs, deadline, self._epoch)
                 break
             actions.append(self._dispatch(pipe, bs, finish, path, now))

@@ -138,6 +138,33 @@ def test_head_dropped_when_busy_tables_leave_no_batch():
     assert drop.reason == "deadline" and d.queued == 0
 
 
+def test_a_head_within_its_tolerance_runs_instead_of_being_dropped():
+    d = dispatcher(model(whole("A")))  # a batch of 1 takes 20 ms
+    d.timeline.reserve("A-0/0", 0.0, 0.175)
+    [batch] = d.submit(Request(0, "m", 0.0, 0.200, tolerance=0.030), 0.0)
+    assert batch.finish == pytest.approx(0.195)  # in time
+    # the slot is busy until 195 ms: 215 ms is past the deadline, within the tolerance
+    [batch] = d.submit(Request(1, "m", 0.0, 0.200, tolerance=0.030), 0.0)
+    assert batch.finish == pytest.approx(0.215)
+    [drop] = d.submit(Request(2, "m", 0.0, 0.200, tolerance=0.030), 0.0)  # 235 ms: past it
+    assert drop.reason == "deadline" and d.queued == 0
+    [drop] = d.submit(Request(3, "m", 0.0, 0.230), 0.0)  # without a tolerance, 235 ms is a drop
+    assert drop.reason == "deadline"
+    [batch] = d.submit(Request(4, "m", 0.0, 0.230, tolerance=0.005), 0.0)
+    assert batch.finish == pytest.approx(0.235)
+
+
+def test_a_batch_past_its_deadline_takes_what_its_tolerance_allows_and_never_waits():
+    d = dispatcher(model(whole("A")))  # batches of 1..4 take 20, 30, 40, 50 ms
+    for i in range(3):
+        assert d.submit(Request(i, "m", 0.0, 0.200, tolerance=0.100), 0.0) == []
+    assert d.next_wake() == pytest.approx(0.200 - 0.050)  # waiting for a fourth
+    d.timeline.reserve("A-0/0", 0.0, 0.190)  # the slot turns out busy: no batch finishes by 200 ms
+    [batch] = d.wake(d.next_wake())
+    assert [r.id for r in batch.requests] == [0, 1, 2] and batch.finish == pytest.approx(0.230)
+    assert d.queued == 0 and d.stats.dropped == {}
+
+
 def test_pipeline_chosen_by_waiting_time():
     plan = model(whole("A"), whole("A"))
     d = dispatcher(plan)
@@ -195,6 +222,9 @@ def test_bad_inputs_are_refused():
         d.submit(Request(0, "other", 0.0, 1.0), 0.0)
     with pytest.raises(ValueError, match="size"):
         d.submit(Request(0, "m", 0.0, 1.0, size=0), 0.0)
+    for tolerance in (-0.001, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="tolerance"):
+            d.submit(Request(0, "m", 0.0, 1.0, tolerance=tolerance), 0.0)
     wrong = Placement("m", {(0, 0): ("node2",), (0, 1): ("node3",)}, placement.slots)
     with pytest.raises(ValueError, match="needs A/v1"):
         PPipeDispatcher(plan, wrong, profile(), bw_gbps=BW_GBPS)

@@ -1,0 +1,59 @@
+"""The control path's measured delays: what counts as one, and the margin and tolerance planned from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from daskpipe.runtime.control import MIN_BATCHES, MIN_MARGIN_S, RECOMPUTE_EVERY, ControlPath
+from daskpipe.runtime.served import Flight
+
+MS = 1e-3
+
+
+def two_stage_flight(first_start: float = 0.0, second_start: float = 0.010) -> Flight:
+    """A batch planned on two stages: 0-10 ms and 10-20 ms, no transfer."""
+    return Flight(keys=["k"], addresses=frozenset({"a", "b"}), planned=[(0, first_start, 0.0), (1, second_start, 0.0)])
+
+
+def test_a_stage_late_on_the_path_counts_and_one_late_behind_its_slots_batch_before_does_not():
+    flight = two_stage_flight()
+    flight.ran = {0: (0.002, 0.012), 1: (0.015, 0.025)}
+    dispatch, hops = flight.control_delays()
+    assert dispatch == pytest.approx(0.002) and hops == [pytest.approx(0.003)]  # 15 ms against the first's end at 12 ms
+
+    behind = two_stage_flight()
+    behind.ran = {0: (0.030, 0.040), 1: (0.045, 0.055)}
+    behind.slot_free = {0: 0.0295, 1: 0.044}  # each slot was still computing an overrunning batch until then
+    dispatch, hops = behind.control_delays()
+    assert dispatch == pytest.approx(0.0005) and hops == [pytest.approx(0.001)]
+
+
+def test_a_flight_reports_no_delays_until_every_hop_has_run():
+    flight = two_stage_flight()
+    flight.ran = {0: (0.0, 0.010)}
+    assert flight.control_delays() is None
+
+
+def record(path: ControlPath, totals_ms: list[float]) -> None:
+    for i, total in enumerate(totals_ms):
+        path.record(i * 0.01, total * MS, [], 0.0)  # the whole delay on the dispatch
+
+
+def test_the_margin_is_the_high_percentile_and_the_tolerance_reaches_down_to_the_median():
+    path = ControlPath(seed_s=0.001)
+    assert path.margin_s == MIN_MARGIN_S and path.tolerance_s == 0  # until measured: the seed, no tolerance
+    record(path, [1.0] * (MIN_BATCHES - 1))
+    assert path.tolerance_s == 0
+    totals = [1.0 + (i % 10) for i in range(10 * RECOMPUTE_EVERY)]  # 1..10 ms, median 5.5 ms, p99 10 ms
+    record(path, totals)
+    assert path.margin_s == pytest.approx(10 * MS, rel=0.02)
+    assert path.typical_s == pytest.approx(5.5 * MS, rel=0.1)
+    assert path.tolerance_s == pytest.approx(path.margin_s - path.typical_s)
+    summary = path.summary()
+    assert summary["tolerance_ms"] == pytest.approx(path.tolerance_s * 1e3)
+
+
+def test_a_capped_margin_leaves_a_tolerance_no_wider_than_itself():
+    path = ControlPath(seed_s=0.0, cap_s=3 * MS)
+    record(path, [5.0] * (5 * RECOMPUTE_EVERY))  # every batch slower than the cap
+    assert path.margin_s == 3 * MS and path.typical_s == 3 * MS and path.tolerance_s == 0
