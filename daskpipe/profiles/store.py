@@ -64,6 +64,7 @@ class MeasurementKey:
     driver: str  # the GPU driver's version ("" on a CPU)
     torch: str
     threads: int  # torch intra-op threads (what a CPU table depends on; 0 on a GPU)
+    together: int = 1  # workers of the kind timed at once on one host (CPU workers share its memory and caches)
 
     @property
     def digest(self) -> str:

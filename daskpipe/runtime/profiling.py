@@ -2,7 +2,8 @@
 
 For each model, ``deploy`` cuts the blocks once on the client (where the estimator's per-segment
 costs balance, so no device is needed and every kind times the same blocks), then runs one
-profiling task per kind among the real slots, on a worker of that kind. Kinds on different
+profiling task per kind among the real slots, on a worker of that kind (on a CPU kind, on every
+worker of it on that host at once, as they serve: :class:`Probe`). Kinds on different
 physical GPUs run at once; kinds on the same GPU (slots of one ``<server>/<TYPE>-<index>``) run
 one after another, so that they do not disturb each other. Kinds that no real worker has
 (emulated GPUs) are estimated, calibrated on the measured GPU kinds
@@ -21,7 +22,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -143,16 +144,21 @@ def profile_on_cluster(
     if store is not None and fingerprint:
         keys = {
             kind: measurement_key(
-                fingerprint, blocked.segment_boundaries, sizes, kind, client.run(describe_device, kind[0], workers=[address])[address]
+                fingerprint,
+                blocked.segment_boundaries,
+                sizes,
+                kind,
+                client.run(describe_device, kind[0], workers=[probe.address])[probe.address],
+                together=len(probe.together),
             )
-            for kind, (address, _) in probes.items()
+            for kind, probe in probes.items()
         }
         for kind, key in keys.items():
             found = store.get(key)
             if found is not None:
                 tables[kind] = found
                 measurements[kind_label(*kind)] = {
-                    "worker": probes[kind][0],
+                    "worker": probes[kind].address,
                     "device": key.device,
                     "cpu_threads": key.threads or None,
                     "store": str(store.path(key)),
@@ -163,7 +169,8 @@ def profile_on_cluster(
         tables[kind] = profile.table(*kind)
         timing = profile.meta.get("timing", {})
         measurements[kind_label(*kind)] = {
-            "worker": probes[kind][0],
+            "worker": probes[kind].address,
+            "timed_together": len(probes[kind].together),
             "device": profile.meta["device"],
             "cpu_threads": profile.meta["cpu_threads"],
             "timing": timing,
@@ -222,7 +229,7 @@ def profile_on_cluster(
             **({"excluded": {kind_label(*k): r for k, r in excluded.items()}} if excluded else {}),
         },
     )
-    return ClusterProfile(profile, blocked, excluded, profiling_tasks=len(to_measure))
+    return ClusterProfile(profile, blocked, excluded, profiling_tasks=sum(len(probe.together) for probe in to_measure.values()))
 
 
 def _default_slo(tables: dict[Kind, np.ndarray]) -> float | None:
@@ -231,10 +238,26 @@ def _default_slo(tables: dict[Kind, np.ndarray]) -> float | None:
     return SLO_FACTOR * max(float(t[:, 0].sum()) for t in whole) if whole else None
 
 
-def _probes(client: Client, slots: list[WorkerSlot]) -> dict[Kind, tuple[str, str]]:
-    """Per kind of the real slots: the worker that profiles it and the physical device it runs on.
+@dataclass(frozen=True)
+class Probe:
+    """Where a kind is profiled: the worker whose table it keeps, its physical device, and the
+    workers timed at once with it (itself included). CPU workers of a kind on one host are all
+    timed together: they share the host's memory bandwidth and caches while they serve, and a
+    table timed on one of them alone ran 10-15% faster than serving did (resnet18, two 1-thread
+    workers on 2 cores). A GPU kind is timed on one worker, and so are workers in one process
+    (``inproc://``): timed at once, they would measure each other's hold on the GIL."""
+
+    address: str
+    device: str
+    together: tuple[str, ...]
+
+
+def _probes(client: Client, slots: list[WorkerSlot]) -> dict[Kind, Probe]:
+    """Per kind of the real slots: where it is profiled (:class:`Probe`).
 
     Workers are picked so that kinds sit on different devices where the cluster allows it."""
+    from distributed.comm import get_address_host
+
     names = {a: str(info.get("name", a)) for a, info in client.scheduler_info(n_workers=-1)["workers"].items()}
     by_kind: dict[Kind, list[WorkerSlot]] = {}
     for slot in sorted((s for s in slots if not s.emulated), key=lambda s: s.address):
@@ -245,8 +268,24 @@ def _probes(client: Client, slots: list[WorkerSlot]) -> dict[Kind, tuple[str, st
         devices = [(s.address, device_of(s.address, names)) for s in candidates]
         address, device = next(((a, d) for a, d in devices if d not in taken), devices[0])
         taken.add(device)
-        probes[kind] = (address, device)
+        host = get_address_host(address)
+        together = (
+            tuple(s.address for s in candidates if get_address_host(s.address) == host and not s.address.startswith("inproc://"))
+            if kind[0] == messages.CPU and not address.startswith("inproc://")
+            else (address,)
+        )
+        probes[kind] = Probe(address, device, together)
     return probes
+
+
+def median_profile(profiles: list[Profile], kind: Kind) -> Profile:
+    """The first of ``profiles`` (one kind timed on several workers at once) with the cell-wise
+    median of their tables, and how many were timed together in its meta."""
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    table = np.median(np.stack([p.table(*kind) for p in profiles]), axis=0)
+    return replace(first, latency_us={**first.latency_us, kind: table}, meta={**first.meta, "timed_together": len(profiles)})
 
 
 def device_of(address: str, names: dict[str, str]) -> str:
@@ -256,28 +295,31 @@ def device_of(address: str, names: dict[str, str]) -> str:
 
 
 def measurement_key(
-    fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any]
+    fingerprint: str, boundaries: Sequence[int], sizes: Sequence[int], kind: Kind, described: dict[str, Any], *, together: int = 1
 ) -> MeasurementKey:
-    """The store key of ``kind``'s table, ``described`` by :func:`describe_device` on a worker of it."""
-    return MeasurementKey(fingerprint, tuple(boundaries), tuple(sizes), kind[0], kind[1], **described)
+    """The store key of ``kind``'s table, ``described`` by :func:`describe_device` on a worker of
+    it, timed on ``together`` workers at once (:class:`Probe`)."""
+    return MeasurementKey(fingerprint, tuple(boundaries), tuple(sizes), kind[0], kind[1], **described, together=together)
 
 
 def _measure(
     client: Client,
-    probes: dict[Kind, tuple[str, str]],
+    probes: dict[Kind, Probe],
     name: str,
     blocked: BlockedModel,
     sizes: list[int],
     slo_us: float | None,
     timeout_s: float | None,
 ) -> tuple[dict[Kind, Profile], dict[Kind, str]]:
-    """One task per kind on its worker; per physical device one after another, devices at once."""
+    """One task per kind on each worker it is timed on; per physical device one after another, devices at once."""
+    from distributed import wait
+
     from daskpipe.progress import progress_rows
 
     chains: dict[str, list[Kind]] = {}
-    for kind, (_, device) in sorted(probes.items()):
-        chains.setdefault(device, []).append(kind)
-    scattered = client.scatter(blocked, workers=sorted({a for a, _ in probes.values()}), broadcast=True, hash=False)
+    for kind, probe in sorted(probes.items()):
+        chains.setdefault(probe.device, []).append(kind)
+    scattered = client.scatter(blocked, workers=sorted({a for p in probes.values() for a in p.together}), broadcast=True, hash=False)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     measured: dict[Kind, Profile] = {}
     excluded: dict[Kind, str] = {}
@@ -290,29 +332,38 @@ def _measure(
                 excluded[kind] = f"not profiled within timeout_s={timeout_s:g}"
                 update(label, f"excluded: {excluded[kind]}", True)
                 continue
-            update(label, f"profiling on {probes[kind][0]}")
-            future = client.submit(
-                measure_kind,
-                scattered,
-                name=name,
-                batch_sizes=sizes,
-                gpu=kind[0],
-                slices=kind[1],
-                slo_us=slo_us,
-                workers=[probes[kind][0]],
-                allow_other_workers=False,
-                pure=False,
-                key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{uuid.uuid4().hex[:8]}",
+            probe = probes[kind]
+            update(
+                label, f"profiling on {probe.address}" + (f" and {len(probe.together) - 1} more at once" if len(probe.together) > 1 else "")
             )
+            token = uuid.uuid4().hex[:8]
+            futures = [
+                client.submit(
+                    measure_kind,
+                    scattered,
+                    name=name,
+                    batch_sizes=sizes,
+                    gpu=kind[0],
+                    slices=kind[1],
+                    slo_us=slo_us,
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"{PROFILE_KEY_PREFIX}{name}-{kind[0]}-v{kind[1]}-{token}-{i}",
+                )
+                for i, address in enumerate(probe.together)
+            ]
             try:
-                measured[kind] = future.result(timeout=left)
+                wait(futures, timeout=left)
+                measured[kind] = median_profile(client.gather(futures), kind)
                 update(label, "measured", True)
             except (TimeoutError, FutureTimeout):
-                future.cancel()
+                client.cancel(futures)
                 excluded[kind] = f"profiling took longer than timeout_s={timeout_s:g}"
                 update(label, f"excluded: {excluded[kind]}", True)
             except Exception as exc:  # the kind's worker could not run the model: exclude the kind, keep the deploy
-                excluded[kind] = f"profiling failed on {probes[kind][0]}: {type(exc).__name__}: {exc}"
+                failed = next((f for f in futures if f.status == "error"), futures[0])
+                excluded[kind] = f"profiling failed on {probe.together[futures.index(failed)]}: {type(exc).__name__}: {exc}"
                 update(label, f"excluded: {excluded[kind]}", True)
 
     try:

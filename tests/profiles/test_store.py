@@ -54,6 +54,7 @@ def test_the_fingerprint_follows_graph_weights_and_input():
         {"segment_boundaries": (0, 1, 4)},
         {"torch": "2.5.0"},
         {"threads": 4},
+        {"together": 2},
     ],
 )
 def test_every_field_of_the_key_separates_entries(tmp_path, change):

@@ -94,6 +94,41 @@ def test_the_store_serves_a_second_profile_and_a_changed_weight_or_input_shape_m
     assert len(store) == 3
 
 
+def test_the_cpu_worker_processes_of_a_host_time_their_kind_together_and_the_table_is_their_median():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+        slots = inventory(client)
+        with get_task_stream(client) as stream:
+            result = profile_on_cluster(client, slots, "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=4)
+        tasks = profiling_tasks(stream)
+        assert sorted(t["worker"] for t in tasks) == sorted(s.address for s in slots), "every CPU worker of the kind"
+        (a_start, a_stop), (b_start, b_stop) = (compute_window(t) for t in tasks)
+        assert a_start < b_stop and b_start < a_stop, "at the same time, as they serve"
+        profile = result.profile
+        assert profile.meta["timed_together"] == 2 and profile.meta["measurements"]["cpu/1"]["timed_together"] == 2
+        table = profile.table("cpu", 1)
+        assert table.shape == (profile.num_blocks, 4) and (table > 0).all()
+
+
+def test_a_kind_timed_on_several_workers_keeps_the_median_of_each_cell():
+    import numpy as np
+
+    from daskpipe.profiles.model import Profile
+    from daskpipe.runtime.profiling import median_profile
+
+    def timed(scale: float) -> Profile:
+        return Profile(
+            model="m", slo_us=1e5, num_blocks=2, latency_us={("cpu", 1): np.array([[1.0, 2.0], [3.0, 4.0]]) * scale}, boundary_bytes=(8.0,)
+        )
+
+    merged = median_profile([timed(1.0), timed(1.5), timed(0.9)], ("cpu", 1))
+    np.testing.assert_allclose(merged.table("cpu", 1), [[1.0, 2.0], [3.0, 4.0]])
+    assert merged.meta["timed_together"] == 3
+    alone = timed(2.0)
+    assert median_profile([alone], ("cpu", 1)) is alone
+
+
 def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_cluster, monkeypatch, caplog):
     cluster, client = fake_gpu_cluster
     from daskpipe.runtime import gpu
