@@ -164,11 +164,17 @@ class GrayWatch:
     def suspect(self, served: Served, model: str, address: str, detail: str, now: float) -> None:
         """``address`` stopped keeping its reservations: it gets no new batches, its batches are
         re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
-        and it is probed until it computes in line again. A dispatcher whose pools are fixed
-        (``supports_pools`` false) has nowhere else to send its batches: no slot is suspected
-        there, and the late limit still ends what a stalled slot holds."""
+        and it is probed until it computes in line again. Where its batches have nowhere else to
+        go, it is not suspected: under a dispatcher whose pools are fixed (``supports_pools``
+        false), and when it is the last slot in line of one of its pools (a lone CPU worker that
+        fell behind under a burst would otherwise drop every queued request at once). The late
+        limit still ends what a stalled slot holds."""
         plugin = self.plugin
         if address not in plugin.slots or not served.dispatcher.supports_pools:  # gone: remove_worker retries its batches
+            return
+        mine = {(p, q) for p, q, a in served.stages if a == address}
+        in_line = {(p, q) for p, q, a in served.stages if a != address and a in plugin.slots and a not in served.suspects}
+        if address not in served.suspects and not mine <= in_line:
             return
         taken = served.take_flights(address)
         for dispatch, _ in taken:
@@ -186,8 +192,7 @@ class GrayWatch:
     def pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
         """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
         and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
-        slot); suspect it after ``slow_batches``, unless that would leave one of its pools without a
-        slot in line."""
+        slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
         gray = served.gray
         ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
         mine = {(p, q) for p, q, a in served.stages if a == address}
@@ -200,15 +205,13 @@ class GrayWatch:
         streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
         if streak < gray.slow_batches or address in served.suspects:
             return
-        in_line = {(p, q) for p, q, a in served.stages if a != address and a in self.plugin.slots and a not in served.suspects}
-        if mine <= in_line:
-            self.suspect(
-                served,
-                model,
-                address,
-                f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
-                now,
-            )
+        self.suspect(
+            served,
+            model,
+            address,
+            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
+            now,
+        )
 
     def _probe(self, served: Served, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""

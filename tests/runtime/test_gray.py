@@ -133,3 +133,34 @@ def test_no_result_comes_later_than_the_late_limit(pools_of_two):
         late = [f.exception() for _, f, _ in sent if f.status == "error"]
         assert late and all(e.reason == "deadline" and "2x its SLO after it arrived" in str(e) for e in late), late
         assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
+
+
+def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspected(pools_of_two):
+    cluster, client = pools_of_two
+    with deploy_pools_of_two(client) as svc:
+        served = plugin_of(cluster.scheduler).served["tiny"]
+        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        client.run(slow_down, 1.5, 30.0, workers=first_pool)  # both slots: the machine, not one slot
+        try:
+            sent = offer(svc, rate=60, seconds=2.0)
+        finally:
+            client.run(slow_down, 1.0, 0.001, workers=first_pool)  # back in line for the next test
+        status = svc.status()["tiny"]
+        assert all(f.status == "finished" for _, f, _ in sent) and status["suspected"] == 0, status
+        ratios = status["measured_ratios"]
+        assert 1.4 <= ratios["0/0"] <= 1.7 and 0.9 <= ratios["0/1"] <= 1.2, ratios
+
+
+def test_the_last_slot_of_a_pool_is_not_suspected_and_the_late_limit_ends_what_it_holds(pools_of_two):
+    cluster, client = pools_of_two
+    profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)  # one slot per pool: nowhere to route around
+    with daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}) as svc:
+        offer(svc, rate=20, seconds=0.3)
+        client.run(slow_down, 40.0, 1.0, workers=[first_pool_worker(cluster)])
+        stalled = offer(svc, rate=20, seconds=1.0)
+        assert svc.status()["tiny"]["suspected"] == 0, svc.status()["tiny"]
+        errors = [f.exception() for _, f, _ in stalled if f.status == "error"]
+        assert all(isinstance(e, RequestDropped) and e.reason == "deadline" for e in errors), errors
+        assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in stalled if f.status == "finished")
+        after = offer(svc, rate=20, seconds=0.5)  # in line again, it serves
+        assert all(f.status == "finished" for _, f, _ in after)
