@@ -275,7 +275,7 @@ def cluster_command(
     if out:
         result.profile.save(out)
     tables = ", ".join(f"{kind} {origin}" for kind, origin in sorted(result.profile.meta["tables"].items()))
-    click.echo(f"{store_dir}: {len(store)} measured table(s); {name or model}: {tables}; {result.profiling_tasks} kind(s) profiled now")
+    click.echo(f"{store_dir}: {len(store)} measured table(s); {name or model}: {tables}; {result.profiling_tasks} profiling task(s) now")
 
 
 def _build_model(model: str):
