@@ -55,6 +55,7 @@ class Batches:
         self.plugin = plugin
         self.watch = watch
         self.slot_ends: dict[str, float] = {}  # address -> end of the last batch it reported computing (scheduler clock)
+        self.next_ids: dict[str, int] = {}  # model -> past the highest dispatch id ever sent for it: reports carry no other tag
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
@@ -265,6 +266,8 @@ class Batches:
         """Send ``flight`` to its first stage, and watch it: its first hop must report within
         its bound, its requests within the late limit (:mod:`daskpipe.runtime.gray`)."""
         served.flights[dispatch] = flight
+        if dispatch >= self.next_ids.get(model, 0):
+            self.next_ids[model] = dispatch + 1
         latest = self.watch.watch_batch(served, model, dispatch, flight)
         retries = flight.retries
         batch = {

@@ -281,6 +281,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             max_queued=max_queued,
             sample_nbytes=sample_nbytes,
         )
+        # a closed deployment of the same model may still have batches reporting (a stalled
+        # worker's backlog): the new one numbers its batches past every id sent before
+        served.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
         self.served[model] = served
         self.metrics.serve(model, served.model, placement, control=control.summary, suspects=functools.partial(self.watch.suspects, model))
         logger.info(
@@ -379,7 +382,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             raise
         fresh = self.served[model]
         fresh.carry_over(held)
-        fresh.dispatcher.continue_ids(first_id)
+        fresh.dispatcher.continue_ids(max(first_id, self.batches.next_ids.get(model, 0)))
 
     def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None:
         """Submit the ``requests`` still queued to ``model``'s dispatcher (``dispatcher``, when

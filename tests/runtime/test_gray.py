@@ -121,21 +121,8 @@ def test_a_stalled_or_slow_slot_is_routed_around_and_readmitted_when_in_line(poo
         )
 
 
-def test_no_result_comes_later_than_the_late_limit(pools_of_two):
-    cluster, client = pools_of_two
-    with (
-        dask.config.set({"daskpipe.gray.suspect-factor": 1000.0}),
-        deploy_pools_of_two(client) as svc,
-    ):  # never suspected: the late limit alone
-        offer(svc, rate=20, seconds=0.3)
-        client.run(slow_down, 60.0, 1.5, workers=[first_pool_worker(cluster)])
-        sent = offer(svc, rate=40, seconds=1.0)
-        late = [f.exception() for _, f, _ in sent if f.status == "error"]
-        assert late and all(e.reason == "deadline" and "2x its SLO after it arrived" in str(e) for e in late), late
-        assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
-
-
 def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspected(pools_of_two):
+    # before the tests that stall a slot: a stalled slot finishes the hold it started after its test
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
         served = plugin_of(cluster.scheduler).served["tiny"]
@@ -151,6 +138,20 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
         assert 1.4 <= ratios["0/0"] <= 1.7 and 0.9 <= ratios["0/1"] <= 1.2, ratios
 
 
+def test_no_result_comes_later_than_the_late_limit(pools_of_two):
+    cluster, client = pools_of_two
+    with (
+        dask.config.set({"daskpipe.gray.suspect-factor": 1000.0}),
+        deploy_pools_of_two(client) as svc,
+    ):  # never suspected: the late limit alone
+        offer(svc, rate=20, seconds=0.3)
+        client.run(slow_down, 60.0, 1.5, workers=[first_pool_worker(cluster)])
+        sent = offer(svc, rate=40, seconds=1.0)
+        late = [f.exception() for _, f, _ in sent if f.status == "error"]
+        assert late and all(e.reason == "deadline" and "2x its SLO after it arrived" in str(e) for e in late), late
+        assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in sent if f.status == "finished")
+
+
 def test_the_last_slot_of_a_pool_is_not_suspected_and_the_late_limit_ends_what_it_holds(pools_of_two):
     cluster, client = pools_of_two
     profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)  # one slot per pool: nowhere to route around
@@ -164,3 +165,25 @@ def test_the_last_slot_of_a_pool_is_not_suspected_and_the_late_limit_ends_what_i
         assert all(ended[0] - at <= 2 * SLO_MS * 1e-3 + 0.1 for at, f, ended in stalled if f.status == "finished")
         after = offer(svc, rate=20, seconds=0.5)  # in line again, it serves
         assert all(f.status == "finished" for _, f, _ in after)
+
+
+def test_a_new_deployment_numbers_its_batches_past_those_of_a_closed_one(pools_of_two, monkeypatch):
+    """Reports carry the model and the batch id: a closed deployment's batch still computing on a
+    stalled slot reports later, and must not be read as the new deployment's batch of that id."""
+    cluster, client = pools_of_two
+    batches = plugin_of(cluster.scheduler).batches
+    sent: list[int] = []
+    send = batches.send
+    monkeypatch.setattr(
+        batches, "send", lambda served, model, dispatch, flight: (sent.append(dispatch), send(served, model, dispatch, flight))
+    )
+    profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)
+    for _ in range(2):
+        with daskpipe.deploy(
+            client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}
+        ) as svc:
+            done = offer(svc, rate=40, seconds=0.3)
+            assert all(f.status == "finished" for _, f, _ in done)
+        sent.append(-1)  # between the deployments
+    first, second = sent[: sent.index(-1)], sent[sent.index(-1) + 1 : -1]
+    assert first and second and min(second) > max(first), (first, second)
