@@ -163,8 +163,8 @@ class Batches:
                 # a slot computes one batch at a time and reports in order: until the end of the
                 # one before, this batch waited on compute, not on the control path
                 address = flight.route[index]["address"]
-                flight.slot_free[fb.partition] = self.slot_ends.get(address, -np.inf)
-                self.slot_ends[address] = max(fb.end, self.slot_ends.get(address, -np.inf))
+                flight.slot_free[fb.partition] = before = self.slot_ends.get(address, -np.inf)
+                self.slot_ends[address] = max(fb.end, before)
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
                     self.watch.watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
@@ -172,7 +172,7 @@ class Batches:
                     "park"
                 ):  # before the dispatcher hears of it: it may send the next stage at once
                     self._park(served, model, dispatch, flight, now)
-                self.watch.pace(served, model, flight.route[index]["address"], fb.end - fb.start, flight.spans[index], now)
+                self.watch.pace(served, model, address, fb.end - fb.start, flight.spans[index], now)
             self.plugin.metrics.feedback(model, fb)
             self.plugin.act(served, model, self.plugin.step(served, model, lambda: served.dispatcher.feedback(fb, now)))
 
