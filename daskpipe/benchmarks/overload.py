@@ -215,7 +215,7 @@ def _level(svc, cluster, sampler: QueueSampler, frames, load: float, capacity: f
     ended = Counter(future.status for future in futures)
     submitted = len(futures)
     del futures
-    settle(cluster.scheduler)
+    settle(svc.client)
     on_time = after["on_time"] - before["on_time"]
     return Level(
         load=load,

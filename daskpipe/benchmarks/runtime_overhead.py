@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import click
 import numpy as np
@@ -84,7 +85,7 @@ class LoopLag:
     """How late the scheduler's event loop runs a timer, sampled every ``interval_s``: what every
     handler, stream and timer on that loop waits for (D5: the lag must stay bounded at peak rate).
 
-    Started and stopped on the scheduler's loop (``cluster.sync``), so that it measures that loop.
+    Started and stopped on the loop it measures (``cluster.sync``, or :func:`start_loop_lag` on the scheduler).
     """
 
     def __init__(self, interval_s: float = 0.005):
@@ -126,10 +127,9 @@ def run_bench(
     every round is listed. Both paths are warmed up first; the latency runs come before the
     throughput rounds, so no release of a round's futures is still being processed while they run.
     """
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import daskpipe
-    from daskpipe.runtime.environ import stage_worker_environ
 
     requests = -(-requests // BATCH) * BATCH
 
@@ -137,12 +137,8 @@ def run_bench(
         from daskpipe.runtime.protocols import resolve_protocol
 
         protocol = resolve_protocol(protocol)
-    # a pipeline's two partitions need two slots; the b=1 pipeline gets two more
-    with (
-        stage_worker_environ(),
-        LocalCluster(n_workers=4, threads_per_worker=1, processes=processes, protocol=protocol, dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
+    with bench_cluster(processes, protocol) as cluster, Client(cluster) as client:
+        client.wait_for_workers(4)
         profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
         model = trivial_model()
         svc = daskpipe.deploy(
@@ -157,27 +153,26 @@ def run_bench(
             wait(client.map(_noop, range(100), pure=False))  # warm both paths
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
-            settle(cluster.scheduler)
+            settle(client)
             daskpipe_latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), latency_samples)
             dask_latencies = _closed_loop(lambda: client.submit(_noop, 0, pure=False), latency_samples)
-            lag = LoopLag()
             dask_rates, daskpipe_rates, lags, failed = [], [], [], 0
             for _ in range(rounds):
-                settle(cluster.scheduler)
+                settle(client)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
                 advance(note="plain Dask round")
-                settle(cluster.scheduler)
-                cluster.sync(lag.start)
+                settle(client)
+                client.run_on_scheduler(start_loop_lag)
                 rate, round_failed = _throughput(lambda: svc.map("trivial-b32", [x] * requests), requests)
-                lags.extend(cluster.sync(lag.stop))
+                lags.extend(client.run_on_scheduler(stop_loop_lag))
                 daskpipe_rates.append(rate)
                 advance(note="daskpipe round")
                 failed += round_failed
             status = svc.status()
         finally:
             svc.close()
-        settle(cluster.scheduler)
-        loaded_latencies, load = _loaded(client, cluster, latency_samples)
+        settle(client)
+        loaded_latencies, load = _loaded(client, latency_samples)
         lags.extend(load.pop("loop_lags_s"))
         advance(note="loaded run")
     compute_s = 2 * STAGE_US * 1e-6
@@ -206,7 +201,7 @@ def run_bench(
     }
 
 
-def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]:
+def _loaded(client: Any, samples: int) -> tuple[list[float], dict]:
     """Closed-loop latencies of ``samples`` requests of trivial-b1, on its own pipeline, while
     another client, in a process of its own as clients are, sends trivial-load Poisson load at
     ``LOAD_FACTOR`` of its plan's capacity; and what the load saw, with the scheduler's loop lags."""
@@ -228,11 +223,10 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
         profiles={**profiles, **load_profiles},
     )
     rate = LOAD_FACTOR * load_plan.models[0].throughput
-    lag = LoopLag()
     context = multiprocessing.get_context("spawn")
     flowing, stop, report = context.Event(), context.Event(), context.Queue()
     loader = context.Process(
-        target=offer_load, args=(cluster.scheduler_address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True
+        target=offer_load, args=(client.scheduler.address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True
     )
     try:
         wait(svc.map("trivial-load", [x] * 2 * LOAD_BATCH))
@@ -240,10 +234,10 @@ def _loaded(client: Any, cluster: Any, samples: int) -> tuple[list[float], dict]
         loader.start()
         if not flowing.wait(60):
             raise RuntimeError("the load generator did not start")
-        cluster.sync(lag.start)
+        client.run_on_scheduler(start_loop_lag)
         time.sleep(1.0)  # the load is flowing
         latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), samples)
-        lags = cluster.sync(lag.stop)
+        lags = client.run_on_scheduler(stop_loop_lag)
         stop.set()
         offered, ended, on_time = report.get(timeout=120)
         loader.join(30)
@@ -302,12 +296,59 @@ def _throughput(submit: Callable[[], list], requests: int) -> tuple[float, int]:
     return rate, sum(f.status != "finished" for f in futures)
 
 
-def settle(scheduler: Any, timeout_s: float = 60.0) -> None:
+def settle(client: Any, timeout_s: float = 60.0) -> None:
     """Wait until the scheduler holds only the stage actors: the previous run's keys are released
     and forgotten, work on its event loop that the next run must not be charged for."""
     deadline = time.monotonic() + timeout_s
-    while any(not ts.actor for ts in list(scheduler.tasks.values())) and time.monotonic() < deadline:
+    while client.run_on_scheduler(_unsettled_keys) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _unsettled_keys(dask_scheduler: Any) -> int:
+    return sum(not ts.actor for ts in dask_scheduler.tasks.values())
+
+
+_SCHEDULER_LAG: dict[str, LoopLag] = {}
+"""The loop-lag sampler running on the scheduler, in the scheduler's process."""
+
+
+async def start_loop_lag(dask_scheduler: Any) -> None:
+    """``client.run_on_scheduler``: start sampling the scheduler's loop lag."""
+    lag = _SCHEDULER_LAG["lag"] = LoopLag()
+    await lag.start()
+
+
+async def stop_loop_lag(dask_scheduler: Any) -> list[float]:
+    """``client.run_on_scheduler``: the lags sampled since :func:`start_loop_lag`, in seconds."""
+    return await _SCHEDULER_LAG.pop("lag").stop()
+
+
+@contextmanager
+def bench_cluster(processes: bool, protocol: str) -> Iterator[Any]:
+    """Four 1-thread CPU workers (a pipeline's two partitions need two slots; the b=1 pipeline
+    gets two more). As processes, the scheduler runs in a process of its own, as
+    ``dask scheduler --preload daskpipe`` does: the client's own work (making futures, waiting on
+    them) and the workers' Nannies must not be charged to the scheduler's event loop, as they are
+    when all share the loop of a ``LocalCluster``'s process."""
+    from distributed import LocalCluster
+    from distributed.deploy.subprocess import SubprocessCluster
+
+    from daskpipe.runtime.environ import stage_worker_environ
+
+    with stage_worker_environ():
+        if not processes:
+            with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, protocol=protocol, dashboard_address=None) as cluster:
+                yield cluster
+            return
+        with SubprocessCluster(
+            n_workers=4,
+            threads_per_worker=1,
+            worker_class="distributed.Worker",  # from this environment, without the allocator settings a Nanny would add
+            scheduler_kwargs={"preload": ["daskpipe"], "protocol": protocol},
+            worker_kwargs={"protocol": protocol},
+            dashboard_address=None,
+        ) as cluster:
+            yield cluster
 
 
 def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:

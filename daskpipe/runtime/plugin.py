@@ -37,7 +37,7 @@ from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.intake import Intake, check_dispatcher, served_from
+from daskpipe.runtime.intake import Intake, check_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
@@ -102,6 +102,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.EXPIRED: self.watch.on_expired,
                     messages.PROBED: self.watch.on_probed,
                     messages.PONG: self.pings.on_pong,
+                    "client-releases-keys": sliced_releases(scheduler.stream_handlers["client-releases-keys"]),
                 }
             )
             for address in scheduler.workers:
