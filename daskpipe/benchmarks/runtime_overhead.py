@@ -138,7 +138,6 @@ def run_bench(
 
         protocol = resolve_protocol(protocol)
     with bench_cluster(processes, protocol) as cluster, Client(cluster) as client:
-        client.wait_for_workers(4)
         profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
         model = trivial_model()
         svc = daskpipe.deploy(
@@ -335,19 +334,23 @@ def bench_cluster(processes: bool, protocol: str) -> Iterator[Any]:
 
     from daskpipe.runtime.environ import stage_worker_environ
 
+    workers = 4
     with stage_worker_environ():
         if not processes:
-            with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, protocol=protocol, dashboard_address=None) as cluster:
+            with LocalCluster(
+                n_workers=workers, threads_per_worker=1, processes=False, protocol=protocol, dashboard_address=None
+            ) as cluster:
                 yield cluster
             return
         with SubprocessCluster(
-            n_workers=4,
+            n_workers=workers,
             threads_per_worker=1,
             worker_class="distributed.Worker",  # from this environment, without the allocator settings a Nanny would add
             scheduler_kwargs={"preload": ["daskpipe"], "protocol": protocol},
             worker_kwargs={"protocol": protocol},
             dashboard_address=None,
         ) as cluster:
+            cluster.wait_for_workers(workers)  # its workers start as processes of their own, after it returns
             yield cluster
 
 

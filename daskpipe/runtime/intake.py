@@ -53,10 +53,10 @@ def sliced_releases(release: Callable[..., None]) -> Callable[..., Awaitable[Non
 
     async def sliced(*, keys: Any, **kwargs: Any) -> None:
         nonlocal turn_started
-        keys = list(keys) if isinstance(keys, (list, tuple, set)) else keys
-        if not isinstance(keys, list):
+        if not isinstance(keys, (list, tuple, set)):
             release(keys=keys, **kwargs)  # Dask's own handler says what is wrong
             return
+        keys = list(keys)
         for first in range(0, max(1, len(keys)), SUBMIT_SLICE):
             release(keys=keys[first : first + SUBMIT_SLICE], **kwargs)
             if time.monotonic() - turn_started > LOOP_TURN_S:
