@@ -304,6 +304,7 @@ class PlanView(DashboardComponent):
 CONTROL_COLUMNS = (
     ("model", "control path (ms)"),
     ("margin_ms", "margin"),
+    ("send_p99_ms", "send p99"),
     ("dispatch_p50_ms", "dispatch p50"),
     ("dispatch_p99_ms", "dispatch p99"),
     ("hop_p50_ms", "hop p50"),

@@ -92,7 +92,7 @@ class DaskpipeCollector(PrometheusCollector):
         )
         control = GaugeMetricFamily(
             name("control_delay_seconds"),
-            "Measured control-path delays of recent batches: dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
+            "Measured control-path delays: send (a request's submit to the scheduler, beyond its client's fastest), and of recent batches dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
             labels=["model", "kind", "quantile"],
         )
         suspects = GaugeMetricFamily(
@@ -107,7 +107,7 @@ class DaskpipeCollector(PrometheusCollector):
             in_flight.add_metric([model], status["in_flight"])
             summary = status["control"]
             margin.add_metric([model], summary["margin_ms"] * 1e-3)
-            for kind in ("dispatch", "hop", "done", "total"):
+            for kind in ("send", "dispatch", "hop", "done", "total"):
                 for q in ("p50", "p99"):
                     if f"{kind}_{q}_ms" in summary:
                         control.add_metric([model, kind, "0.5" if q == "p50" else "0.99"], summary[f"{kind}_{q}_ms"] * 1e-3)

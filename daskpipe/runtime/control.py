@@ -13,6 +13,11 @@ resolution reaching the client. The plugin measures those from the feedback of e
   its slot's batch before;
 * ``done``: the completion read on the scheduler minus the last stage's actual end.
 
+One more delay comes before all of these, and is not planned with a margin: ``send``, from the
+caller's ``submit`` to the scheduler reading the request, beyond the fastest such trip from that
+client (:class:`daskpipe.runtime.intake.SendClocks`). Each request's deadline is counted from
+the caller's ``submit``, so a request that waited on its way in has that much less time left.
+
 The last message, scheduler to client, is one more message of the same kind on the same kind of
 stream as ``done``, and is counted as one more ``done``. A batch's control delay is the sum.
 
@@ -52,7 +57,7 @@ MAX_SHARE = 0.5
 MIN_MARGIN_S = 0.002
 """The least margin: an event-loop timer fires up to a millisecond late (epoll waits whole
 milliseconds), and the last-moment dispatch of a batch waits on one."""
-KINDS = ("dispatch", "hop", "done")
+KINDS = ("send", "dispatch", "hop", "done")
 
 
 @dataclass
@@ -89,6 +94,10 @@ class ControlPath:
         self.recorded += 1
         if self.recorded % RECOMPUTE_EVERY == 0:
             self.refresh(now)
+
+    def record_send(self, delay_s: float, count: int = 1) -> None:
+        """``count`` requests of one submit message, read ``delay_s`` after their fastest way in."""
+        self.parts["send"].extend([delay_s] * min(count, WINDOW))
 
     def refresh(self, now: float) -> None:
         """Recompute the margin from the batches within the horizon."""

@@ -39,6 +39,49 @@ more than one slice."""
 LOOP_TURN_S = 0.005
 """How long a run of released keys may hold the scheduler's loop before it lets the loop turn."""
 
+SEND_WINDOW_S = 30.0
+"""How long a client's fastest way in is remembered (between one and two windows): long enough
+to hold a quiet moment, short enough to follow its clock drifting from the scheduler's."""
+CLOCK_STEP_S = 1.0
+"""A submission this much slower than its client's fastest is taken for the client's clock
+stepping back, not for a request that waited: the client's fastest trip is learnt afresh."""
+
+
+class SendClocks:
+    """How long each client's submissions waited on their way to the scheduler.
+
+    A client stamps each submit message with its wall clock when the caller hands the requests
+    over. The stamp's age when the scheduler reads it is the trip (the client's loop, the
+    network, the scheduler's loop being busy) plus the offset between the two clocks, which is
+    unknown but steady. The least age seen from a client is its fastest trip plus that offset, so
+    the age beyond it is what the requests waited more than they had to: their deadlines start
+    that much earlier. The least is kept over a sliding window of one to two
+    :data:`SEND_WINDOW_S`, so that it follows clocks that drift."""
+
+    def __init__(self, window_s: float = SEND_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.fastest: dict[str, tuple[float, float, float]] = {}  # client -> (window start, least age in it, in the window before)
+
+    def delay(self, client: str, sent_at: float | None, now: float) -> float:
+        """Seconds a message stamped ``sent_at`` (the client's wall clock), read at ``now`` (the
+        scheduler's monotonic clock), waited beyond its client's fastest; 0 for an unstamped one."""
+        if sent_at is None:
+            return 0.0
+        age = time.time() - sent_at
+        started, least, before = self.fastest.get(client, (now, age, age))
+        if now - started >= 2 * self.window_s:  # quiet for a while: what was seen before is stale
+            started, least, before = now, age, age
+        elif now - started >= self.window_s:
+            started, least, before = now, age, least
+        least = min(least, age)
+        if age - min(least, before) > CLOCK_STEP_S:
+            started, least, before = now, age, age
+        self.fastest[client] = (started, least, before)
+        return age - min(least, before)
+
+    def forget(self, client: str) -> None:
+        self.fastest.pop(client, None)
+
 
 def sliced_releases(release: Callable[..., None]) -> Callable[..., Awaitable[None]]:
     """Dask's ``client-releases-keys`` stream handler, taken :data:`SUBMIT_SLICE` keys at a time
@@ -111,7 +154,7 @@ def is_key(key: Any) -> bool:
     return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
 
 
-def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, unknown: dict) -> str | None:
+def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, sent_at: Any, unknown: dict) -> str | None:
     """What is wrong with a submission message as a whole, or ``None``; requests are checked one
     by one later (``Served.refusal``)."""
     if unknown:
@@ -120,6 +163,8 @@ def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: 
         return f"the model must be a name, got {type(model).__name__}"
     if type(start_block) is not int or start_block < 0:
         return f"start_block must be an integer >= 0, got {start_block!r}"
+    if sent_at is not None and (type(sent_at) not in (int, float) or not math.isfinite(sent_at)):
+        return f"sent_at must be a finite wall-clock time in seconds, got {sent_at!r}"
     for name, values in (("inputs", inputs), ("sizes", sizes)):
         if not isinstance(values, (list, tuple)):  # msgpack reads lists as tuples
             return f"{name} must be a list, got {type(values).__name__}"
@@ -233,13 +278,24 @@ class Intake:
 
     def __init__(self, plugin: Submitting) -> None:
         self.plugin = plugin
+        self.send_clocks = SendClocks()
 
     async def on_submit(
-        self, client: str, model: Any = None, keys: Any = None, inputs: Any = None, sizes: Any = None, start_block: Any = 0, **unknown: Any
+        self,
+        client: str,
+        model: Any = None,
+        keys: Any = None,
+        inputs: Any = None,
+        sizes: Any = None,
+        start_block: Any = 0,
+        sent_at: Any = None,
+        **unknown: Any,
     ) -> None:
         """New requests from ``client``: make their keys, queue them, step the dispatcher.
 
         ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
+        ``sent_at``: the client's wall clock when the caller handed the requests over; their
+        deadlines count from then (:class:`SendClocks`), else from the scheduler reading them.
         The message is checked whole before any key is made, so a malformed one errs every one of
         its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
         loop running whatever waits between two slices, whatever the message's size."""
@@ -247,12 +303,18 @@ class Intake:
             if not isinstance(keys, (list, tuple)):
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
                 return
-            problem = malformed(model, keys, inputs, sizes, start_block, unknown)
+            problem = malformed(model, keys, inputs, sizes, start_block, sent_at, unknown)
             served = self.plugin.served.get(model) if problem is None else None
             if problem is None and served is not None and not served.closing and start_block not in served.budgets:
                 problem = (
                     f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
                 )
+            read_at = time.monotonic()
+            arrival = read_at
+            if problem is None and served is not None:
+                delay = self.send_clocks.delay(client, sent_at, read_at)
+                served.control.record_send(delay, len(keys))
+                arrival -= delay
             for first in range(0, len(keys), SUBMIT_SLICE):
                 if first:
                     await asyncio.sleep(0)
@@ -267,16 +329,26 @@ class Intake:
                     inputs[first:stop] if problem is None else (),
                     sizes[first:stop] if problem is None else (),
                     start_block,
+                    arrival,
                 )
             self.plugin.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
     def _submit_slice(
-        self, client: str, model: Any, served: Served | None, keys: Sequence, problem: str | None, inputs: Any, sizes: Any, start_block: int
+        self,
+        client: str,
+        model: Any,
+        served: Served | None,
+        keys: Sequence,
+        problem: str | None,
+        inputs: Any,
+        sizes: Any,
+        start_block: int,
+        arrival: float,
     ) -> None:
         """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
-        make keys of, queue and dispatch the rest."""
+        make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
         plugin = self.plugin
         tasks = plugin.scheduler.tasks
         usable = [k for k in keys if is_key(k) and k not in tasks]
@@ -326,10 +398,12 @@ class Intake:
         refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
         make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
         control = served.control
-        deadline, tolerance = now + served.budgets[start_block] - control.margin_s, control.tolerance_s
+        deadline, tolerance = arrival + served.budgets[start_block] - control.margin_s, control.tolerance_s
         for key, payload, size in accepted:
             served.inputs[key] = (payload, size)
-            served.deadlines[key] = now + served.budgets[start_block]
-            request = Request(id=key, model=model, arrival=now, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance)
+            served.deadlines[key] = arrival + served.budgets[start_block]
+            request = Request(
+                id=key, model=model, arrival=arrival, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance
+            )
             plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
         plugin.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))

@@ -8,7 +8,7 @@ them to its monotonic clock.
 
 Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskpipe.runtime.streams`)::
 
-    client   --SUBMIT-->              scheduler   (keys, inputs, sizes)
+    client   --SUBMIT-->              scheduler   (keys, inputs, sizes, sent_at)
     scheduler --BATCH-->              worker of partition 0
     worker   --BATCH-->               worker of the next partition (fp16 feature map)
     scheduler --FORWARD-->            worker holding parked data (a staged data plane's next stage):

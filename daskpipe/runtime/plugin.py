@@ -176,6 +176,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """A client left (closed, or vanished mid-stream), and Dask released its keys: its queued
         requests are dropped here ("released") rather than computed for nobody or kept, and a
         model whose stage actors it held (their keys are gone with it) is closed."""
+        self.intake.send_clocks.forget(client)
         tasks = scheduler.tasks
         for model, served in list(self.served.items()):
             for key in [k for k in served.inputs if k not in tasks]:

@@ -216,6 +216,7 @@ class Service:
         All or nothing: every input is checked before any is sent. If one is refused, none is sent,
         and every future is already done: a refused input's raises its own :class:`InvalidRequest`,
         each other's an ``InvalidRequest`` saying it was not sent and which input was refused."""
+        sent_at = time.time()  # the requests' deadlines count from here
         admitted: list[tuple[int, bytes]] = []
         refused: dict[int, InvalidRequest] = {}
         for i, x in enumerate(xs):
@@ -241,12 +242,21 @@ class Service:
         for first in range(0, len(keys), SUBMIT_CHUNK):
             chunk = admitted[first : first + SUBMIT_CHUNK]
             self._send(
-                model, keys[first : first + SUBMIT_CHUNK], [payload for _, payload in chunk], [size for size, _ in chunk], start_block
+                model,
+                keys[first : first + SUBMIT_CHUNK],
+                [payload for _, payload in chunk],
+                [size for size, _ in chunk],
+                start_block,
+                sent_at,
             )
         return futures
 
-    def _send(self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0) -> None:
+    def _send(
+        self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
+    ) -> None:
         message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
+        if sent_at is not None:
+            message["sent_at"] = sent_at
         if start_block:
             message["start_block"] = start_block
         self._stream.send(message)

@@ -118,6 +118,7 @@ MALFORMED_FIELDS = {
     "sizes must be a list, got int": {"sizes": 3},
     "the model must be a name": {"model": 7},
     "unknown fields": {"priority": "high"},
+    "sent_at must be a finite wall-clock time": {"sent_at": float("nan")},
     "2 keys and 1 sizes": {"sizes": [1]},
 }
 
