@@ -205,8 +205,9 @@ class Stage:
             if self.emulated:
                 hold *= slot.hold_factor()
             start = time.time()
-            output = await asyncio.get_running_loop().run_in_executor(slot.executor, self._compute, data, split)
-            computed = time.time()
+            output, computed = await asyncio.get_running_loop().run_in_executor(
+                slot.executor, self._compute_until, data, split, start + hold if self.emulated else None
+            )
             overrun = self.emulated and computed - start > hold
             if self.emulated:
                 if overrun:
@@ -218,7 +219,6 @@ class Stage:
                         (computed - start) * 1e3,
                         hold * 1e3,
                     )
-                await asyncio.sleep(max(0.0, start + hold - time.time()))
             return output, start, time.time(), overrun
 
     def _deliver(
@@ -272,6 +272,17 @@ class Stage:
         asyncio.get_running_loop().call_soon(
             functools.partial(worker.update_data, data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
         )
+
+    def _compute_until(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, until: float | None) -> tuple[Any, float]:
+        """(output, when its compute ended): :meth:`_compute`, then an emulated stage's thread waits
+        until ``until`` (wall clock), as a thread waits on its GPU. A timer on the event loop ended
+        holds late (epoll waits whole milliseconds): an 11.1 ms stage measured 11.65-11.88 ms that
+        way, 11.43 ms this way."""
+        output = self._compute(data, split)
+        computed = time.time()
+        if until is not None and until > computed:
+            time.sleep(until - computed)
+        return output, computed
 
     def _compute(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None) -> torch.Tensor | list[torch.Tensor]:
         """Runs in the slot's compute thread: never on the event loop or the actor thread.
