@@ -79,8 +79,9 @@ class PPipeSettings:
     """The choices where PPipe's paper and its published simulator (the artifact) differ.
 
     Defaults follow the paper, except ``uplink_aware`` (the artifact's choice, never worse on the
-    shared profiles) and ``slack_quantile`` (daskpipe's, the same as the paper's where execution
-    keeps to the profile; docs/dataplane.md); :meth:`artifact` gives the simulator's choices.
+    shared profiles), and ``slack_quantile``, ``lead_batches`` and ``keep_full`` (daskpipe's, the
+    same as the paper's where execution keeps to the profile below capacity; docs/dataplane.md);
+    :meth:`artifact` gives the simulator's choices.
 
     timeline
         ``"gaps"`` (paper, Algorithm 2's earliestSlot): interval tables, later requests may fill
@@ -121,6 +122,20 @@ class PPipeSettings:
     latency_window, latency_min_samples
         The recent compute feedbacks per stage the quantile is taken over, and how many it needs
         before it departs from the profile.
+    lead_batches
+        ``1.0`` (default): a batch is sent no earlier than this many of its first stage's batch
+        times before that stage can start it, so a slot holds the batch it computes and the next
+        one, and the rest wait in the queue, where later batches form from what is queued then,
+        in deadline order, on the slot that really frees first. ``None`` (paper, artifact): a
+        batch is reserved and sent at once however far ahead its slot is booked; a slot that runs
+        slower than its profile then holds a growing line of batches that were planned on time.
+    keep_full
+        ``True`` (default): while at least a full batch is queued, the head's batch is not shrunk
+        to meet its deadline; a head that no full batch can serve in time is dropped. ``False``
+        (paper, artifact): step 2 shrinks the batch whenever the head's deadline needs it, which
+        near capacity lowers the throughput the backlog needs and makes it grow.
+        Without noise, neither changes anything below a plan's capacity; with latency noise, or at
+        capacity, they keep it served (docs/dataplane.md).
     """
 
     timeline: str = "gaps"
@@ -133,6 +148,8 @@ class PPipeSettings:
     slack_quantile: float | None = 0.95
     latency_window: int = 100
     latency_min_samples: int = 20
+    lead_batches: float | None = 1.0
+    keep_full: bool = True
 
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:
@@ -143,6 +160,8 @@ class PPipeSettings:
             raise ValueError(f"PPipeSettings.max_queued must be None or an integer >= 1, got {self.max_queued!r}")
         if not self.feedback_horizon_s > 0:
             raise ValueError(f"PPipeSettings.feedback_horizon_s must be > 0, got {self.feedback_horizon_s!r}")
+        if self.lead_batches is not None and not (0 < self.lead_batches < INF):
+            raise ValueError(f"PPipeSettings.lead_batches must be None or a positive number, got {self.lead_batches!r}")
         if self.slack_quantile is not None and not 0.5 <= self.slack_quantile < 1:
             raise ValueError(f"PPipeSettings.slack_quantile must be None or in [0.5, 1), got {self.slack_quantile!r}")
         if not 1 <= self.latency_min_samples <= self.latency_window:
@@ -154,7 +173,14 @@ class PPipeSettings:
     def artifact(cls, **overrides: object) -> PPipeSettings:
         """The published simulator's behaviour (digest §3.6)."""
         choices: dict[str, object] = dict(
-            timeline="append", two_pass_admission=True, bs1_penalty=True, reevaluate_on_arrival=True, uplink_aware=True, slack_quantile=None
+            timeline="append",
+            two_pass_admission=True,
+            bs1_penalty=True,
+            reevaluate_on_arrival=True,
+            uplink_aware=True,
+            slack_quantile=None,
+            lead_batches=None,
+            keep_full=False,
         )
         choices.update(overrides)
         return cls(**choices)  # type: ignore[arg-type]
@@ -294,6 +320,7 @@ class PPipeDispatcher(Dispatcher):
         self._dispatch_ids = count()
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
+        self._lead_wake: Time | None = None  # when the head's batch, held back by ``lead_batches``, is to be sent
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
         self._live: dict[
             int, tuple[tuple[Hop, ...], int, _Pipe, int]
@@ -361,7 +388,7 @@ class PPipeDispatcher(Dispatcher):
     def next_wake(self) -> Time | None:
         waiting = self._waiting
         if waiting is None:
-            return None
+            return self._lead_wake if self._queue else None
         return waiting.deadline - waiting.pipe.safe_work[self._queued_samples + 1]
 
     def feedback(self, fb: Feedback, now: Time) -> list[Action]:
@@ -423,7 +450,7 @@ class PPipeDispatcher(Dispatcher):
         actions: list[Action] = []
         while self._queue:
             actions.append(self._drop(self._pop(), reason, "drained"))
-        self._waiting = None
+        self._waiting = self._lead_wake = None
         return actions
 
     @property
@@ -506,7 +533,7 @@ class PPipeDispatcher(Dispatcher):
 
     def _after_capacity_change(self, now: Time, reason: DropReason) -> list[Action]:
         self._epoch += 1
-        self._waiting = None
+        self._waiting = self._lead_wake = None
         actions: list[Action] = []
         if any(entry[2].size > self._max_batch for entry in self._queue):
             kept = []
@@ -646,7 +673,7 @@ class PPipeDispatcher(Dispatcher):
         """Algorithm 1 while requests are queued. ``held``: the head's pipeline and batch size
         from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped."""
         actions: list[Action] = []
-        self._waiting = None
+        self._waiting = self._lead_wake = None
         self.timeline.advance(now)
         if self._live_order:
             self._forget_old(now)
@@ -677,6 +704,8 @@ class PPipeDispatcher(Dispatcher):
                 smallest = max(size, round(0.95 * bs))
             drop_after = head.drop_after
             tolerated = None
+            if settings.keep_full and self._queued_samples >= bs:  # a backlog: a smaller batch would only grow it
+                smallest = bs
             while finish > deadline and bs > smallest:
                 if tolerated is None and finish <= drop_after:
                     tolerated = (bs, finish, path)
@@ -693,6 +722,11 @@ class PPipeDispatcher(Dispatcher):
             if n < bs and finish <= deadline and now < deadline - pipe.safe_work[n + 1]:  # a batch past its deadline never waits
                 self._waiting = _Waiting(pipe, bs, deadline, self._epoch)
                 break
+            if settings.lead_batches is not None:  # not bound to a slot long before it is free
+                send_by = path[0][2] - settings.lead_batches * pipe.stages[0].compute[bs]
+                if send_by > now:
+                    self._lead_wake = send_by
+                    break
             actions.append(self._dispatch(pipe, bs, finish, path, now))
         return actions
 

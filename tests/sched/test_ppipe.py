@@ -7,7 +7,7 @@ import random
 import pytest
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
-from daskpipe.sched.api import Feedback, Placement, Request, Slot
+from daskpipe.sched.api import Dispatch, Drop, Feedback, Placement, Request, Slot
 from daskpipe.sched.drive import drive, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
@@ -139,7 +139,7 @@ def test_head_dropped_when_busy_tables_leave_no_batch():
 
 
 def test_a_head_within_its_tolerance_runs_instead_of_being_dropped():
-    d = dispatcher(model(whole("A")))  # a batch of 1 takes 20 ms
+    d = dispatcher(model(whole("A")), lead_batches=None)  # a batch of 1 takes 20 ms; each is sent at once
     d.timeline.reserve("A-0/0", 0.0, 0.175)
     [batch] = d.submit(Request(0, "m", 0.0, 0.200, tolerance=0.030), 0.0)
     assert batch.finish == pytest.approx(0.195)  # in time
@@ -429,9 +429,39 @@ def test_golden_fcn_plan_on_measured_profiles(ppipe_dir):
 
 
 # -- elasticity ------------------------------------------------------------------------------------------
+def test_a_batch_is_sent_one_batch_time_before_its_slot_frees_and_forms_from_what_is_queued_then():
+    d = dispatcher(model(whole("A", bs=4)))  # a batch of 4 takes 50 ms
+    d.timeline.reserve("A-0/0", 0.0, 0.100)
+    assert [a for i in range(8) for a in d.submit(req(i, 0.001 * i), 0.001 * i)] == []  # the slot is booked: they wait here
+    assert d.next_wake() == pytest.approx(0.050)  # one batch time before the slot frees
+    [batch] = d.wake(d.next_wake())
+    assert [r.id for r in batch.requests] == [0, 1, 2, 3] and batch.hops[0].compute.start == pytest.approx(0.100)
+    assert d.queued == 4 and d.next_wake() == pytest.approx(0.100)  # the next one goes when this one starts
+    [batch] = d.wake(d.next_wake())
+    assert [r.id for r in batch.requests] == [4, 5, 6, 7] and batch.hops[0].compute.start == pytest.approx(0.150)
+    eager = dispatcher(model(whole("A", bs=4)), lead_batches=None)  # the paper's: each batch is sent when it is full
+    eager.timeline.reserve("A-0/0", 0.0, 0.100)
+    sent = [a for i in range(8) for a in eager.submit(req(i, 0.001 * i), 0.001 * i)]
+    assert [b.hops[0].compute.start for b in sent] == pytest.approx([0.100, 0.150])
+
+
+def test_a_backlog_keeps_full_batches_and_drops_a_head_that_only_a_smaller_batch_could_serve():
+    def run(keep_full: bool) -> tuple[list[int], list[int]]:
+        d = dispatcher(model(whole("A", bs=4)), keep_full=keep_full)
+        d.timeline.reserve("A-0/0", 0.0, 0.150)
+        requests = [Request(0, "m", 0.0, 0.180)] + [req(i, 0.0) for i in range(1, 5)]
+        actions = [a for r in requests for a in d.submit(r, 0.0)]
+        actions += d.wake(d.next_wake())
+        return [len(a.requests) for a in actions if isinstance(a, Dispatch)], [a.request.id for a in actions if isinstance(a, Drop)]
+
+    # request 0 needs its batch done by 180 ms, and the slot frees at 150 ms: a full batch (50 ms) ends at 200
+    assert run(keep_full=False) == ([2], [])  # shrunk to 2 samples (30 ms) for it, three left queued
+    assert run(keep_full=True) == ([4], [0])  # a full batch of the next four; request 0 is dropped
+
+
 def test_remove_slot_releases_in_flight_reservations_and_retires_empty_pipelines():
     plan = model(whole("A", bs=1), split((1, 1), bs=1))
-    d = dispatcher(plan)
+    d = dispatcher(plan, lead_batches=None)  # every batch is sent at once, however far ahead its slot is booked
     a_whole, a_split, b_split = d.placement.pools[(0, 0)][0], d.placement.pools[(1, 0)][0], d.placement.pools[(1, 1)][0]
     [first] = d.submit(req(0, 0.0), 0.0)
     [second] = d.submit(req(1, 0.0), 0.0)
