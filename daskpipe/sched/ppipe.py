@@ -79,9 +79,9 @@ class PPipeSettings:
     """The choices where PPipe's paper and its published simulator (the artifact) differ.
 
     Defaults follow the paper, except ``uplink_aware`` (the artifact's choice, never worse on the
-    shared profiles), and ``slack_quantile``, ``lead_batches`` and ``keep_full`` (daskpipe's, the
-    same as the paper's where execution keeps to the profile below capacity; docs/dataplane.md);
-    :meth:`artifact` gives the simulator's choices.
+    shared profiles), and ``slack_quantile`` and ``lead_batches`` (daskpipe's, the same as the
+    paper's where execution keeps to the profile; docs/dataplane.md); :meth:`artifact` gives the
+    simulator's choices.
 
     timeline
         ``"gaps"`` (paper, Algorithm 2's earliestSlot): interval tables, later requests may fill
@@ -130,12 +130,12 @@ class PPipeSettings:
         batch is reserved and sent at once however far ahead its slot is booked; a slot that runs
         slower than its profile then holds a growing line of batches that were planned on time.
     keep_full
-        ``True`` (default): while at least a full batch is queued, the head's batch is not shrunk
-        to meet its deadline; a head that no full batch can serve in time is dropped. ``False``
-        (paper, artifact): step 2 shrinks the batch whenever the head's deadline needs it, which
-        near capacity lowers the throughput the backlog needs and makes it grow.
-        Without noise, neither changes anything below a plan's capacity; with latency noise, or at
-        capacity, they keep it served (docs/dataplane.md).
+        ``False`` (paper, artifact, the default): step 2 shrinks the batch whenever the head's
+        deadline needs it. ``True``: while at least a full batch is queued, the head's batch is
+        not shrunk; a head that no full batch can serve in time is dropped. Where a batch costs
+        much less than its samples alone (a GPU), shrinking near capacity lowers the throughput
+        the backlog needs and makes it grow, and ``True`` keeps the plan served; where it does not
+        (a CPU), the drops cost more than the shrinking (docs/dataplane.md).
     """
 
     timeline: str = "gaps"
@@ -149,7 +149,7 @@ class PPipeSettings:
     latency_window: int = 100
     latency_min_samples: int = 20
     lead_batches: float | None = 1.0
-    keep_full: bool = True
+    keep_full: bool = False
 
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:
