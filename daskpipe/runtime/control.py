@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -97,7 +98,7 @@ class ControlPath:
 
     def record_send(self, delay_s: float, count: int = 1) -> None:
         """``count`` requests of one submit message, read ``delay_s`` after their fastest way in."""
-        self.parts["send"].extend([delay_s] * min(count, WINDOW))
+        self.parts["send"].extend(repeat(delay_s, min(count, WINDOW)))
 
     def refresh(self, now: float) -> None:
         """Recompute the margin from the batches within the horizon."""
