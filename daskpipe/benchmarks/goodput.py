@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import click
 import numpy as np
@@ -41,6 +41,8 @@ PRECISION = 0.05  # the search stops once the failing rate is within this of the
 DRAIN_S = 10.0  # after the stream and one SLO, requests still not in hand count as missed
 DISTINCT_IMAGES = 8
 WARMUP_FORWARDS = 3
+SIM_SEEDS = 5  # the simulator's attainment at a rate: the mean over this many Poisson streams
+SIM_TRIALS = 12  # simulated trials cost milliseconds: the simulator's search may close in further
 
 
 @dataclass
@@ -81,6 +83,8 @@ class SloResult:
     profile_threads: int | None
     machine_limit: float = 0.0  # known once the run's last bare torch measurement is done
     trials: list[Trial] = field(default_factory=list)
+    compute_ratios: list[float] = field(default_factory=list)  # measured/profiled, of the met trials' recent batches
+    sim_max_rate: float | None = None  # the simulator's, on the same plan with those ratios as its latency noise
 
     @property
     def best(self) -> Trial | None:
@@ -95,6 +99,16 @@ class SloResult:
             "machine_limit": self.machine_limit,
             "of_plan": max_rate / self.plan_throughput if self.plan_throughput else None,
             "of_machine_limit": max_rate / self.machine_limit if self.machine_limit else None,
+            "sim_max_rate": self.sim_max_rate,
+            "of_sim": max_rate / self.sim_max_rate if self.sim_max_rate else None,
+            "compute_ratios": {
+                "samples": len(self.compute_ratios),
+                **(
+                    {f"p{q}": float(v) for q, v in zip((50, 90, 99), np.percentile(self.compute_ratios, [50, 90, 99]))}
+                    if self.compute_ratios
+                    else {}
+                ),
+            },
             "mean_batch": best.mean_batch if best else None,
             "planned_batches": self.planned_batches,
             "attainment": best.attainment if best else None,
@@ -104,13 +118,25 @@ class SloResult:
         }
 
 
-def search_max_rate(run_trial: Callable[[float], Trial], start: float, *, trials: int, ceiling: float = math.inf) -> list[Trial]:
+class Outcome(Protocol):
+    """A trial at ``rate`` of either search, the runtime's (:class:`Trial`) or the simulator's (:class:`SimTrial`)."""
+
+    rate: float
+
+    @property
+    def met(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Outcome)
+
+
+def search_max_rate(run_trial: Callable[[float], T], start: float, *, trials: int, ceiling: float = math.inf) -> list[T]:
     """Trials from ``start`` req/s: up by ``GROWTH`` until one misses, down by ``SHRINK`` until one is
     met, then bisection until the missed rate is within ``PRECISION`` of the met one; at most
     ``trials`` trials, none above ``ceiling``."""
     met, missed = 0.0, math.inf
     rate = min(start, ceiling)
-    done: list[Trial] = []
+    done: list[T] = []
     for _ in range(trials):
         trial = run_trial(rate)
         done.append(trial)
@@ -122,6 +148,48 @@ def search_max_rate(run_trial: Callable[[float], Trial], start: float, *, trials
             break
         rate = min(met * GROWTH, ceiling) if missed == math.inf else missed * SHRINK if met == 0 else (met + missed) / 2
     return done
+
+
+@dataclass
+class SimTrial:
+    """The simulator's attainment at ``rate``: the mean over :data:`SIM_SEEDS` Poisson streams."""
+
+    rate: float
+    attainment: float
+
+    @property
+    def met(self) -> bool:
+        return self.attainment >= GOAL
+
+
+def sim_max_rate(
+    plan: Any, profile: Any, ratios: Sequence[float], start: float, *, duration: float, seed: int, ceiling: float = math.inf
+) -> float:
+    """The highest rate the simulator serves ``plan``'s one model at (the same search as the
+    runtime's), its computes drawn from ``ratios`` x the profile: what this plan reaches with the
+    compute noise the runtime measured at the rates it served, and no control path."""
+    from daskpipe.sim import SimulationConfig, simulate
+
+    (model_plan,) = plan.models
+    profiles = {model_plan.name: profile}
+    noise = list(ratios) or None
+
+    def trial(rate: float) -> SimTrial:
+        configs = [SimulationConfig(duration=duration, seed=seed + k, latency_ratios=noise) for k in range(SIM_SEEDS)]
+        load = rate / model_plan.throughput
+        return SimTrial(
+            rate, float(np.mean([simulate(plan, profiles, c, load_factor=load).models[model_plan.name].attainment for c in configs]))
+        )
+
+    return max((t.rate for t in search_max_rate(trial, start, trials=SIM_TRIALS, ceiling=ceiling) if t.met), default=0.0)
+
+
+def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
+    """On the scheduler: the measured/profiled compute ratios of ``model``'s recent batches, its stages pooled."""
+    from daskpipe.runtime.plugin import plugin_of
+
+    served = plugin_of(dask_scheduler).served.get(model)
+    return [] if served is None else [r for ratios in served.dispatcher.ratio_samples().values() for r in ratios]
 
 
 def machine_limit(model: str, image_size: int, processes: int, threads: int, seconds: float) -> float:
@@ -287,11 +355,17 @@ def run_goodput(
                 ) as service:
                     _warm_up(service, model, images, model_plan.max_batch)
                     done = run_trial(service, model, images, rate, duration, slo_ms / 1e3, seed + len(result.trials))
+                    ratios = client.run_on_scheduler(compute_ratios, model=model)
+                if done.met:  # an overloaded trial's contention is not the noise of a rate that is served
+                    result.compute_ratios += ratios
                 result.trials.append(done)
                 advance(note=f"SLO {slo_ms:g} ms: {rate:.1f} req/s, {done.attainment:.1%} on time")
                 return done
 
             search_max_rate(trial, min(model_plan.throughput, limits[0]), trials=trials, ceiling=max_rate)
+            result.sim_max_rate = sim_max_rate(
+                plan, profile, result.compute_ratios, min(model_plan.throughput, limits[0]), duration=duration, seed=seed, ceiling=max_rate
+            )
             advance(trials - len(result.trials))
     advance(0, note="the machine's limit again")
     limits.append(machine_limit(model, image_size, count, threads, limit_seconds))
@@ -417,7 +491,7 @@ def bench_goodput(
     for slo, row in figures["slos"].items():
         click.echo(
             f"SLO {slo} ms: max {row['max_rate']:.1f} req/s | plan {row['plan_throughput']:.1f} req/s | machine limit "
-            f"{row['machine_limit']:.1f} img/s | mean batch {row['mean_batch'] or 0:.2f}",
+            f"{row['machine_limit']:.1f} img/s | simulator {row['sim_max_rate'] or 0:.1f} req/s | mean batch {row['mean_batch'] or 0:.2f}",
             err=True,
         )
     text = json.dumps(figures, indent=1)

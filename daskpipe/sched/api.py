@@ -193,6 +193,12 @@ class Dispatcher(ABC):
         The elastic re-planner re-plans when one leaves the profile's band."""
         return {}
 
+    def ratio_samples(self) -> dict[tuple[int, int], list[float]]:
+        """(pipeline, partition) -> the measured/profiled compute ratios of its recent batches,
+        oldest first; empty when it does not measure. The simulator replays them as latency noise
+        (``SimulationConfig.latency_ratios``)."""
+        return {}
+
     @property
     def queued(self) -> int:
         return 0

@@ -465,6 +465,14 @@ class PPipeDispatcher(Dispatcher):
             if stage.measured is not None and (median := stage.measured.median) is not None
         }
 
+    def ratio_samples(self) -> dict[tuple[int, int], list[float]]:
+        return {
+            (pipe.index, stage.index): list(stage.measured.ratios)
+            for pipe in self._pipes
+            for stage in pipe.stages
+            if stage.measured is not None and stage.measured.ratios
+        }
+
     # -- elasticity ------------------------------------------------------------------------------
     def continue_ids(self, first: int) -> None:
         """Number the next batches from ``first`` on: a dispatcher that takes over from another (a

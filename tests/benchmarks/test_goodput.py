@@ -7,8 +7,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from daskpipe.benchmarks.goodput import PRECISION, Trial, search_max_rate
+from daskpipe.benchmarks.goodput import PRECISION, Trial, search_max_rate, sim_max_rate
 from daskpipe.cli import main
+from tests.sim.helpers import batching_plan
 
 
 def _threshold_trials(capacity: float):
@@ -69,6 +70,16 @@ def test_bad_options_name_the_option(args, option):
     assert result.exit_code == 2 and option in result.output, result.output
 
 
+def test_the_simulator_serves_less_with_the_compute_noise_it_is_given():
+    """One stage at batch 8 on 2 GPUs (444 req/s of capacity, SLO 100 ms): computes as profiled
+    keep it near its capacity (388 req/s), computes drawn 1.0-1.3x the profile take it down (324)."""
+    plan, profiles = batching_plan()
+    exact = sim_max_rate(plan, profiles["g"], [], 500.0, duration=2.0, seed=1)
+    noisy = sim_max_rate(plan, profiles["g"], [1.0, 1.1, 1.2, 1.3], 500.0, duration=2.0, seed=1)
+    assert exact >= 0.85 * plan.models[0].throughput
+    assert 0 < noisy < 0.9 * exact
+
+
 def test_small_run_writes_the_figures(tmp_path):
     """resnet18 on 32 x 32 images at a few req/s: every figure is there and every request accounted
     for. Whether the runtime meets the SLO is the runtime's business; the search is tested above."""
@@ -87,3 +98,7 @@ def test_small_run_writes_the_figures(tmp_path):
         assert trial["in_hand"] + trial["dropped"] + trial["failed"] + trial["pending"] == trial["submitted"] > 0
         assert trial["on_time"] <= trial["in_hand"] and trial["met"] == (trial["attainment"] >= 0.99)
     assert row["max_rate"] == max((t["rate"] for t in row["trials"] if t["met"]), default=0.0)
+    ratios = row["compute_ratios"]
+    assert (ratios["samples"] > 0) == any(t["met"] for t in row["trials"]), "the batches of the met trials"
+    assert ratios["samples"] == 0 or 0 < ratios["p50"] <= ratios["p99"]
+    assert 0 <= row["sim_max_rate"] <= 4.0, "the simulator's search keeps to --max-rate too"

@@ -301,6 +301,15 @@ def test_a_stage_measured_slower_is_reserved_longer():
     assert d.next_wake() == pytest.approx(30.0 + (200 - 1.3 * 30) * MS)
 
 
+def test_the_measured_ratios_are_given_as_they_came_and_not_without_measuring():
+    d = dispatcher(model(whole("A")), latency_window=3, latency_min_samples=3)
+    run_full_batches(d, [1.0, 1.2, 0.9, 1.5])
+    assert d.ratio_samples() == {(0, 0): pytest.approx([1.2, 0.9, 1.5])}  # the window's, oldest first
+    last_moment = dispatcher(model(whole("A")), slack_quantile=None)
+    run_full_batches(last_moment, [1.3] * 3)
+    assert last_moment.ratio_samples() == {}
+
+
 def test_last_moment_dispatch_ignores_the_measures():
     d = dispatcher(model(whole("A")), slack_quantile=None)
     run_full_batches(d, [1.3] * 30)
