@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.runtime.control import MIN_BATCHES, MIN_MARGIN_S, RECOMPUTE_EVERY, ControlPath
+from daskpipe.runtime.control import HORIZON_S, MIN_BATCHES, MIN_MARGIN_S, RECOMPUTE_EVERY, ControlPath
 from daskpipe.runtime.served import Flight
 
 MS = 1e-3
@@ -57,3 +57,21 @@ def test_a_capped_margin_leaves_a_tolerance_no_wider_than_itself():
     path = ControlPath(seed_s=0.0, cap_s=3 * MS)
     record(path, [5.0] * (5 * RECOMPUTE_EVERY))  # every batch slower than the cap
     assert path.margin_s == 3 * MS and path.typical_s == 3 * MS and path.tolerance_s == 0
+
+
+def test_a_model_of_few_batches_per_horizon_plans_with_its_measured_delays_not_the_seed():
+    """A batch every HORIZON_S / 5 seconds: never MIN_BATCHES in one horizon, yet measured."""
+    path = ControlPath(seed_s=2 * MS)
+    every = HORIZON_S / 5
+    for i in range(MIN_BATCHES):
+        path.record(i * every, 3 * MS, [], 0.0)
+    assert path.margin_s == pytest.approx(3 * MS)
+
+
+def test_a_stall_is_forgotten_once_later_batches_replace_it_at_any_rate():
+    path = ControlPath(seed_s=1 * MS)
+    every = HORIZON_S / 5
+    stalled = [30.0] * RECOMPUTE_EVERY
+    for i, total in enumerate(stalled + [2.0] * MIN_BATCHES):
+        path.record(i * every, total * MS, [], 0.0)
+    assert path.margin_s == pytest.approx(2 * MS), "the stall's batches are out of the horizon and MIN_BATCHES later ones are in"
