@@ -27,8 +27,8 @@ The margin, by which each request's planned deadline is moved earlier, is a high
 deployed, and never less than :data:`MIN_MARGIN_S`. Until :data:`MIN_BATCHES` batches are measured the seed alone is used: one slow
 batch among a few says little. A model served at fewer than :data:`MIN_BATCHES` batches per horizon
 keeps its latest :data:`MIN_BATCHES` however old: else its margin would stay the seed for good,
-and the seed, from pings, falls short of a batch's path (measured: 1.9 ms against 2.8-3.5 ms p50
-on CPU workers, and a batch dispatched at its last moment was late by that much). A stall is
+and the seed, from pings, falls short of a batch's path (measured on CPU workers: 1.3-2.9 ms
+against 3.0-3.4 ms p50, and batches dispatched at their last moment ended late). A stall is
 forgotten once it leaves the horizon (or, at such rates, once :data:`MIN_BATCHES` later batches
 are in): otherwise a margin swollen by it would drop every request, no batch would run, and nothing
 would bring it down. For
