@@ -14,6 +14,11 @@ The machine's limit is measured in the same run, before the cluster starts and a
 ``COUNT`` bare torch processes of ``THREADS`` threads each run the same model back to back at batch
 1, at the same time; the better of the two counts (other work on the machine only slows a run). The model is
 profiled once, by the first deploy on the cluster's worker, and each SLO is planned from that profile.
+
+Beside them, the simulator's highest rate on the same plan, found by the same search, with each
+compute drawn from the measured/profiled ratios of the batches the met trials ran: what the plan
+reaches with this machine's compute noise and no control path, so that a run tells what the
+runtime loses from what the machine's noise does.
 """
 
 from __future__ import annotations
@@ -27,10 +32,14 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 import click
 import numpy as np
+
+if TYPE_CHECKING:
+    from daskpipe.plan.schema import Plan
+    from daskpipe.profiles.model import Profile
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +172,7 @@ class SimTrial:
 
 
 def sim_max_rate(
-    plan: Any, profile: Any, ratios: Sequence[float], start: float, *, duration: float, seed: int, ceiling: float = math.inf
+    plan: Plan, profile: Profile, ratios: Sequence[float], start: float, *, duration: float, seed: int, ceiling: float = math.inf
 ) -> float:
     """The highest rate the simulator serves ``plan``'s one model at (the same search as the
     runtime's), its computes drawn from ``ratios`` x the profile: what this plan reaches with the
