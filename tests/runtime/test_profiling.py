@@ -143,7 +143,8 @@ def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_clu
 def test_profiling_past_the_timeout_excludes_the_kind(cpu_cluster):
     cluster, client = cpu_cluster
     convs = torch.nn.Sequential(*(torch.nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))).eval()  # ~0.2 s of timing: more than the limit
-    with pytest.raises(DeployError, match="failed on every kind.*cpu/1: profiling took longer than timeout_s=0.01"):
+    # past the limit while timing, or before it starts (scattering the model took longer, on a busy machine)
+    with pytest.raises(DeployError, match="failed on every kind.*cpu/1: (profiling took longer than|not profiled within) timeout_s=0.01"):
         profile_on_cluster(
             client, inventory(client), "convs", convs, torch.randn(1, 3, 64, 64), slo_us=None, num_blocks=2, batch_sizes=8, timeout_s=0.01
         )
