@@ -181,10 +181,9 @@ def sim_max_rate(
 
     (model_plan,) = plan.models
     profiles = {model_plan.name: profile}
-    noise = list(ratios) or None
+    configs = [SimulationConfig(duration=duration, seed=seed + k, latency_ratios=list(ratios) or None) for k in range(SIM_SEEDS)]
 
     def trial(rate: float) -> SimTrial:
-        configs = [SimulationConfig(duration=duration, seed=seed + k, latency_ratios=noise) for k in range(SIM_SEEDS)]
         load = rate / model_plan.throughput
         return SimTrial(
             rate, float(np.mean([simulate(plan, profiles, c, load_factor=load).models[model_plan.name].attainment for c in configs]))
@@ -364,17 +363,15 @@ def run_goodput(
                 ) as service:
                     _warm_up(service, model, images, model_plan.max_batch)
                     done = run_trial(service, model, images, rate, duration, slo_ms / 1e3, seed + len(result.trials))
-                    ratios = client.run_on_scheduler(compute_ratios, model=model)
-                if done.met:  # an overloaded trial's contention is not the noise of a rate that is served
-                    result.compute_ratios += ratios
+                    if done.met:  # an overloaded trial's contention is not the noise of a rate that is served
+                        result.compute_ratios += client.run_on_scheduler(compute_ratios, model=model)
                 result.trials.append(done)
                 advance(note=f"SLO {slo_ms:g} ms: {rate:.1f} req/s, {done.attainment:.1%} on time")
                 return done
 
-            search_max_rate(trial, min(model_plan.throughput, limits[0]), trials=trials, ceiling=max_rate)
-            result.sim_max_rate = sim_max_rate(
-                plan, profile, result.compute_ratios, min(model_plan.throughput, limits[0]), duration=duration, seed=seed, ceiling=max_rate
-            )
+            start = min(model_plan.throughput, limits[0])
+            search_max_rate(trial, start, trials=trials, ceiling=max_rate)
+            result.sim_max_rate = sim_max_rate(plan, profile, result.compute_ratios, start, duration=duration, seed=seed, ceiling=max_rate)
             advance(trials - len(result.trials))
     advance(0, note="the machine's limit again")
     limits.append(machine_limit(model, image_size, count, threads, limit_seconds))

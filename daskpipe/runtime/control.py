@@ -31,8 +31,7 @@ and the seed, from pings, falls short of a batch's path (measured on CPU workers
 against 3.0-3.4 ms p50, and batches dispatched at their last moment ended late). A stall is
 forgotten once it leaves the horizon (or, at such rates, once :data:`MIN_BATCHES` later batches
 are in): otherwise a margin swollen by it would drop every request, no batch would run, and nothing
-would bring it down. For
-the same reason the margin never takes more than :data:`MAX_SHARE` of the headroom, what the
+would bring it down. For the same reason the margin never takes more than :data:`MAX_SHARE` of the headroom, what the
 model's tightest budget leaves beyond a lone request's latency (nor of the budget itself): a
 request can always still be dispatched, with room to queue, so batches keep running and being
 measured through a stall, and what the pipeline can still serve in time is served.
