@@ -16,7 +16,11 @@ feature map, outputs stored on the last worker, completions back to the client.
 * per-request overhead under load: the same closed-loop requests on their own idle pipeline,
   while another model of the same service takes Poisson load at ``LOAD_FACTOR`` of its plan's
   capacity from another thread of the same client: the control path shared with real traffic;
-* the scheduler's event-loop lag (max, p99) during the daskpipe throughput rounds and the loaded run.
+* the scheduler's event-loop lag (max, p99) during the daskpipe throughput rounds and the loaded run;
+* CPU per request, by role (the client's process, the scheduler's, the workers' together), in the
+  idle closed loop and in the daskpipe throughput rounds: where the time goes. When the closed
+  loop's CPU per request exceeds its wall time per request, its processes keep more than one core
+  busy, and on a small machine every hop then waits for a core (``closed_loop_cores_busy``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import asyncio
 import json
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import click
 import numpy as np
@@ -153,16 +157,23 @@ def run_bench(
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
             settle(client)
+            roles = process_roles(client, processes)
+            before, started = cpu_seconds(roles), time.perf_counter()
             daskpipe_latencies = _closed_loop(lambda: svc.submit("trivial-b1", x), latency_samples)
+            closed_loop_wall_s, closed_loop_cpu = time.perf_counter() - started, spent_since(before, roles)
             dask_latencies = _closed_loop(lambda: client.submit(_noop, 0, pure=False), latency_samples)
             dask_rates, daskpipe_rates, lags, failed = [], [], [], 0
+            throughput_cpu = dict.fromkeys(roles, 0.0)
             for _ in range(rounds):
                 settle(client)
                 dask_rates.append(_throughput(lambda: client.map(_noop, range(requests), pure=False), requests)[0])
                 advance(note="plain Dask round")
                 settle(client)
                 client.run_on_scheduler(start_loop_lag)
+                before = cpu_seconds(roles)
                 rate, round_failed = _throughput(lambda: svc.map("trivial-b32", [x] * requests), requests)
+                for role, seconds in spent_since(before, roles).items():
+                    throughput_cpu[role] += seconds
                 lags.extend(client.run_on_scheduler(stop_loop_lag))
                 daskpipe_rates.append(rate)
                 advance(note="daskpipe round")
@@ -196,8 +207,45 @@ def run_bench(
         "dask_task_latency_p50_ms": _percentile(sorted(latency * 1e3 for latency in dask_latencies), 0.5),
         "loop_lag_max_ms": lags_ms[-1] if lags_ms else None,
         "loop_lag_p99_ms": _percentile(lags_ms, 0.99) if lags_ms else None,
+        "cpu_ms_per_request": {
+            "closed_loop": per_request_ms(closed_loop_cpu, latency_samples),
+            "throughput": per_request_ms(throughput_cpu, requests * rounds),
+        },
+        "closed_loop_cores_busy": sum(closed_loop_cpu.values()) / closed_loop_wall_s,
         "batches": status["trivial-b32"]["batches"],
     }
+
+
+def process_roles(client: Any, processes: bool) -> dict[str, list[int]]:
+    """The process ids of each role: this client's, the scheduler's and the workers'; one ``all``
+    when they share this process."""
+    import os
+
+    if not processes:
+        return {"all": [os.getpid()]}
+    return {"client": [os.getpid()], "scheduler": [client.run_on_scheduler(os.getpid)], "workers": sorted(client.run(os.getpid).values())}
+
+
+def cpu_seconds(roles: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """Each role's CPU seconds so far: user and system time, summed over its processes."""
+    import psutil
+
+    spent = {}
+    for role, pids in roles.items():
+        times = [psutil.Process(pid).cpu_times() for pid in pids]
+        spent[role] = sum(t.user + t.system for t in times)
+    return spent
+
+
+def spent_since(before: Mapping[str, float], roles: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """Each role's CPU seconds since ``before`` (:func:`cpu_seconds`)."""
+    return {role: seconds - before[role] for role, seconds in cpu_seconds(roles).items()}
+
+
+def per_request_ms(cpu_s: Mapping[str, float], requests: int) -> dict[str, float]:
+    """Milliseconds of CPU per request, by role and in total."""
+    per_role = {role: seconds * 1e3 / requests for role, seconds in cpu_s.items()}
+    return {**per_role, "total": sum(per_role.values())}
 
 
 def _loaded(client: Any, samples: int) -> tuple[list[float], dict]:

@@ -20,3 +20,7 @@ def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path):
     assert figures["ratio"] == figures["requests_per_second"] / figures["dask_tasks_per_second"]
     assert 0 < figures["overhead_p50_ms"] <= figures["overhead_p99_ms"]
     assert "in-process" in figures["cluster"] and figures["loop_lag_max_ms"] is not None
+    cpu = figures["cpu_ms_per_request"]
+    assert set(cpu["closed_loop"]) == set(cpu["throughput"]) == {"all", "total"}, "client, scheduler and workers share this process"
+    assert cpu["closed_loop"]["total"] == cpu["closed_loop"]["all"] > 0 and cpu["throughput"]["total"] == cpu["throughput"]["all"]
+    assert figures["closed_loop_cores_busy"] > 0
