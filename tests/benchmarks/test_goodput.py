@@ -102,3 +102,4 @@ def test_small_run_writes_the_figures(tmp_path):
     assert (ratios["samples"] > 0) == any(t["met"] for t in row["trials"]), "the batches of the met trials"
     assert ratios["samples"] == 0 or 0 < ratios["p50"] <= ratios["p99"]
     assert 0 <= row["sim_max_rate"] <= 4.0, "the simulator's search keeps to --max-rate too"
+    assert 0 < row["sim_exact_max_rate"] <= 4.0 and row["sim_exact_of_plan"] == row["sim_exact_max_rate"] / row["plan_throughput"]
