@@ -113,6 +113,8 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
     assert name.startswith("textsnake") and model["slo_ms"] == pytest.approx(99.50985)
     assert 0 < model["sim_max_load_factor"] <= 1 and 0 < model["runtime_max_load_factor"] <= 1
     assert model["ratio"] == pytest.approx(model["runtime_max_load_factor"] / model["sim_max_load_factor"])
+    assert 0 < model["control_path_p50_ms"] < model["slo_ms"], "the median of the trials' measured control paths"
+    assert 0 <= model["sim_with_control_path_max_load_factor"] <= 1
     assert model["tensors"].startswith("small") and model["emulated_gpus"] == {"L4": {"count": 1, "slices": 1}}
     assert 0 < model["planned_rate_per_s"] < 400 and model["plan"]
     assert 1 <= len(model["trials"]) <= 6
