@@ -41,6 +41,14 @@ class ServedFuture(Future):
         super().__init__(key, client)
         self.inline: Any = _NOTHING
 
+    def result(self, timeout: float | None = None) -> Any:
+        """As ``Future.result``. A finished future whose output came with the completion hands it
+        over at once: through the client's event loop, as Dask's ``result`` goes, each call cost
+        140-200 us on a 2-core machine, a second and more for the results of a 5000-request burst."""
+        if self.inline is not _NOTHING and self.status == "finished" and not self.client.asynchronous:
+            return unpack_tensor(self.inline)
+        return super().result(timeout)
+
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
         assert state is not None, "a future made with its client is bound at construction"

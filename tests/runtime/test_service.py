@@ -60,6 +60,20 @@ def test_two_stages_on_emulated_pools_match_the_model_and_work_with_dask_waiting
         assert status["completed"] == 10 and status["failed"] == 0
 
 
+def test_a_finished_future_hands_over_its_output_without_the_clients_event_loop(emulated_inproc):
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        xs = frames(4)
+        futures = svc.map("tiny", xs)
+        wait(futures, timeout=30)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went through the client's event loop"))
+            for future, ref in zip(futures, reference(xs)):
+                torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
+        pending = svc.submit("tiny", xs[0])
+        torch.testing.assert_close(pending.result(timeout=30), reference(xs[:1])[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
 def test_inputs_travel_as_raw_bytes_and_rebuild_into_the_batch(dtype):
     from daskpipe.runtime.service import encode_input
