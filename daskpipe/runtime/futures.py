@@ -45,16 +45,22 @@ class ServedFuture(Future):
         """As ``Future.result``. A finished future whose output came with the completion hands it
         over at once: through the client's event loop, as Dask's ``result`` goes, each call cost
         140-200 us on a 2-core machine, a second and more for the results of a 5000-request burst."""
-        if self.inline is not _NOTHING and self.status == "finished" and not self.client.asynchronous:
+        if self.output_in_hand and not self.client.asynchronous:
             return unpack_tensor(self.inline)
         return super().result(timeout)
+
+    @property
+    def output_in_hand(self) -> bool:
+        """Finished, with its output come along with the completion (unpacked only when asked for:
+        a burst's futures are often gathered instead)."""
+        return self.inline is not _NOTHING and self.status == "finished"
 
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
         assert state is not None, "a future made with its client is bound at construction"
         await state.wait()
-        if self.inline is not _NOTHING and self.status == "finished":
-            return unpack_tensor(self.inline)  # unpacked when asked for: a burst's futures are often gathered instead
+        if self.output_in_hand:
+            return unpack_tensor(self.inline)
         return await super()._result(raiseit)
 
 
