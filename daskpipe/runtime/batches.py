@@ -18,7 +18,7 @@ from distributed.protocol import Serialized
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed, guarded
-from daskpipe.runtime.keys import err_keys, free_keys, resolve, store
+from daskpipe.runtime.keys import clients_of, err_keys, free_keys, resolve, store
 from daskpipe.runtime.served import Flight, Served
 from daskpipe.runtime.streams import ImmediateSend
 from daskpipe.runtime.watch import GrayWatch
@@ -75,9 +75,11 @@ class Batches:
         timings: list,
         overrun: bool = False,
         outputs: list | None = None,
+        told: list | None = None,
     ) -> None:
-        """The last stage stored the batch's outputs on ``worker``: resolve the clients' futures,
-        with the small ``outputs`` (packed tensors, never unpacked here) that came along.
+        """The last stage stored the batch's outputs on ``worker``: resolve the futures of the
+        clients it has not ``told`` itself, with the small ``outputs`` (packed tensors, never
+        unpacked here) that came along.
 
         Only the resolutions are sent from here; the bookkeeping (the keys into memory on
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
@@ -91,7 +93,14 @@ class Batches:
         tasks = self.plugin.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
         if pending:
-            resolve(self.plugin.scheduler, self.plugin.client_streams, pending, dict(zip(keys, outputs)) if outputs is not None else None)
+            resolve(
+                self.plugin.scheduler,
+                self.plugin.client_streams,
+                pending,
+                dict(zip(keys, outputs)) if outputs is not None else None,
+                worker=worker,
+                told=frozenset(told or ()),
+            )
         asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic())
 
     @guarded
@@ -277,6 +286,7 @@ class Batches:
             "sizes": [n for _, _, n in retries],
             "route": flight.route,
             "expires": latest + time.time() - time.monotonic(),
+            "clients": clients_of(self.plugin.scheduler, self.plugin.client_streams, flight.keys),
         }
         if not flight.sources:
             self.plugin.to_worker(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})

@@ -32,17 +32,36 @@ def make_keys(scheduler: Any, client: str, keys: Sequence) -> None:
     scheduler.client_desires_keys(keys=list(keys), client=client)
 
 
-def resolve(scheduler: Any, streams: dict[str, ImmediateSend], keys: list, outputs: dict[Any, Any] | None) -> None:
-    """Tell the clients that want ``keys`` on their daskpipe ``streams``, ahead of Dask's report
-    stream, with the small ``outputs`` that came with them (never deserialized here)."""
-    per_client: dict[str, list] = {}
+def clients_of(scheduler: Any, streams: dict[str, ImmediateSend], keys: list) -> dict[str, list[int]]:
+    """The clients with a daskpipe stream that want ``keys``: client id -> the indices of its keys."""
+    wanted: dict[str, list[int]] = {}
     tasks = scheduler.tasks
-    for key in keys:
-        for cs in tasks[key].who_wants or ():
+    for i, key in enumerate(keys):
+        ts = tasks.get(key)
+        for cs in (ts.who_wants if ts is not None else None) or ():
             if cs.client_key in streams:
-                per_client.setdefault(cs.client_key, []).append(key)
+                wanted.setdefault(cs.client_key, []).append(i)
+    return wanted
+
+
+def resolve(
+    scheduler: Any,
+    streams: dict[str, ImmediateSend],
+    keys: list,
+    outputs: dict[Any, Any] | None,
+    worker: str,
+    told: frozenset[str] = frozenset(),
+) -> None:
+    """Tell the clients that want ``keys`` on their daskpipe ``streams``, ahead of Dask's report
+    stream, with the small ``outputs`` that came with them (never deserialized here); not those
+    the last stage, ``worker``, has ``told`` itself. The message names ``worker``: a client opens
+    its own stream to it, so that it tells the client itself from then on."""
+    per_client: dict[str, list] = {}
+    for client, indices in clients_of(scheduler, streams, keys).items():
+        if client not in told:
+            per_client[client] = [keys[i] for i in indices]
     for client, wanted in per_client.items():
-        message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted}
+        message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted, "worker": worker}
         if outputs is not None:
             message["outputs"] = [outputs[key] for key in wanted]
         try:

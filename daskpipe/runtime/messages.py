@@ -15,7 +15,12 @@ Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskp
     worker   --BATCH-->               worker of that stage, which gathers the parts
     worker   --FEEDBACK-->            scheduler   (compute and transfer timings)
     worker   --DONE / FAILED-->       scheduler   (outputs stored under the keys, small ones inline / the cause)
-    scheduler --RESOLVED-->           client      (the futures finish; small outputs ride along)
+    worker   --RESOLVED-->            client      (small outputs, on the client's REPLY stream to that worker)
+    scheduler --RESOLVED-->           client      (the futures the worker did not tell; small outputs ride along)
+
+A client opens a REPLY stream to a last stage's worker the first time the scheduler resolves
+futures computed there (RESOLVED names the worker): from then on that worker finishes the
+client's futures itself, and the scheduler is off the way back.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ FEEDBACK = "daskpipe-feedback"
 DONE = "daskpipe-done"
 FAILED = "daskpipe-failed"
 EXPIRED = "daskpipe-expired"  # a stage skipped a batch past its requests' late limit
-# scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival
+# scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival;
+# worker -> client, over the client's REPLY stream to it: futures whose small outputs it computed
 RESOLVED = "daskpipe-resolved"
 REFUSED = "daskpipe-refused"
 # worker -> worker: the feature map (op BATCH), and HELLO that opens the stream at deploy
@@ -47,6 +53,8 @@ PROBE = "daskpipe-probe"
 PROBED = "daskpipe-probed"
 # client -> scheduler rpc handlers; STREAM turns the comm into a daskpipe stream (``client=`` or ``worker=``)
 STREAM = "daskpipe_stream"
+# client -> worker rpc handler: turns the comm into the worker's stream of RESOLVED to that client
+REPLY = "daskpipe_reply"
 INVENTORY = "daskpipe_inventory"
 SERVE = "daskpipe_serve"
 CLOSE = "daskpipe_close"

@@ -36,6 +36,8 @@ from typing import Any, Sequence
 import torch
 from dask.sizeof import sizeof
 from distributed import get_worker
+from distributed.comm import CommClosedError
+from distributed.core import Status
 from distributed.protocol import to_serialize
 from torch import nn
 
@@ -44,7 +46,7 @@ from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
-from daskpipe.runtime.streams import PEER_HANDSHAKE, Streams
+from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class _SlotRuntime:
     executor: ThreadPoolExecutor
     to_scheduler: Streams
     to_peers: Streams
+    clients: dict[str, ImmediateSend] = field(default_factory=dict)  # client id -> its REPLY stream: RESOLVED goes there
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: set[asyncio.Task] = field(default_factory=set)
     slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
@@ -243,7 +246,7 @@ class Stage:
             return
         if rest:
             nxt = rest[0]
-            forwarded: dict[str, Any] = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires") if k in batch}
+            forwarded: dict[str, Any] = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires", "clients") if k in batch}
             forwarded.update(route=rest, sent_at=time.time())
             slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
             slot.report(
@@ -264,8 +267,24 @@ class Stage:
             "timings": timings,
             "overrun": overrun,
         }
+        wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
+        told: list[str] = []
         if sum(nbytes) <= INLINE_OUTPUT_BYTES:
-            done["outputs"] = [pack_tensor(t) for t in output]
+            packed = [pack_tensor(t) for t in output]
+            told = [client for client in wanted if client in slot.clients]
+            done["told"] = told
+            if len(told) < len(wanted) or not wanted:  # the scheduler tells the others, with the outputs
+                done["outputs"] = packed
+        keys = done["keys"]
+        for client in told:  # the client first: DONE follows in the same loop turn, and the client
+            # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
+            # anyway is told the key is not in memory yet, and Dask's client asks again)
+            try:
+                slot.clients[client].send(
+                    {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [packed[i] for i in wanted[client]]}
+                )
+            except CommClosedError:  # the client is leaving: Dask's own report still ends its futures
+                pass
         slot.report(worker, done)
         # stored after DONE has left (its write is the next loop turn's first step): nothing can ask
         # this worker for the keys before the scheduler has read DONE and a client has asked it
@@ -340,12 +359,35 @@ def install(worker: Any) -> None:
         ),
         to_peers=Streams(worker.connection_args, PEER_HANDSHAKE, "daskpipe Worker->Worker"),
     )
+
+    async def reply_stream(comm: Any, client: str) -> Status:  # Dask passes the comm to a handler whose first parameter is ``comm``
+        return await _reply_stream(worker, comm, client)
+
+    worker.handlers[messages.REPLY] = reply_stream
     worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
     worker.stream_handlers[messages.HELLO] = _hello
     worker.stream_handlers[messages.PING] = lambda token: slot.report(worker, {"op": messages.PONG, "token": token})
     worker.stream_handlers[messages.PROBE] = functools.partial(_probe, worker)
     worker.stream_handlers[messages.FORWARD] = functools.partial(_forward, worker)
     worker.stream_handlers[messages.DISCARD] = functools.partial(_discard, worker)
+
+
+async def _reply_stream(worker: Any, comm: Any, client: str) -> Status:
+    """The worker's ``REPLY`` handler: ``comm`` carries ``client``'s RESOLVED from now on (the
+    last stages here finish its futures themselves) until the client closes it."""
+    slot = _SLOTS[worker]
+    stream = slot.clients[client] = ImmediateSend()
+    stream.start(comm)
+    try:
+        while True:  # the client sends nothing more: reading only notices that it left
+            await comm.read()
+    except (CommClosedError, OSError):
+        pass
+    finally:
+        if slot.clients.get(client) is stream:
+            del slot.clients[client]
+        stream.abort()
+    return Status.dont_reply
 
 
 def _forward(worker: Any, *, take: list, **batch: Any) -> None:
@@ -464,6 +506,12 @@ def feature_map_peers(worker: Any) -> list[str]:
     """The peer addresses this worker's stages send feature maps to, as the open comms report them."""
     slot = _SLOTS.get(worker)
     return slot.to_peers.peer_addresses() if slot is not None else []
+
+
+def reply_clients(worker: Any) -> list[str]:
+    """The ids of the clients whose futures this worker's last stages resolve themselves (REPLY streams)."""
+    slot = _SLOTS.get(worker)
+    return [client for client, stream in slot.clients.items() if not stream.please_stop] if slot is not None else []
 
 
 def _hello(data: Any = None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import importlib.util
 import re
 
@@ -13,8 +15,12 @@ import torch
 from distributed import as_completed, wait
 
 import daskpipe
+from daskpipe.runtime import futures as futures_module
+from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.futures import ServedFuture
 from daskpipe.runtime.profiling import ProfilingOptions
+from daskpipe.runtime.stage import reply_clients
 from tests.helpers import fresh_heap, paced, wait_until
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
 
@@ -60,7 +66,9 @@ def test_two_stages_on_emulated_pools_match_the_model_and_work_with_dask_waiting
         assert status["completed"] == 10 and status["failed"] == 0
 
 
-def test_a_finished_future_hands_over_its_output_without_the_clients_event_loop(emulated_inproc):
+def test_result_waits_and_hands_over_the_output_without_the_clients_event_loop(emulated_inproc):
+    """A synchronous ``result()`` waits in the caller's thread, finished or pending, and times out
+    there; an erred future still raises its error."""
     cluster, client = emulated_inproc
     with deploy_two_stage(client) as svc:
         xs = frames(4)
@@ -70,8 +78,84 @@ def test_a_finished_future_hands_over_its_output_without_the_clients_event_loop(
             patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went through the client's event loop"))
             for future, ref in zip(futures, reference(xs)):
                 torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
-        pending = svc.submit("tiny", xs[0])
-        torch.testing.assert_close(pending.result(timeout=30), reference(xs[:1])[0], atol=1e-4, rtol=1e-4)
+            pending = svc.submit("tiny", xs[0])  # a lone request waits for its batch's last moment
+            with pytest.raises(TimeoutError):
+                pending.result(timeout=0.001)
+            torch.testing.assert_close(pending.result(timeout=30), reference(xs[:1])[0], atol=1e-4, rtol=1e-4)
+        bad = svc.submit("tiny", torch.full((1, *INPUT), float("nan")))
+        with pytest.raises(InvalidRequest):
+            bad.result(timeout=30)
+
+
+def reply_streams_of(cluster, client) -> int:
+    """How many of the cluster's workers resolve ``client``'s futures themselves."""
+    return sum(client.id in reply_clients(worker) for worker in cluster.workers.values())
+
+
+def test_the_last_stage_hands_outputs_to_the_client_before_the_scheduler_hears_of_them(emulated_inproc):
+    """After the first resolution from the scheduler, the client opens a reply stream to the last
+    stage's worker, which from then on finishes the client's futures itself: an output is in hand
+    while the scheduler still counts its request in flight, and a ``gather`` that races the
+    scheduler's hearing of it still returns it."""
+    cluster, client = emulated_inproc
+    scheduler = cluster.scheduler
+    with deploy_two_stage(client, slo_ms=2000.0) as svc:  # whole batches of 4 go at once; the watch waits 2 SLOs
+        xs = frames(8)
+        wait(svc.map("tiny", xs[:4]), timeout=30)
+        wait_until(lambda: reply_streams_of(cluster, client) == 1, timeout=10, what="the reply stream from the last stage's worker")
+        heard = scheduler.stream_handlers[messages.DONE]
+
+        def hear_late(**msg):
+            asyncio.get_running_loop().call_later(1.0, functools.partial(heard, **msg))
+
+        scheduler.stream_handlers[messages.DONE] = hear_late
+        try:
+            futures = svc.map("tiny", xs[4:])
+            outputs = [future.result(timeout=30) for future in futures]
+            in_flight = svc.status()["tiny"]
+            gathered = client.gather(futures)
+        finally:
+            scheduler.stream_handlers[messages.DONE] = heard
+        assert in_flight["completed"] == 4 and in_flight["in_flight"] == 4
+        for output, gathered_output, ref in zip(outputs, gathered, reference(xs[4:])):
+            torch.testing.assert_close(output, ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(gathered_output, output)
+        wait_until(lambda: svc.status()["tiny"]["completed"] == 8, timeout=10, what="the scheduler to count the requests")
+
+
+def test_a_client_that_cannot_reach_the_workers_gets_its_outputs_through_the_scheduler(emulated_inproc, monkeypatch):
+    cluster, client = emulated_inproc
+    wait_until(lambda: reply_streams_of(cluster, client) == 0, timeout=10, what="earlier services' reply streams to close")
+    with deploy_two_stage(client) as svc:
+
+        async def unreachable(address, **kwargs):
+            raise OSError(f"no route to {address}")
+
+        monkeypatch.setattr(futures_module, "connect", unreachable)
+        xs = frames(3)
+        for x, ref in zip(xs, reference(xs)):
+            torch.testing.assert_close(svc.submit("tiny", x).result(timeout=30), ref, atol=1e-4, rtol=1e-4)
+        assert reply_streams_of(cluster, client) == 0
+        assert svc.status()["tiny"]["completed"] == 3
+
+
+def test_a_resolution_that_comes_after_the_request_ended_leaves_it_as_it_ended(emulated_inproc):
+    """A worker that stalled may still compute a request the scheduler dropped meanwhile: its late
+    resolution does not turn the dropped request into a result."""
+    from daskpipe.runtime.service import open_stream
+    from daskpipe.runtime.tensors import pack_tensor
+
+    _, client = emulated_inproc
+    stream = open_stream(client)
+    try:
+        future = stream.pending["ended-early"] = ServedFuture("ended-early", client)
+        client.futures["ended-early"].set_error(RequestDropped("late", "", "tiny", "ended-early"), None)
+        stream.resolve(["ended-early"], [pack_tensor(torch.zeros(2))])
+        assert future.status == "error"
+        with pytest.raises(RequestDropped):
+            future.result(timeout=5)
+    finally:
+        client.sync(stream.close)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
