@@ -92,8 +92,9 @@ class Batches:
             return
         tasks = self.plugin.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
+        relayed = False
         if pending:
-            resolve(
+            relayed = resolve(
                 self.plugin.scheduler,
                 self.plugin.client_streams,
                 pending,
@@ -101,11 +102,14 @@ class Batches:
                 worker=worker,
                 told=frozenset(told or ()),
             )
-        asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic())
+        asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic(), relayed)
 
     @guarded
-    def _done(self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float) -> None:
-        """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and counts."""
+    def _done(
+        self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float, relayed: bool
+    ) -> None:
+        """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and
+        counts; ``relayed``: a client's futures were resolved from here, after the completion."""
         store(self.plugin.scheduler, worker, keys, nbytes)
         served = self.plugin.served.get(model)
         if served is None:
@@ -114,7 +118,7 @@ class Batches:
         flight = served.flights.pop(dispatch, None)
         delays = flight.control_delays() if flight is not None else None
         if flight is not None and delays is not None:
-            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1])
+            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed)
         counts = served.counts
         for key in keys:
             deadline = served.deadlines.pop(key, None)

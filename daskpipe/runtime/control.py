@@ -18,8 +18,10 @@ caller's ``submit`` to the scheduler reading the request, beyond the fastest suc
 client (:class:`daskpipe.runtime.intake.SendClocks`). Each request's deadline is counted from
 the caller's ``submit``, so a request that waited on its way in has that much less time left.
 
-The last message, scheduler to client, is one more message of the same kind on the same kind of
-stream as ``done``, and is counted as one more ``done``. A batch's control delay is the sum.
+The resolution's way to the client is one more message of the same kind as ``done``: from the
+last stage's worker on the client's reply stream, in parallel with ``done`` (the ``done`` itself
+counts it), or, for a client that worker could not tell, from the scheduler after ``done`` (one
+more ``done``). A batch's control delay is the sum.
 
 The margin, by which each request's planned deadline is moved earlier, is a high percentile
 (:data:`MARGIN_QUANTILE`) of the delays of the batches of the last :data:`HORIZON_S` seconds
@@ -88,14 +90,16 @@ class ControlPath:
         margin less the typical delay (0 until :data:`MIN_BATCHES` batches are measured)."""
         return self.margin_s - self.typical_s
 
-    def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float) -> None:
-        """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before its planned time)."""
+    def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float, relayed: bool = True) -> None:
+        """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before
+        its planned time). ``relayed``: the scheduler resolved a client's futures after ``done``,
+        rather than the last stage's worker all of them beside it."""
         dispatch_s, done_s = max(0.0, dispatch_s), max(0.0, done_s)
         hops_s = [max(0.0, h) for h in hops_s]
         self.parts["dispatch"].append(dispatch_s)
         self.parts["hop"].extend(hops_s)
         self.parts["done"].append(done_s)
-        self.batches.append((now, dispatch_s + sum(hops_s) + 2 * done_s))
+        self.batches.append((now, dispatch_s + sum(hops_s) + (2 if relayed else 1) * done_s))
         self.recorded += 1
         if self.recorded % RECOMPUTE_EVERY == 0:
             self.refresh(now)

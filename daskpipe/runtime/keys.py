@@ -51,11 +51,12 @@ def resolve(
     outputs: dict[Any, Any] | None,
     worker: str,
     told: frozenset[str] = frozenset(),
-) -> None:
+) -> bool:
     """Tell the clients that want ``keys`` on their daskpipe ``streams``, ahead of Dask's report
     stream, with the small ``outputs`` that came with them (never deserialized here); not those
     the last stage, ``worker``, has ``told`` itself. The message names ``worker``: a client opens
-    its own stream to it, so that it tells the client itself from then on."""
+    its own stream to it, so that it tells the client itself from then on. Whether any client
+    was told here."""
     per_client: dict[str, list] = {}
     for client, indices in clients_of(scheduler, streams, keys).items():
         if client not in told:
@@ -68,6 +69,7 @@ def resolve(
             streams[client].send(message)
         except CommClosedError:  # the client is leaving; Dask's report stream still ends its futures
             pass
+    return bool(per_client)
 
 
 def store(scheduler: Any, worker: str, keys: list, nbytes: list) -> None:

@@ -75,3 +75,13 @@ def test_a_stall_is_forgotten_once_later_batches_replace_it_at_any_rate():
     for i, total in enumerate(stalled + [2.0] * MIN_BATCHES):
         path.record(i * every, total * MS, [], 0.0)
     assert path.margin_s == pytest.approx(2 * MS), "the stall's batches are out of the horizon and MIN_BATCHES later ones are in"
+
+
+@pytest.mark.parametrize("relayed, margin_ms", [(False, 3.0), (True, 5.0)])
+def test_the_way_back_counts_once_from_the_last_stage_and_twice_through_the_scheduler(relayed, margin_ms):
+    """The last stage's worker tells its client beside the completion (one message's delay); a
+    client it could not tell hears from the scheduler after the completion (one more)."""
+    path = ControlPath(seed_s=0.0)
+    for i in range(2 * RECOMPUTE_EVERY):
+        path.record(i * 0.01, 1.0 * MS, [], 2.0 * MS, relayed)
+    assert path.margin_s == pytest.approx(margin_ms * MS)
