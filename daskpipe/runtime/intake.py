@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
@@ -272,20 +272,6 @@ class Submitting(Protocol):
     def arm(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Submission:
-    """One submit message, checked whole: what its slices are taken from."""
-
-    client: str
-    model: Any
-    keys: Sequence
-    problem: str | None  # why the whole message is malformed, or None
-    inputs: Any
-    sizes: Any
-    start_block: Any
-    arrival: float  # the scheduler's clock, less the message's wait on its way in
-
-
 class Intake:
     """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
     served, queues them and steps the dispatcher; refuses the rest on arrival."""
@@ -293,9 +279,8 @@ class Intake:
     def __init__(self, plugin: Submitting) -> None:
         self.plugin = plugin
         self.send_clocks = SendClocks()
-        self._slicing: set[asyncio.Task] = set()  # large submissions still being taken, a slice per loop turn
 
-    def on_submit(
+    async def on_submit(
         self,
         client: str,
         model: Any = None,
@@ -313,8 +298,7 @@ class Intake:
         deadlines count from then (:class:`SendClocks`), else from the scheduler reading them.
         The message is checked whole before any key is made, so a malformed one errs every one of
         its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
-        loop running whatever waits between two slices, whatever the message's size. The first
-        slice is taken here, in Dask's stream handler: a lone request waits for no loop turn."""
+        loop running whatever waits between two slices, whatever the message's size."""
         try:
             if not isinstance(keys, (list, tuple)):
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
@@ -331,43 +315,40 @@ class Intake:
                 delay = self.send_clocks.delay(client, sent_at, read_at)
                 served.control.record_send(delay, len(keys))
                 arrival -= delay
-            submission = Submission(client, model, keys, problem, inputs, sizes, start_block, arrival)
-            self._submit_slice(submission, served, 0)
-            if len(keys) > SUBMIT_SLICE:
-                task = asyncio.ensure_future(self._submit_rest(submission))
-                self._slicing.add(task)
-                task.add_done_callback(self._slicing.discard)
-            else:
-                self.plugin.arm()
+            for first in range(0, len(keys), SUBMIT_SLICE):
+                if first:
+                    await asyncio.sleep(0)
+                    served = self.plugin.served.get(model) if problem is None else None  # it may have closed meanwhile
+                stop = first + SUBMIT_SLICE
+                self._submit_slice(
+                    client,
+                    model,
+                    served,
+                    keys[first:stop],
+                    problem,
+                    inputs[first:stop] if problem is None else (),
+                    sizes[first:stop] if problem is None else (),
+                    start_block,
+                    arrival,
+                )
+            self.plugin.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
-    async def _submit_rest(self, submission: Submission) -> None:
-        """The slices of a large submission after its first, one per event-loop turn."""
-        try:
-            for first in range(SUBMIT_SLICE, len(submission.keys), SUBMIT_SLICE):
-                await asyncio.sleep(0)
-                served = self.plugin.served.get(submission.model) if submission.problem is None else None  # it may have closed meanwhile
-                self._submit_slice(submission, served, first)
-            self.plugin.arm()
-        except Exception:
-            logger.exception("daskpipe: a submission from client %s failed", submission.client)
-
-    def _submit_slice(self, submission: Submission, served: Served | None, first: int) -> None:
-        """The :data:`SUBMIT_SLICE` requests of ``submission`` from ``first``: refuse what cannot be
-        served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`); make keys of, queue
-        and dispatch the rest, their deadlines counted from its arrival."""
-        client, model, problem, start_block, arrival = (
-            submission.client,
-            submission.model,
-            submission.problem,
-            submission.start_block,
-            submission.arrival,
-        )
-        stop = first + SUBMIT_SLICE
-        keys = submission.keys[first:stop]
-        inputs = submission.inputs[first:stop] if problem is None else ()
-        sizes = submission.sizes[first:stop] if problem is None else ()
+    def _submit_slice(
+        self,
+        client: str,
+        model: Any,
+        served: Served | None,
+        keys: Sequence,
+        problem: str | None,
+        inputs: Any,
+        sizes: Any,
+        start_block: int,
+        arrival: float,
+    ) -> None:
+        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
+        make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
         plugin = self.plugin
         tasks = plugin.scheduler.tasks
         usable = [k for k in keys if is_key(k) and k not in tasks]
