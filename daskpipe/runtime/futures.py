@@ -15,10 +15,11 @@ works as for any future: the outputs are in the last worker's memory under the r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from distributed import Client, Future
 from distributed.client import FutureState
@@ -67,29 +68,21 @@ class LandedState(FutureState):
             self._gate.acquire()  # a waiter holds it only for an instant
             self._shut = True
 
-    def cancel(self, *args: Any, **kwargs: Any) -> None:
-        super().cancel(*args, **kwargs)
+
+def _marking(change: Callable[..., None]) -> Callable[..., None]:
+    """``change`` (a state change of Dask's ``FutureState``), then the gate set to match."""
+
+    @functools.wraps(change)
+    def marked(self: LandedState, *args: Any, **kwargs: Any) -> None:
+        change(self, *args, **kwargs)
         self._mark()
 
-    def finish(self, *args: Any, **kwargs: Any) -> None:
-        super().finish(*args, **kwargs)
-        self._mark()
+    return marked
 
-    def lose(self) -> None:
-        super().lose()
-        self._mark()
 
-    def retry(self) -> None:
-        super().retry()
-        self._mark()
-
-    def set_error(self, *args: Any, **kwargs: Any) -> None:
-        super().set_error(*args, **kwargs)
-        self._mark()
-
-    def reset(self) -> None:
-        super().reset()
-        self._mark()
+for _change in ("cancel", "finish", "lose", "retry", "set_error", "reset"):  # every way Dask's client moves a future's state
+    if hasattr(FutureState, _change):
+        setattr(LandedState, _change, _marking(getattr(FutureState, _change)))
 
 
 class ServedFuture(Future):
