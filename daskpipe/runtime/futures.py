@@ -23,11 +23,11 @@ from typing import Any, Callable
 
 from distributed import Client, Future
 from distributed.client import FutureState
-from distributed.comm import CommClosedError, connect
+from distributed.comm import CommClosedError
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
-from daskpipe.runtime.streams import ImmediateSend
+from daskpipe.runtime.streams import ImmediateSend, open_comm
 from daskpipe.runtime.tensors import unpack_tensor
 
 logger = logging.getLogger(__name__)
@@ -143,9 +143,12 @@ class ClientStream:
         self._unreachable: set[str] = set()
 
     async def open(self) -> None:
-        comm = await connect(self.client.scheduler.address, **self.client.connection_args)
-        comm.name = "daskpipe Client->Scheduler"
-        await comm.write({"op": messages.STREAM, "client": self.client.id, "reply": False})
+        comm = await open_comm(
+            self.client.scheduler.address,
+            self.client.connection_args,
+            {"op": messages.STREAM, "client": self.client.id, "reply": False},
+            "daskpipe Client->Scheduler",
+        )
         self._out.start(comm)
         self._reader = asyncio.ensure_future(self._read(comm))
 
@@ -186,10 +189,12 @@ class ClientStream:
 
     async def _reply_from(self, worker: str) -> None:
         try:
-            comm = await connect(worker, **self.client.connection_args)
-            comm.name = "daskpipe Worker->Client"
-            self._reply_comms[worker] = comm
-            await comm.write({"op": messages.REPLY, "client": self.client.id, "reply": False})
+            comm = self._reply_comms[worker] = await open_comm(
+                worker,
+                self.client.connection_args,
+                {"op": messages.REPLY, "client": self.client.id, "reply": False},
+                "daskpipe Worker->Client",
+            )
             await self._read(comm)  # until the worker or this client leaves
         except Exception as exc:  # the scheduler keeps resolving this worker's outputs
             logger.info("daskpipe: could not open a reply stream from worker %s (%r); its results come through the scheduler", worker, exc)

@@ -379,10 +379,7 @@ async def _reply_stream(worker: Any, comm: Any, client: str) -> Status:
     stream = slot.clients[client] = ImmediateSend()
     stream.start(comm)
     try:
-        while True:  # the client sends nothing more: reading only notices that it left
-            await comm.read()
-    except (CommClosedError, OSError):
-        pass
+        await worker.handle_stream(comm)  # the client sends nothing more: reading only notices that it left
     finally:
         if slot.clients.get(client) is stream:
             del slot.clients[client]

@@ -156,6 +156,14 @@ def allowed_offload(messages: list[dict]) -> bool:
     return bool(threshold) and bulk_nbytes(messages) >= threshold
 
 
+async def open_comm(address: str, connection_args: Mapping[str, Any], handshake: Mapping[str, Any], name: str) -> Any:
+    """A comm to ``address``, named ``name``, whose first message ``handshake`` makes the peer read it as a stream."""
+    comm = await connect(address, **connection_args)
+    comm.name = name
+    await comm.write(dict(handshake))
+    return comm
+
+
 PEER_HANDSHAKE = {"op": "connection_stream", "reply": False}
 """Opens a stream to a Dask worker: its ``handle_stream`` runs the messages' stream handlers."""
 
@@ -202,10 +210,7 @@ class Streams:
 
     async def _connect(self, address: str, stream: ImmediateSend) -> None:
         try:
-            comm = await connect(address, **self.connection_args)
-            comm.name = self.name
-            await comm.write(self.handshake)
-            stream.start(comm)
+            stream.start(await open_comm(address, self.connection_args, self.handshake, self.name))
         except Exception as exc:  # the peer is gone: its messages are lost with it (the scheduler retries lost batches)
             logger.warning("daskpipe: could not open a %s stream to %s: %r", self.name, address, exc)
             stream.please_stop = True

@@ -128,10 +128,10 @@ def test_a_client_that_cannot_reach_the_workers_gets_its_outputs_through_the_sch
     wait_until(lambda: reply_streams_of(cluster, client) == 0, timeout=10, what="earlier services' reply streams to close")
     with deploy_two_stage(client) as svc:
 
-        async def unreachable(address, **kwargs):
+        async def unreachable(address, *args, **kwargs):
             raise OSError(f"no route to {address}")
 
-        monkeypatch.setattr(futures_module, "connect", unreachable)
+        monkeypatch.setattr(futures_module, "open_comm", unreachable)
         xs = frames(3)
         for x, ref in zip(xs, reference(xs)):
             torch.testing.assert_close(svc.submit("tiny", x).result(timeout=30), ref, atol=1e-4, rtol=1e-4)
