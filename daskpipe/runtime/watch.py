@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-import numpy as np
+import statistics
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import guarded
@@ -195,13 +195,7 @@ class GrayWatch:
         slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
         gray = served.gray
         ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
-        mine = {(p, q) for p, q, a in served.stages if a == address}
-        mates = [
-            served.last_ratios[a]
-            for p, q, a in served.stages
-            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
-        ]
-        pace = max(1.0, float(np.median(mates))) if mates else 1.0
+        pace = self._pace(served, address, ratio)
         streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
         if streak < gray.slow_batches or address in served.suspects:
             return
@@ -212,6 +206,21 @@ class GrayWatch:
             f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
             now,
         )
+
+    @staticmethod
+    def _pace(served: Served, address: str, ratio: float) -> float:
+        """What ``address``'s pool-mates measure now (their median ratio, at least 1); looked up
+        only for a batch over ``suspect_factor``, as the pace can only raise the bar: this runs
+        for every batch on the scheduler's event loop."""
+        if ratio <= served.gray.suspect_factor:
+            return 1.0
+        mine = {(p, q) for p, q, a in served.stages if a == address}
+        mates = [
+            served.last_ratios[a]
+            for p, q, a in served.stages
+            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
+        ]
+        return max(1.0, statistics.median(mates)) if mates else 1.0
 
     def _probe(self, served: Served, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
