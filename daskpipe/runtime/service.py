@@ -39,6 +39,7 @@ from daskpipe.profiles.store import configured_store
 from daskpipe.runtime import messages
 from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.futures import ClientStream, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
@@ -535,7 +536,11 @@ def deploy(
 
 # -- steps of deploy ---------------------------------------------------------------------------
 def open_stream(client: Client) -> ClientStream:
-    """The client's own stream to the scheduler, for a service's requests and their resolutions."""
+    """The client's own stream to the scheduler, for a service's requests and their resolutions.
+
+    The client's process then collects garbage on the thresholds of a scheduler's: it holds a few
+    dozen objects per request in flight, as the scheduler does (:mod:`daskpipe.runtime.gctune`)."""
+    raise_gc_thresholds()
     stream = ClientStream(client)
     client.sync(stream.open)
     return stream

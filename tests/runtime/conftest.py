@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from distributed import Client, LocalCluster
 
+from daskpipe.runtime.gctune import CPYTHON_THRESHOLDS
 from tests.runtime.helpers import tls_security, with_test_dispatcher
+
+
+@pytest.fixture
+def default_thresholds():
+    """CPython's own GC thresholds in this process for the test, whatever an earlier test raised them to."""
+    saved = gc.get_threshold()
+    gc.set_threshold(*CPYTHON_THRESHOLDS)
+    yield
+    gc.set_threshold(*saved)
 
 
 @pytest.fixture(scope="module")

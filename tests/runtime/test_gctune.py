@@ -11,14 +11,6 @@ import pytest
 from daskpipe.runtime.gctune import CPYTHON_THRESHOLDS, GC_CONFIG, raise_gc_thresholds
 
 
-@pytest.fixture
-def default_thresholds():
-    saved = gc.get_threshold()
-    gc.set_threshold(*CPYTHON_THRESHOLDS)
-    yield
-    gc.set_threshold(*saved)
-
-
 def test_thresholds_are_raised_threefold_as_dask_scheduler_does_and_only_once(default_thresholds):
     assert raise_gc_thresholds() == (2100, 30, 30) == gc.get_threshold()
     assert raise_gc_thresholds() == (2100, 30, 30)  # idempotent: not 9x after two calls

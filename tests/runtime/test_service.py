@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import importlib.util
 import re
 
@@ -20,6 +21,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.futures import ServedFuture
 from daskpipe.runtime.profiling import ProfilingOptions
+from daskpipe.runtime.service import open_stream
 from daskpipe.runtime.stage import reply_clients
 from tests.helpers import fresh_heap, paced, wait_until
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
@@ -90,6 +92,17 @@ def test_result_waits_and_hands_over_the_output_without_the_clients_event_loop(e
 def reply_streams_of(cluster, client) -> int:
     """How many of the cluster's workers resolve ``client``'s futures themselves."""
     return sum(client.id in reply_clients(worker) for worker in cluster.workers.values())
+
+
+def test_a_client_that_serves_collects_garbage_on_the_schedulers_thresholds(emulated_inproc, default_thresholds):
+    """A client holds a few dozen objects per request in flight: at CPython's thresholds, bursts set
+    off full collections of its whole heap (torch's included)."""
+    cluster, client = emulated_inproc
+    stream = open_stream(client)  # this cluster's scheduler shares the process: deploying would raise them there
+    try:
+        assert gc.get_threshold() == (2100, 30, 30)
+    finally:
+        client.sync(stream.close)
 
 
 def test_the_last_stage_hands_outputs_to_the_client_before_the_scheduler_hears_of_them(emulated_inproc):
