@@ -16,8 +16,9 @@ cluster's layout (every GPU on one server), so no hop crosses a NIC in either.
   load). Each runtime trial replays exactly the simulator's arrivals at that load (read from its
   trace), and the simulator's attainment on them is reported beside the runtime's.
 * Trials are independent, as simulations are: each runs on a fresh deployment of the plan (on the
-  same cluster), after a warm-up stream that is not counted, so nothing measured at one load
-  (queues, the control path's margin) carries over to the next.
+  same cluster), after a warm-up stream that is not counted and a full garbage collection, so
+  nothing measured at one load (queues, the control path's margin, young objects) carries over
+  to the next.
 * Attainment on the runtime: a request counts when its output is in the client's hands (yielded by
   ``as_completed(with_results=True)`` to a client thread) within the SLO of its *scheduled* send
   time, so a client that falls behind its schedule is charged for it, as an open-loop client is.
@@ -30,6 +31,7 @@ cluster's layout (every GPU on one server), so no hop crosses a NIC in either.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import threading
@@ -385,6 +387,11 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
                 return {"attainment": 0.0, "deploy_error": str(exc)}
             with service:
                 serve_trial(service, cluster, model.name, model.example, warm_up, model.slo_s)
+                # what the deploy, the simulation and the warm-up left is old by now, as in a service
+                # that has run a while: else the collector's first middle-generation pass in the trial
+                # walks it all, a stall of 11-13 ms of the scheduler's loop (this cluster's scheduler
+                # shares this process) in every trial
+                gc.collect()
                 return serve_trial(service, cluster, model.name, model.example, arrivals, model.slo_s)
 
         def passes(load: float) -> bool:
