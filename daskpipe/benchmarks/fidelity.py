@@ -19,9 +19,10 @@ cluster's layout (every GPU on one server), so no hop crosses a NIC in either.
   same cluster), after a warm-up stream that is not counted and a full garbage collection, so
   nothing measured at one load (queues, the control path's margin, young objects) carries over
   to the next.
-* Attainment on the runtime: a request counts when its output is in the client's hands (yielded by
-  ``as_completed(with_results=True)`` to a client thread) within the SLO of its *scheduled* send
-  time, so a client that falls behind its schedule is charged for it, as an open-loop client is.
+* Attainment on the runtime: a request counts when its output is in the client's hands (its future
+  yielded by the service's ``as_completed`` to a client thread, and its ``result()`` read there)
+  within the SLO of its *scheduled* send time, so a client that falls behind its schedule is
+  charged for it, as an open-loop client is.
 * The control path's share: the simulator has none, the runtime a few messages per request. The
   simulator's search runs once more with the SLO shortened by the median of the trials' measured
   control paths (``control.total_p50_ms``): what the plan reaches when every request pays that
@@ -70,7 +71,7 @@ DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand co
 WARM_UP_S, WARM_UP_LOAD = 1.0, 0.5  # each deployment's first batches (fresh streams) are slow, and not counted
 
 SEARCH = f"bisection on the {STEP:g} grid up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise with load; the simulator's is daskpipe.sim.find_max_load"
-TIMING = "a request is on time when its output is in the client's hands (as_completed(with_results=True), in a client thread) within the SLO of its scheduled Poisson send time"
+TIMING = "a request is on time when its output is in the client's hands (the service's as_completed, then result(), in a client thread) within the SLO of its scheduled Poisson send time"
 
 
 class BenchOptionError(ValueError):
@@ -223,8 +224,6 @@ def on_one_server(plan: Plan) -> dict[str, Placement]:
 def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, arrivals: np.ndarray, slo_s: float) -> dict[str, Any]:
     """Send one request at each of ``arrivals`` (seconds from time zero) open-loop, and account
     for every one of them: on time, late, dropped by reason, failed, or lost (not ended after the drain)."""
-    from distributed import as_completed
-
     from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.errors import RequestDropped
 
@@ -233,14 +232,14 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
     futures: list[Any] = []
     index: dict[Any, int] = {}
     sent, in_hand = np.full(count, np.nan), np.full(count, np.nan)
-    completed = as_completed(with_results=True, raise_errors=False, timeout=give_up_s)
+    completed = service.as_completed(timeout=give_up_s)
     all_sent = threading.Event()
 
     def collect() -> None:
         while True:
             done_sending = all_sent.is_set()  # before looking: a request added since is still to come
             try:
-                future, _ = next(completed)
+                future = next(completed)
             except StopIteration:  # nothing outstanding now
                 if done_sending:
                     return
@@ -248,6 +247,8 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
                 continue
             except TimeoutError:
                 return
+            if future.status == "finished":
+                future.result()  # the output in hand: one that came with the completion, at once
             in_hand[index[future.key]] = time.perf_counter()
 
     lag = LoopLag()

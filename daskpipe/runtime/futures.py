@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import queue
 import threading
+import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from distributed import Client, Future
 from distributed.client import FutureState
@@ -43,13 +45,24 @@ class LandedState(FutureState):
     futures, and a ``threading.Event`` each (five objects for the garbage collector) cost a
     5000-request burst a fifth of its rate in collections."""
 
-    __slots__ = ("_gate", "_shut")
+    __slots__ = ("_gate", "_shut", "_listeners")
 
     def __init__(self, key: str):
         super().__init__(key)
         self._gate = threading.Lock()
         self._gate.acquire()
         self._shut = True
+        self._listeners: list[Callable[[], None]] | None = None
+
+    def on_landed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the future has ended: from the thread that ends it (the client's
+        event loop), or here and now if it has. Where the two meet it may be called twice, so it
+        must not mind."""
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append(callback)
+        if not self._shut:
+            callback()
 
     def wait_landed(self, timeout: float | None) -> bool:
         """Block until the future has ended (finished, erred or cancelled); ``False`` on timeout."""
@@ -64,6 +77,9 @@ class LandedState(FutureState):
         if landed and self._shut:
             self._shut = False
             self._gate.release()
+            listeners, self._listeners = self._listeners, None
+            for callback in listeners or ():
+                callback()
         elif not landed and not self._shut:
             self._gate.acquire()  # a waiter holds it only for an instant
             self._shut = True
@@ -122,6 +138,61 @@ class ServedFuture(Future):
         if self.output_in_hand:
             return unpack_tensor(self.inline)
         return await super()._result(raiseit)
+
+
+class LandedFutures:
+    """Served futures as each ends (finished, erred or cancelled), in the caller's thread: what
+    :meth:`daskpipe.runtime.service.Service.as_completed` returns.
+
+    Each future's state puts it in a queue the moment it ends, from the client's event loop, and
+    ``next`` takes it from there: Dask's ``as_completed`` instead tracks each future with a task
+    on that loop, which wakes its caller several loop turns after the future ended (0.65 ms p50,
+    2.3 ms p99 on ``bench fidelity``, with the scheduler on the same loop). As Dask's: ``add``
+    more while iterating, ``next`` raises ``StopIteration`` when none is left, and
+    ``TimeoutError`` once ``timeout`` seconds have passed since the start. A future added again
+    while it is outstanding is yielded once."""
+
+    def __init__(self, futures: Iterable[Any] = (), timeout: float | None = None):
+        self._landed: queue.SimpleQueue[ServedFuture] = queue.SimpleQueue()
+        self._outstanding: dict[int, ServedFuture] = {}  # id -> future, added and not yet yielded
+        self._lock = threading.Lock()
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        for future in futures:
+            self.add(future)
+
+    def add(self, future: Any) -> None:
+        state = future._state if isinstance(future, ServedFuture) else None
+        if not isinstance(state, LandedState):
+            raise TypeError(
+                f"a daskpipe service's as_completed takes that service's futures, got {future!r}: use distributed.as_completed for others"
+            )
+        with self._lock:
+            if id(future) in self._outstanding:
+                return
+            self._outstanding[id(future)] = future
+        state.on_landed(functools.partial(self._landed.put, future))
+
+    def __iter__(self) -> LandedFutures:
+        return self
+
+    def __next__(self) -> ServedFuture:
+        while True:
+            with self._lock:
+                if not self._outstanding:
+                    raise StopIteration
+            wait = None if self._deadline is None else self._deadline - time.monotonic()
+            try:
+                if wait is not None and wait <= 0:
+                    raise queue.Empty
+                future = self._landed.get(timeout=wait)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"as_completed: {len(self._outstanding)} futures had not ended {self._timeout} s after it started"
+                ) from None
+            with self._lock:
+                if self._outstanding.pop(id(future), None) is not None:  # else yielded already: its state called twice
+                    return future
 
 
 class ClientStream:

@@ -40,7 +40,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.gctune import raise_gc_thresholds
-from daskpipe.runtime.futures import ClientStream, ServedFuture
+from daskpipe.runtime.futures import ClientStream, LandedFutures, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
 from daskpipe.runtime.elastic_state import ElasticSettings
@@ -210,6 +210,18 @@ class Service:
         plan gives that entry.
         """
         return self.map(model, [x], start_block=start_block)[0]
+
+    def as_completed(self, futures: Iterable[ServedFuture] = (), timeout: float | None = None) -> LandedFutures:
+        """The service's ``futures`` as each ends, in the caller's thread: Dask's ``as_completed``
+        (without results) for served futures, without its trips through the client's event loop
+        (:class:`~daskpipe.runtime.futures.LandedFutures`). ``result()`` on a yielded future hands
+        an output that came with the completion over at once. A synchronous client's only: an
+        asynchronous one awaits its futures, or uses ``distributed.as_completed``."""
+        if self.client.asynchronous:
+            raise RuntimeError(
+                "Service.as_completed blocks its caller's thread; with an asynchronous client await the futures or use distributed.as_completed"
+            )
+        return LandedFutures(futures, timeout)
 
     def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[ServedFuture]:
         """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order.

@@ -8,6 +8,8 @@ import functools
 import gc
 import importlib.util
 import re
+import threading
+import time
 
 import dask.config
 import numpy as np
@@ -87,6 +89,39 @@ def test_result_waits_and_hands_over_the_output_without_the_clients_event_loop(e
         bad = svc.submit("tiny", torch.full((1, *INPUT), float("nan")))
         with pytest.raises(InvalidRequest):
             bad.result(timeout=30)
+
+
+def test_the_services_as_completed_yields_each_future_once_as_it_ends_without_the_clients_event_loop(emulated_inproc):
+    """Futures ended before they are added, added while iterating, added twice, and erred: each is
+    yielded once, and iteration ends when none is left; it times out, and takes no other futures."""
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        xs = frames(6)
+        early = svc.map("tiny", xs[:3])
+        wait(early, timeout=30)
+        bad = svc.submit("tiny", torch.full((1, *INPUT), float("nan")))
+        completed = svc.as_completed([*early, bad], timeout=60)
+        later = svc.map("tiny", xs[3:])
+        for future in [*later, early[0]]:
+            completed.add(future)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "sync", lambda *a, **k: pytest.fail("as_completed went through the client's event loop"))
+            seen = list(completed)
+            outputs = {id(f): f.result() for f in seen if f.status == "finished"}
+        assert sorted(map(id, seen)) == sorted(map(id, [*early, bad, *later]))
+        assert bad.status == "error"
+        for future, ref in zip([*early, *later], reference(xs)):
+            torch.testing.assert_close(outputs[id(future)], ref, atol=1e-4, rtol=1e-4)
+        busy = threading.Event()
+        client.loop.add_callback(lambda: busy.set() or time.sleep(1.0))  # the client's event loop is busy for a second
+        assert busy.wait(10)
+        began = time.monotonic()
+        assert len(list(svc.as_completed(later))) == len(later)
+        assert time.monotonic() - began < 0.5
+        with pytest.raises(TimeoutError, match="had not ended"):
+            next(svc.as_completed([svc.submit("tiny", xs[0])], timeout=0.001))  # a lone request waits for its batch's last moment
+        with pytest.raises(TypeError, match="distributed.as_completed"):
+            svc.as_completed([client.submit(abs, -1)])
 
 
 def reply_streams_of(cluster, client) -> int:
@@ -544,6 +579,8 @@ def test_an_asynchronous_client_deploys_submits_reads_the_plan_and_closes(emulat
                     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
                 assert (await svc.plan).model("tiny").pipelines[0].batch_size == 4
                 assert (await svc.status())["tiny"]["completed"] == 3
+                with pytest.raises(RuntimeError, match="blocks its caller's thread"):
+                    svc.as_completed()
             assert svc.closed and (await client.scheduler.daskpipe_status(models=["tiny"])) == {}
 
     asyncio.run(serve())
