@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,16 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[T]], *, timeout: float, interval: float = 0.02, what: str) -> T:
+    """:func:`wait_until` for an asynchronous client: ``predicate`` returns an awaitable."""
+    deadline = time.monotonic() + timeout
+    while not (value := await predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
     return value
 
 

@@ -19,7 +19,7 @@ from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
 from daskpipe.sched.registry import register
-from tests.helpers import paced
+from tests.helpers import paced, wait_until
 from tests.runtime.fifo import FifoDispatcher
 
 INPUT = (3, 16, 16)
@@ -113,6 +113,18 @@ def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [model.tail(model.head(x).half().float()) for x in xs]
 
 
+def counted(svc, model: str, ended: int, timeout: float = 10.0) -> dict:
+    """``svc.status()[model]`` once the scheduler has counted ``ended`` requests as ended (completed,
+    dropped or failed): a last stage's worker resolves the futures, and its completion reaches the
+    scheduler just after, so a future in hand may not be counted yet."""
+
+    def status() -> dict | None:
+        now = svc.status()[model]
+        return now if now["completed"] + sum(now["dropped"].values()) + now["failed"] >= ended else None
+
+    return wait_until(status, timeout=timeout, what=f"the scheduler to count {ended} requests of {model} as ended")
+
+
 def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
     profile, plan = two_stage(**plan_args)
     return daskpipe.deploy(
@@ -143,7 +155,7 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
         with_test_dispatcher(client, cluster.scheduler)
         with deploy_two_stage(client, k=k, slo_ms=50.0, dispatcher="ppipe") as svc:
             wait(svc.map("tiny", frames(12, seed=2)), timeout=60)
-            before = svc.status()["tiny"]
+            before = counted(svc, "tiny", 12)
             capacity = svc.plan.model("tiny").throughput / k
             xs = frames(150)
             inputs = iter(xs)
@@ -151,7 +163,7 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
             wait(futures, timeout=60)
             for out, ref in zip(client.gather(futures), reference(xs)):
                 torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-            after = svc.status()["tiny"]
+            after = counted(svc, "tiny", 12 + len(xs))
             submitted, completed, on_time = (after[c] - before[c] for c in ("submitted", "completed", "on_time"))
             assert submitted == completed == len(xs)
             assert on_time / submitted >= 0.99, after

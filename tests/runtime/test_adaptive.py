@@ -16,6 +16,7 @@ from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.worker import WorkerSpecError
 from tests.helpers import paced, wait_until
+from tests.runtime.helpers import counted
 
 K = 2000.0  # time dilation: three T4 serve about 110 requests/s
 
@@ -59,7 +60,7 @@ def test_adaptive_drains_idle_gpus_at_low_load_and_adds_gpus_of_the_served_type_
             assert any(entry[1]["status"] == "up" for entry in adaptive.log) and any(entry[1]["status"] == "down" for entry in adaptive.log)
             adaptive.stop()
             wait(futures, timeout=60)
-            status = svc.status()["cnn"]
+            status = counted(svc, "cnn", len(futures))
             ended = status["completed"] + sum(status["dropped"].values()) + status["failed"]
             assert ended == status["submitted"] == len(futures)  # nothing lost through the scaling
             assert set(status["dropped"]) <= {"deadline", "overload"}

@@ -19,7 +19,7 @@ from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
 from tests.helpers import wait_until
-from tests.runtime.helpers import example, frames, reference, tiny_model, two_stage
+from tests.runtime.helpers import counted, example, frames, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,7 +146,7 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
             wait_until(lambda: plugin.elastic.history, timeout=60, interval=0.1, what="a re-plan")
             wait(futures, timeout=60)
             assert [f.status for f in futures] == ["finished"] * len(xs), [f.exception() for f in futures if f.status != "finished"]
-            status = svc.status()["cnn"]
+            status = counted(svc, "cnn", len(xs))
             assert status["completed"] == status["submitted"] == len(xs) and status["dropped"] == {}
 
             assert len(plugin.elastic.history) == 1  # two joins, one re-plan
@@ -188,7 +188,7 @@ def test_a_shift_in_the_load_mix_re_plans_with_the_observed_rates():
             after = svc.plan
             assert after.model("a").throughput > before.model("a").throughput
             wait(futures, timeout=60)
-            status = svc.status()["a"]
+            status = counted(svc, "a", len(futures))
             assert status["completed"] + sum(status["dropped"].values()) == status["submitted"] == len(futures)
 
 

@@ -25,7 +25,7 @@ from daskpipe.runtime.futures import ServedFuture
 from daskpipe.runtime.profiling import ProfilingOptions
 from daskpipe.runtime.service import open_stream
 from daskpipe.runtime.stage import reply_clients
-from tests.helpers import fresh_heap, paced, wait_until
+from tests.helpers import fresh_heap, paced, wait_until, wait_until_async
 from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(120)
@@ -578,7 +578,13 @@ def test_an_asynchronous_client_deploys_submits_reads_the_plan_and_closes(emulat
                 for out, ref in zip(outputs, reference(xs)):
                     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
                 assert (await svc.plan).model("tiny").pipelines[0].batch_size == 4
-                assert (await svc.status())["tiny"]["completed"] == 3
+
+                async def counted() -> (
+                    bool
+                ):  # the last stage's worker resolves the futures; the scheduler counts them when its completion follows
+                    return (await svc.status())["tiny"]["completed"] == 3
+
+                await wait_until_async(counted, timeout=10, what="the scheduler to count the requests")
                 with pytest.raises(RuntimeError, match="blocks its caller's thread"):
                     svc.as_completed()
             assert svc.closed and (await client.scheduler.daskpipe_status(models=["tiny"])) == {}
