@@ -219,19 +219,7 @@ class Stage:
         emulated stages measured 1.03-1.05x their holds that way, and googlenet-v3's plan,
         simulated at 1.04x, reaches 0.45 of its load instead of 0.55)."""
         slot = _SLOTS[self.worker]
-        output, start, end, overrun = await asyncio.get_running_loop().run_in_executor(
-            slot.executor, self._turn, slot, data, split, hold, expires
-        )
-        if overrun:
-            self.overruns += 1
-            logger.warning(
-                "emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms",
-                self.model,
-                self.partition,
-                (end - start) * 1e3,
-                hold * slot.hold_factor() * 1e3,
-            )
-        return output, start, end, overrun
+        return await asyncio.get_running_loop().run_in_executor(slot.executor, self._turn, slot, data, split, hold, expires)
 
     def _turn(
         self, slot: _SlotRuntime, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None, hold: float, expires: float | None
@@ -248,9 +236,19 @@ class Stage:
         if not self.emulated:
             return output, start, time.time(), False
         computed = time.time()
-        until = start + hold * slot.hold_factor()
-        slot.hold(until)
-        return output, start, time.time(), computed > until
+        hold *= slot.hold_factor()
+        overrun = computed - start > hold
+        if overrun:
+            self.overruns += 1
+            logger.warning(
+                "emulated %s partition %d: real compute %.1f ms overran the profiled %.1f ms",
+                self.model,
+                self.partition,
+                (computed - start) * 1e3,
+                hold * 1e3,
+            )
+        slot.hold(start + hold)
+        return output, start, time.time(), overrun
 
     def _deliver(
         self, batch: dict[str, Any], output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool

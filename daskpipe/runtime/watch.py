@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import statistics
 import time
 from typing import Any, Protocol
-
-import statistics
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import guarded
