@@ -18,7 +18,7 @@ from distributed.protocol import Serialized
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed, guarded
-from daskpipe.runtime.keys import clients_of, err_keys, free_keys, resolve, store
+from daskpipe.runtime.keys import InMemoryReports, clients_of, err_keys, free_keys, resolve, store
 from daskpipe.runtime.served import Flight, Served
 from daskpipe.runtime.streams import ImmediateSend
 from daskpipe.runtime.watch import GrayWatch
@@ -56,6 +56,7 @@ class Batches:
         self.watch = watch
         self.slot_ends: dict[str, float] = {}  # address -> end of the last batch it reported computing (scheduler clock)
         self.next_ids: dict[str, int] = {}  # model -> past the highest dispatch id ever sent for it: reports carry no other tag
+        self.reports = InMemoryReports(plugin.client_streams)
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
@@ -110,7 +111,7 @@ class Batches:
     ) -> None:
         """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and
         counts; ``relayed``: a client's futures were resolved from here, after the completion."""
-        store(self.plugin.scheduler, worker, keys, nbytes)
+        store(self.plugin.scheduler, worker, keys, nbytes, self.reports)
         served = self.plugin.served.get(model)
         if served is None:
             return

@@ -2,15 +2,20 @@
 
 On submission the plugin creates a ``released`` task without a run spec for each key and records
 that the submitting client wants it (:func:`make_keys`); when the last stage reports its outputs
-stored, ``Scheduler.update_data`` moves the keys to memory on that worker, as ``scatter`` does
-(:func:`store`), and the clients' futures finish, told first on their daskpipe streams
+stored, the keys move to memory on that worker, as ``scatter``'s ``Scheduler.update_data`` moves
+them (:func:`store`), and the clients' futures finish, told on their daskpipe streams
 (:func:`resolve`); a drop or failure puts the key in ``erred`` with a daskpipe exception, which the
 client's future raises (:func:`err_keys`). A request refused on arrival never becomes a key at all
 (:func:`refuse`).
+
+Dask's own ``key-in-memory`` report goes at once to a client without a daskpipe stream, and in
+bulk :data:`REPORT_DELAY_S` later to one with a stream, which holds the future finished by then
+(:class:`InMemoryReports`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Sequence
 
@@ -20,6 +25,11 @@ from distributed.protocol import Serialized, serialize
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.streams import ImmediateSend
+
+REPORT_DELAY_S = 0.1
+"""How much later than its daskpipe resolution a client gets Dask's ``key-in-memory`` for a key:
+the report is the backstop should a resolution be lost, and one report message per request cost
+the client and the scheduler 0.2 ms of CPU in a closed loop of 2.2 ms on 2 cores."""
 
 Refusal = tuple[Any, str, str, str]
 """A request refused on arrival: ``(key, "invalid" | "dropped", text, reason)``."""
@@ -72,17 +82,71 @@ def resolve(
     return bool(per_client)
 
 
-def store(scheduler: Any, worker: str, keys: list, nbytes: list) -> None:
-    """The pending ``keys`` in memory on ``worker`` (as ``scatter`` does); the others freed there."""
+def store(scheduler: Any, worker: str, keys: list, nbytes: list, reports: InMemoryReports) -> None:
+    """The pending ``keys`` in memory on ``worker`` (as ``scatter``'s ``update_data`` puts them,
+    its report to the clients left to ``reports``); the others freed there."""
     tasks = scheduler.tasks
-    pending = [(k, n) for k, n in zip(keys, nbytes) if (ts := tasks.get(k)) is not None and ts.state == "released"]
-    if pending:
-        scheduler.update_data(who_has={k: [worker] for k, _ in pending}, nbytes=dict(pending))
+    ws = scheduler.workers[worker]
+    stored = []
+    for key, size in zip(keys, nbytes):
+        ts = tasks.get(key)
+        if ts is not None and ts.state == "released":
+            ts.state = "memory"
+            ts.set_nbytes(size)
+            scheduler.add_replica(ts, ws)
+            stored.append(ts)
+    if stored:
+        reports.in_memory(scheduler, stored, worker)
     orphans = [
         k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
     ]
     if orphans:  # released by their client while the batch ran, or stored by a retry elsewhere: the worker must not keep them
         free_keys(scheduler, worker, orphans, "released")
+
+
+class InMemoryReports:
+    """Dask's ``key-in-memory`` reports: at once to the clients without a daskpipe stream, whom
+    nothing else tells; in bulk :data:`REPORT_DELAY_S` later to the others (in ``streams``), for
+    the keys still in memory and still wanted by them then."""
+
+    def __init__(self, streams: dict[str, ImmediateSend]) -> None:
+        self.streams = streams
+        self.later: dict[Any, Any] = {}  # key -> its task, reported to its daskpipe clients when due
+        self.due: asyncio.TimerHandle | None = None
+        self.scheduler: Any = None
+
+    def in_memory(self, scheduler: Any, stored: list, worker: str) -> None:
+        """The tasks of ``stored`` are in memory on ``worker`` now."""
+        self.scheduler = scheduler
+        for ts in stored:
+            message = {"op": "key-in-memory", "key": ts.key, "workers": [worker]}
+            for cs in ts.who_wants or ():
+                if cs.client_key in self.streams:
+                    self.later[ts.key] = ts
+                else:
+                    self._send(cs.client_key, message)
+        if self.later and self.due is None:
+            self.due = asyncio.get_running_loop().call_later(REPORT_DELAY_S, self._report_later)
+
+    def _report_later(self) -> None:
+        self.due = None
+        later, self.later = self.later, {}
+        for key, ts in later.items():
+            if ts.state != "memory" or self.scheduler.tasks.get(key) is not ts:
+                continue
+            message = {"op": "key-in-memory", "key": key, "workers": [ws.address for ws in ts.who_has or ()]}
+            for cs in ts.who_wants or ():
+                if cs.client_key in self.streams:
+                    self._send(cs.client_key, message)
+
+    def _send(self, client: str, message: dict) -> None:
+        comm = self.scheduler.client_comms.get(client)
+        if comm is None:
+            return
+        try:
+            comm.send(message)
+        except CommClosedError:  # the client is leaving
+            pass
 
 
 def free_keys(scheduler: Any, worker: str, keys: list, why: str) -> None:

@@ -341,20 +341,22 @@ class Stage:
         told: list[str] = []
         if sum(nbytes) <= INLINE_OUTPUT_BYTES:
             packed = [pack_tensor(t) for t in output]
-            told = [client for client in wanted if client in slot.clients]
+            keys = done["keys"]
+            for client in wanted:  # the clients first: DONE follows in the same loop turn, and a client
+                # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
+                # anyway is told the key is not in memory yet, and Dask's client asks again)
+                if client not in slot.clients:
+                    continue
+                try:
+                    slot.clients[client].send(
+                        {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [packed[i] for i in wanted[client]]}
+                    )
+                    told.append(client)
+                except CommClosedError:  # its reply stream is gone: the scheduler tells it
+                    pass
             done["told"] = told
             if len(told) < len(wanted) or not wanted:  # the scheduler tells the others, with the outputs
                 done["outputs"] = packed
-        keys = done["keys"]
-        for client in told:  # the client first: DONE follows in the same loop turn, and the client
-            # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
-            # anyway is told the key is not in memory yet, and Dask's client asks again)
-            try:
-                slot.clients[client].send(
-                    {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [packed[i] for i in wanted[client]]}
-                )
-            except CommClosedError:  # the client is leaving: Dask's own report still ends its futures
-                pass
         slot.report(worker, done)
         if told and "outputs" not in done:  # every client holds its outputs
             slot.keep(worker, outputs)

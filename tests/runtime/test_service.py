@@ -171,6 +171,46 @@ def test_the_last_stage_hands_outputs_to_the_client_before_the_scheduler_hears_o
         wait_until(lambda: svc.status()["tiny"]["completed"] == 8, timeout=10, what="the scheduler to count the requests")
 
 
+def test_a_client_whose_resolutions_are_lost_still_gets_its_outputs_through_dasks_report(emulated_inproc, monkeypatch):
+    """Dask's ``key-in-memory`` report reaches a client with a daskpipe stream too, a moment after
+    the resolution (the backstop should one be lost); the output is then fetched from the worker."""
+    cluster, client = emulated_inproc
+    with deploy_two_stage(client) as svc:
+        xs = frames(8)
+        wait(svc.map("tiny", xs[:4]), timeout=30)
+        wait_until(lambda: reply_streams_of(cluster, client) == 1, timeout=10, what="the reply stream from the last stage's worker")
+        monkeypatch.setattr(futures_module.ClientStream, "resolve", lambda self, keys, outputs: None)
+        futures = svc.map("tiny", xs[4:])
+        for future, ref in zip(futures, reference(xs[4:])):
+            torch.testing.assert_close(future.result(timeout=30), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_client_without_a_daskpipe_stream_that_wants_a_served_key_is_told_when_it_is_in_memory(emulated_inproc):
+    """A client that wants a key without a daskpipe stream (here a plain Dask client informing the
+    scheduler of its futures, as Dask's client does when it reconnects) learns of the output from
+    Dask's report, as of any key."""
+    from distributed import Client, Future
+
+    cluster, client = emulated_inproc
+    with (
+        deploy_two_stage(client, stage_ms=(300.0, 300.0), slo_ms=5_000.0) as svc,
+        Client(cluster.scheduler_address, security=cluster.security) as other,
+    ):
+        xs = frames(4)
+        futures = svc.map("tiny", xs)
+        wait_until(lambda: svc.status()["tiny"]["in_flight"] == 4, timeout=10, what="the batch in flight")
+        theirs = [Future(future.key, client=other) for future in futures]
+        other._inform_scheduler_of_futures()
+        wait_until(
+            lambda: all(other.id in {cs.client_key for cs in cluster.scheduler.tasks[f.key].who_wants} for f in futures),
+            timeout=10,
+            what="the plain client to want the keys",
+        )
+        assert svc.status()["tiny"]["completed"] == 0  # it wanted them while they were in flight
+        for future, ref in zip(theirs, reference(xs)):
+            torch.testing.assert_close(future.result(timeout=30), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_a_client_that_cannot_reach_the_workers_gets_its_outputs_through_the_scheduler(emulated_inproc, monkeypatch):
     cluster, client = emulated_inproc
     wait_until(lambda: reply_streams_of(cluster, client) == 0, timeout=10, what="earlier services' reply streams to close")
