@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from bokeh.io import save
 from bokeh.models import TabPanel, Tabs
 from bokeh.resources import INLINE
@@ -61,7 +60,7 @@ def record_trace(metrics: ServiceMetrics, plan: ModelPlan, placement: Placement,
         elif kind == "dispatch":
             metrics.dispatch(model, payload, when, queued)
         elif kind == "complete":
-            metrics.complete(model, np.array([payload.finish - payload.arrival]), when)
+            metrics.complete(model, [payload.finish - payload.arrival], when)
         else:
             metrics.drop(model, payload.dropped, 1, when)
     for trace_model, slot, _, _, start, end in trace.computes:

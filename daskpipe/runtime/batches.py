@@ -129,7 +129,7 @@ class Batches:
             counts["completed"] += 1
             counts["on_time"] += done <= deadline
         if flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
-            self.plugin.metrics.complete(model, done - np.array([r.arrival for r, _, _ in flight.retries]), done)
+            self.plugin.metrics.complete(model, [done - r.arrival for r, _, _ in flight.retries], done)
         else:
             self.plugin.metrics.done(model, dispatch, done)
         self.plugin.arm()
