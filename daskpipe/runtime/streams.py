@@ -128,7 +128,8 @@ async def _step_on(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
             return
 
 
-_PLAIN = (str, int, float, bool, type(None), list, dict)
+_PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
+"""Values msgpack writes as they are; a message Dask read has tuples where it was sent lists."""
 
 
 def bulk_nbytes(messages: list[dict[str, Any]]) -> float:

@@ -16,6 +16,10 @@ def test_only_messages_that_may_be_large_are_left_to_dasks_offloading():
     threshold = comm_utils.OFFLOAD_THRESHOLD
     small = [{"op": "daskpipe-batch", "keys": ["k"], "inputs": [b"\0" * 1024], "route": [{"address": "tcp://a:1"}]}]
     assert not allowed_offload(small)
+    forwarded = [
+        {"op": "daskpipe-batch", "keys": ("k",), "sizes": (1,), "route": ({"address": "tcp://a:1"},), "data": pack_tensor(torch.zeros(16))}
+    ]
+    assert not allowed_offload(forwarded), "a batch a stage forwards as Dask read it (tuples for lists) is small"
     large_inputs = [{"op": "daskpipe-batch", "keys": ["a", "b"], "inputs": [b"\0" * (threshold // 2), b"\0" * (threshold // 2)]}]
     assert allowed_offload(large_inputs)
     many_outputs = [{"op": "daskpipe-done", "outputs": [pack_tensor(torch.zeros(16384))]} for _ in range(threshold // 65536 + 1)]
