@@ -36,7 +36,7 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.placement import FreeSlots
 from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory
-from daskpipe.runtime.stage import Stage, decode_inputs
+from daskpipe.runtime.stage import Stage, decode_inputs, keep_running
 
 FEATURE_MAP_DTYPE = torch.float16
 RECENT_CALLS = 256
@@ -181,11 +181,14 @@ class SharedStage(Stage):
     def info(self) -> dict[str, Any]:
         return {**super().info(), "max_batch": self.max_batch, "merged_calls": self.merged_calls, "recent": list(self.recent)}
 
-    async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
+    def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         self._waiting.append((batch, data, received_at))
         if self._draining:  # the running drain takes it with the next merged call
             return
         self._draining = True
+        keep_running(self.worker, self._drain())
+
+    async def _drain(self) -> None:
         try:
             while self._waiting:
                 await self._run_merged(self._take())

@@ -24,6 +24,7 @@ the batch, already time-dilated) has passed; it reports when real compute overra
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -33,7 +34,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 import torch
 from dask.sizeof import sizeof
@@ -227,12 +228,23 @@ class Stage:
         }
 
     # -- the batch path (worker event loop) ----------------------------------------------------
-    async def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
-        """Run one batch: compute, then forward the feature map or store the outputs."""
+    def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
+        """Queue one batch on the slot's compute thread; when it has run, the thread hands it
+        straight back to the event loop, which forwards the feature map or stores the outputs.
+
+        A callback rather than an awaited executor future: asyncio's hand-back sets a future on
+        one loop turn and resumes the awaiting task on the next, two turns and a task step per
+        stage on a lone request's way."""
         hop, rest = batch["route"][0], batch["route"][1:]
         split = None if rest or hop.get("park") else batch["sizes"]
+        slot = _SLOTS[self.worker]
+        turn = slot.executor.submit(self._turn, slot, data, split, float(hop.get("hold_s") or 0.0), batch.get("expires"))
+        loop = asyncio.get_running_loop()
+        turn.add_done_callback(lambda turn: _on_loop(loop, self._ran, batch, received_at, turn))
+
+    def _ran(self, batch: dict[str, Any], received_at: float | None, turn: concurrent.futures.Future) -> None:
         try:
-            output, start, end, overrun = await self._compute_held(data, split, float(hop.get("hold_s") or 0.0), batch.get("expires"))
+            output, start, end, overrun = turn.result()
         except BatchExpired:
             _SLOTS[self.worker].report(
                 self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])}
@@ -503,6 +515,15 @@ def _forward(worker: Any, *, take: list, **batch: Any) -> None:
     )
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Call ``callback(*args)`` on ``loop`` from another thread; nothing once the loop has closed
+    (the worker is gone, and its batches with it)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
 def _discard(worker: Any, *, model: str, keys: list) -> None:
     """The worker's ``daskpipe-discard`` handler: parked data whose requests ended."""
     parked = _SLOTS[worker].parked
@@ -516,8 +537,13 @@ def _probe(worker: Any, *, model: str, token: int, stage: str, hold_s: float) ->
     if not isinstance(actor, Stage):
         logger.warning("daskpipe: worker %s was probed for stage %r of %s, which it does not hold", worker.address, stage, model)
         return
+    keep_running(worker, actor.probe(token, hold_s))
+
+
+def keep_running(worker: Any, coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` as a task on ``worker``'s loop, referenced by its slot until it ends."""
     slot = _SLOTS[worker]
-    task = asyncio.ensure_future(actor.probe(token, hold_s))
+    task = asyncio.ensure_future(coro)
     slot.tasks.add(task)
     task.add_done_callback(slot.tasks.discard)
 
@@ -564,10 +590,7 @@ class _BatchHandler:
             stage = worker.state.actors.get(route[0]["stage"])
             if not isinstance(stage, Stage):
                 raise LookupError(f"stage {route[0]['stage']!r} is not on worker {worker.address} (was it released?)")
-            slot = _SLOTS[worker]
-            task = asyncio.ensure_future(stage.run(batch, from_wire(data) if data is not None else inputs, received_at))
-            slot.tasks.add(task)
-            task.add_done_callback(slot.tasks.discard)
+            stage.run(batch, from_wire(data) if data is not None else inputs, received_at)
         except Exception as exc:  # never let a bad batch close the worker's stream
             logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
             report_failure(
