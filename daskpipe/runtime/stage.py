@@ -137,10 +137,11 @@ class _SlotRuntime:
             kept, self.kept = self.kept, {}
             worker.update_data(data=kept, stimulus_id=f"daskpipe-kept-{time.time()}")
 
-    def drop_kept(self, keys: Sequence[Any]) -> None:
-        """The scheduler freed ``keys`` here: those still kept are never stored."""
-        for key in keys:
-            self.kept.pop(key, None)
+    def drop_kept(self, keys: Sequence[Any]) -> list[Any]:
+        """The scheduler freed ``keys`` here: those still kept are never stored. The others, which
+        Dask's worker state may hold."""
+        kept = self.kept
+        return [key for key in keys if kept.pop(key, None) is None]
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
@@ -466,8 +467,8 @@ def _store_kept_first(worker: Any, slot: _SlotRuntime) -> None:
     def dropping_kept(handler: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(handler)
         def handle(*args: Any, keys: Sequence[Any], **kwargs: Any) -> Any:
-            slot.drop_kept(keys)
-            return handler(*args, keys=keys, **kwargs)
+            stored = slot.drop_kept(keys)
+            return handler(*args, keys=stored, **kwargs) if stored else None  # Dask's state never saw the kept ones
 
         return handle
 
