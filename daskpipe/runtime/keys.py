@@ -96,7 +96,7 @@ def store(scheduler: Any, worker: str, keys: list, nbytes: list, reports: InMemo
             scheduler.add_replica(ts, ws)
             stored.append(ts)
     if stored:
-        reports.in_memory(scheduler, stored, worker)
+        reports.in_memory(scheduler, stored)
     orphans = [
         k for k in keys if (ts := tasks.get(k)) is None or (ts.state == "memory" and all(ws.address != worker for ws in ts.who_has or ()))
     ]
@@ -113,40 +113,37 @@ class InMemoryReports:
         self.streams = streams
         self.later: dict[Any, Any] = {}  # key -> its task, reported to its daskpipe clients when due
         self.due: asyncio.TimerHandle | None = None
-        self.scheduler: Any = None
 
-    def in_memory(self, scheduler: Any, stored: list, worker: str) -> None:
-        """The tasks of ``stored`` are in memory on ``worker`` now."""
-        self.scheduler = scheduler
+    def in_memory(self, scheduler: Any, stored: list) -> None:
+        """The tasks of ``stored`` are in memory now."""
         for ts in stored:
-            message = {"op": "key-in-memory", "key": ts.key, "workers": [worker]}
             for cs in ts.who_wants or ():
                 if cs.client_key in self.streams:
                     self.later[ts.key] = ts
                 else:
-                    self._send(cs.client_key, message)
+                    _report_in_memory(scheduler, cs.client_key, ts)
         if self.later and self.due is None:
-            self.due = asyncio.get_running_loop().call_later(REPORT_DELAY_S, self._report_later)
+            self.due = asyncio.get_running_loop().call_later(REPORT_DELAY_S, self._report_later, scheduler)
 
-    def _report_later(self) -> None:
+    def _report_later(self, scheduler: Any) -> None:
         self.due = None
         later, self.later = self.later, {}
         for key, ts in later.items():
-            if ts.state != "memory" or self.scheduler.tasks.get(key) is not ts:
-                continue
-            message = {"op": "key-in-memory", "key": key, "workers": [ws.address for ws in ts.who_has or ()]}
-            for cs in ts.who_wants or ():
-                if cs.client_key in self.streams:
-                    self._send(cs.client_key, message)
+            if ts.state == "memory" and scheduler.tasks.get(key) is ts:
+                for cs in ts.who_wants or ():
+                    if cs.client_key in self.streams:
+                        _report_in_memory(scheduler, cs.client_key, ts)
 
-    def _send(self, client: str, message: dict) -> None:
-        comm = self.scheduler.client_comms.get(client)
-        if comm is None:
-            return
-        try:
-            comm.send(message)
-        except CommClosedError:  # the client is leaving
-            pass
+
+def _report_in_memory(scheduler: Any, client: str, ts: Any) -> None:
+    """Dask's ``key-in-memory`` for ``ts`` to ``client``, as ``Scheduler.report`` sends it."""
+    comm = scheduler.client_comms.get(client)
+    if comm is None:
+        return
+    try:
+        comm.send({"op": "key-in-memory", "key": ts.key, "workers": [ws.address for ws in ts.who_has or ()]})
+    except CommClosedError:  # the client is leaving
+        pass
 
 
 def free_keys(scheduler: Any, worker: str, keys: list, why: str) -> None:
