@@ -409,16 +409,31 @@ def _covers(config: Config, pipeline: Pipeline) -> bool:
 
 
 def _solver_name(choice: str) -> str:
-    """CBC unless HiGHS is asked for: on these pool-sizing MILPs CBC solves faster (docs/plan.md)."""
+    """CBC unless HiGHS is asked for: on these pool-sizing MILPs CBC solves faster (docs/plan.md).
+    ``auto`` takes HiGHS where CBC's library does not load (python-mip 2 reads it from cbcbox)."""
     import mip
 
-    if choice in ("auto", "cbc"):
+    if choice == "cbc" or (choice == "auto" and not _unusable(mip.CBC)):
         return mip.CBC
-    try:
-        mip.Model(solver_name=mip.HIGHS)
-    except Exception as exc:  # python-mip raises bare Exceptions when highspy is missing or broken
-        raise PlanError(f"solver 'highs' is not usable ({exc}); install highspy or use solver 'cbc'") from None
+    problem = _unusable(mip.HIGHS)
+    if problem and choice == "auto":
+        raise PlanError(
+            f"no MILP solver is usable: CBC's library does not load, and HiGHS's neither ({problem}); reinstall mip or install highspy"
+        )
+    if problem:
+        raise PlanError(f"solver 'highs' is not usable ({problem}); install highspy or use solver 'cbc'")
     return mip.HIGHS
+
+
+def _unusable(solver: str) -> str:
+    """Why python-mip cannot make a model with ``solver``; "" when it can."""
+    import mip
+
+    try:
+        mip.Model(solver_name=solver)
+    except Exception as exc:  # python-mip raises bare Exceptions (or a NameError) when a solver's library is missing or broken
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 # -- plan assembly ---------------------------------------------------------------------------

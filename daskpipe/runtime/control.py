@@ -62,8 +62,9 @@ RECOMPUTE_EVERY = 20
 """Batches between two recomputations of the margin (a percentile of the window costs ~30 us)."""
 MAX_SHARE = 0.5
 MIN_MARGIN_S = 0.002
-"""The least margin: an event-loop timer fires up to a millisecond late (epoll waits whole
-milliseconds), and the last-moment dispatch of a batch waits on one."""
+"""The least margin, under what a few quiet batches measure. The last-moment dispatch of a batch
+waits on the dispatcher's wake-up, which is on time on Linux (:mod:`daskpipe.runtime.timer`) and
+up to a millisecond late elsewhere (the event loop's selector waits whole milliseconds)."""
 KINDS = ("send", "dispatch", "hop", "done")
 
 

@@ -17,7 +17,6 @@ forwards as they are: it never deserializes them.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import logging
@@ -42,6 +41,7 @@ from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
+from daskpipe.runtime.timer import Wakeup
 from daskpipe.runtime.watch import GrayWatch
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
 from daskpipe.sched.metrics import ServiceMetrics
@@ -67,8 +67,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.served: dict[str, Served] = {}
         self.slots: dict[str, WorkerSlot] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = float("inf")
+        self.wakeup = Wakeup(self._on_timer)  # the earliest next_wake of all dispatchers
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
         self.to_workers: Streams | None = None  # batches and pings, opened at start
         self.pings = Pings()  # round trips to stage workers, measured when a model is served
@@ -188,8 +187,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     async def close(self) -> None:
         try:
             self.close_models(reason="shutdown")
-            if self._timer is not None:
-                self._timer.cancel()
+            self.wakeup.close()
             self.watch.close()
             await self.elastic.close()
             if self.to_workers is not None:
@@ -443,21 +441,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     # -- the timer -----------------------------------------------------------------------------
     def arm(self) -> None:
-        """Keep one timer, at the earliest ``next_wake`` of all dispatchers."""
+        """Keep one wake-up (:class:`~daskpipe.runtime.timer.Wakeup`), at the earliest ``next_wake`` of all dispatchers."""
         wakes = [w for s in self.served.values() if (w := s.dispatcher.next_wake()) is not None]
         wake = min(wakes, default=float("inf"))
-        if wake >= self._timer_at and self._timer is not None:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer, self._timer_at = None, float("inf")
-        if wake < float("inf"):
-            self._timer_at = wake
-            self._timer = asyncio.get_running_loop().call_later(max(0.0, wake - time.monotonic()), self._on_timer)
+        if wake < self.wakeup.at:
+            self.wakeup.arm(wake)
+        elif wake == float("inf"):
+            self.wakeup.cancel()
 
     @guarded
     def _on_timer(self) -> None:
-        self._timer, self._timer_at = None, float("inf")
         now = time.monotonic()
         for model, served in list(self.served.items()):
             wake = served.dispatcher.next_wake()

@@ -125,6 +125,36 @@ def test_highs_when_asked_and_available(two_block):
     assert plan.solver["name"] == "HiGHS" and plan.objective == pytest.approx(PAIR)
 
 
+def broken(monkeypatch, *solvers: str) -> None:
+    """python-mip as where the named solvers' libraries do not load (mip 2 without cbcbox: a NameError)."""
+    import mip
+
+    model = mip.Model
+
+    def refusing(*args, solver_name: str = "", **kwargs):
+        if solver_name.upper() in solvers:
+            raise NameError("name 'cbclib' is not defined")
+        return model(*args, solver_name=solver_name, **kwargs)
+
+    monkeypatch.setattr(mip, "Model", refusing)
+
+
+def test_auto_takes_highs_where_cbc_does_not_load(two_block, monkeypatch):
+    pytest.importorskip("highspy")
+    assert make_plan({"m": two_block}, {"A": 1, "B": 1}).solver["name"] == "CBC"
+    broken(monkeypatch, "CBC")
+    plan = make_plan({"m": two_block}, {"A": 1, "B": 1})
+    assert plan.solver["name"] == "HiGHS" and plan.objective == pytest.approx(PAIR)
+
+
+def test_no_usable_solver_is_a_plan_error_naming_both(two_block, monkeypatch):
+    broken(monkeypatch, "CBC", "HIGHS")
+    with pytest.raises(PlanError, match=r"no MILP solver is usable: CBC's library does not load, and HiGHS's neither \(NameError"):
+        make_plan({"m": two_block}, {"A": 1, "B": 1})
+    with pytest.raises(PlanError, match=r"solver 'highs' is not usable \(NameError: name 'cbclib' is not defined\)"):
+        make_plan({"m": two_block}, {"A": 1, "B": 1}, options=PlannerOptions(solver="highs"))
+
+
 def test_golden_fcn_on_v100_and_p4(ppipe_dir):
     """PPipe Fig. 11/12: FCN on 4 V100 + 12 P4 (V100-P4 [2,1] per server, 6 Gbit/s), SLO 33.3 ms."""
     from daskpipe.profiles.loader import load_profiles
