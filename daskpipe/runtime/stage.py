@@ -46,7 +46,7 @@ from torch import nn
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
-from daskpipe.runtime.environ import compute_thread_setup
+from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interval
 from daskpipe.runtime.gctune import raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
@@ -419,7 +419,7 @@ def _picklable(exc: BaseException) -> BaseException:
 
 def install(worker: Any) -> None:
     """Give ``worker`` daskpipe's batch handler and its slot runtime, and its process the scheduler's
-    GC policy (``gctune``); idempotent.
+    GC policy (``gctune``) and a short GIL switch interval (``environ``); idempotent.
 
     Runs from the actor's constructor, which may be off the event loop: ``asyncio.Lock`` binds to
     the running loop only on first use.
@@ -427,6 +427,7 @@ def install(worker: Any) -> None:
     if worker in _SLOTS:
         return
     raise_gc_thresholds()
+    shorten_switch_interval()
     slot = _SLOTS[worker] = _SlotRuntime(
         ThreadPoolExecutor(
             1, thread_name_prefix=f"daskpipe-slot-{worker.name}", initializer=compute_thread_setup, initargs=(worker.state.nthreads,)

@@ -3,11 +3,13 @@ worker's threads, and a deploy-time warning with the fix for a worker that has i
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import dask.config
 import pytest
 import torch
 from distributed import Client, LocalCluster, wait
@@ -17,10 +19,12 @@ import daskpipe
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.environ import (
     ALLOCATOR_VARIABLES,
+    SWITCH_INTERVAL_CONFIG,
     WorkerEnvironment,
     compute_thread_setup,
     environments,
     probe_worker,
+    shorten_switch_interval,
     stage_worker_environ,
 )
 
@@ -101,9 +105,33 @@ def test_a_slot_computes_on_the_threads_its_worker_was_given(clean_environ):
         Client(cluster) as client,
     ):
         [before] = environments(client.run(probe_worker))
+        [switch_before] = client.run(sys.getswitchinterval).values()
         with daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": torch.randn(1, 8)}, slo_ms={"tiny": 1000.0}) as service:
             assert service.profiles["tiny"].meta["cpu_threads"] == 2, "profiled as it serves"
             wait(service.map("tiny", [torch.randn(1, 8)] * 4))  # the slot's compute thread starts with its first batch
             [after] = environments(client.run(probe_worker))
+            [switch_after] = client.run(sys.getswitchinterval).values()
     assert before.torch_threads is None, "no compute thread before the first batch"
     assert after.torch_threads == 2 and before.environ.get("OMP_NUM_THREADS") == "1", "Dask's OMP_NUM_THREADS=1 stays for its task threads"
+    assert switch_before == 0.005 and switch_after == pytest.approx(0.0005), (
+        "the event loop waits at most 0.5 ms for the compute thread's GIL"
+    )
+
+
+@pytest.fixture
+def switch_interval():
+    saved = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(saved)
+
+
+def test_the_switch_interval_is_configurable_and_a_bad_one_changes_nothing(switch_interval, caplog):
+    sys.setswitchinterval(0.005)
+    with dask.config.set({SWITCH_INTERVAL_CONFIG: None}):
+        assert shorten_switch_interval() == 0.005, "null leaves Python's"
+    for bad in ("fast", 0, True, 1.0):
+        with dask.config.set({SWITCH_INTERVAL_CONFIG: bad}), caplog.at_level(logging.ERROR, logger="daskpipe.runtime.environ"):
+            assert shorten_switch_interval() == 0.005
+        assert SWITCH_INTERVAL_CONFIG in caplog.text and repr(bad) in caplog.text
+    with dask.config.set({SWITCH_INTERVAL_CONFIG: 0.0002}):
+        assert shorten_switch_interval() == pytest.approx(0.0002) == sys.getswitchinterval()
