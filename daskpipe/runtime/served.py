@@ -11,11 +11,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from distributed.protocol import Serialized
+
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import ControlPath
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.gray import GrayPolicy, Suspect
+from daskpipe.runtime.tensors import input_nbytes
 from daskpipe.sched.api import Dispatcher, Request
 from daskpipe.sched.durations import BatchDurations
 
@@ -115,10 +118,12 @@ class Served:
         most = self.model.max_batch
         if type(size) is not int or not 1 <= size <= most:
             return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
-        if not isinstance(payload, bytes):
-            return f"the input must arrive as raw bytes, got {type(payload).__name__}"
-        if self.sample_nbytes and start_block == 0 and len(payload) != size * self.sample_nbytes:
-            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {len(payload)}"
+        nbytes = input_nbytes(payload)
+        if nbytes is None:
+            what = f"a serialized {payload.header.get('type', 'object')}" if isinstance(payload, Serialized) else type(payload).__name__
+            return f"the input must arrive as raw bytes, got {what}"
+        if self.sample_nbytes and start_block == 0 and nbytes >= 0 and nbytes != size * self.sample_nbytes:
+            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {nbytes}"
         return None
 
     def take_flights(self, address: str) -> list[tuple[int, Flight]]:

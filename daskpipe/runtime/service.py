@@ -8,8 +8,10 @@ places one stage actor per (pool, slot) and tells the plugin to start serving. A
 validates the input on the client (the profile knows its shape), creates the futures, and sends
 the inputs to the scheduler over the service's own stream (:class:`~daskpipe.runtime.futures.ClientStream`,
 which sends without Dask's 10 ms batching interval), a message per ``SUBMIT_CHUNK`` requests, each
-input as its raw bytes (:func:`encode_input`): msgpack carries them as they are, so no serializer
-call or extra frames per request, and nothing is unpickled on the way.
+input as its raw bytes (:func:`encode_input`): msgpack carries a small one as it is, so no
+serializer call or extra frames per request, and a large one is a frame of its own, which the
+scheduler forwards without copying (:func:`~daskpipe.runtime.tensors.wire_input`); nothing is
+unpickled on the way.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, 
 from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
+from daskpipe.runtime.tensors import wire_input
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 
 SUBMIT_CHUNK = 256
@@ -267,7 +270,13 @@ class Service:
     def _send(
         self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
     ) -> None:
-        message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": inputs, "sizes": sizes}
+        message: dict[str, Any] = {
+            "op": messages.SUBMIT,
+            "model": model,
+            "keys": keys,
+            "inputs": [wire_input(raw) for raw in inputs],
+            "sizes": sizes,
+        }
         if sent_at is not None:
             message["sent_at"] = sent_at
         if start_block:

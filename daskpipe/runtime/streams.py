@@ -133,17 +133,18 @@ _PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 
 
 def bulk_nbytes(messages: list[dict[str, Any]]) -> float:
-    """The bytes daskpipe's ``messages`` carry in bulk, counted where daskpipe puts them: requests'
-    raw ``inputs``, packed tensors' ``bytes`` (``data``, ``outputs``); ``inf`` when one carries
-    something Dask serializes itself (a large tensor, an exception), whose size Dask measures."""
+    """The bytes daskpipe's ``messages`` carry in bulk inside msgpack, counted where daskpipe puts
+    them: requests' raw ``inputs`` (a large one is a frame of its own, which no serializing touches),
+    packed tensors' ``bytes`` (``data``, ``outputs``); ``inf`` when one carries something Dask
+    serializes itself (a large tensor, an exception), whose size Dask measures."""
     total = 0
     for message in messages:
         if not all(isinstance(value, _PLAIN) for value in message.values()):
             return math.inf
-        inputs: list[bytes] = message.get("inputs") or []
+        inputs: list[Any] = message.get("inputs") or []
         outputs: list[dict[str, Any]] = message.get("outputs") or []
         data = message.get("data")
-        total += sum(map(len, inputs)) + sum(len(packed["bytes"]) for packed in outputs)
+        total += sum(len(raw) for raw in inputs if isinstance(raw, bytes)) + sum(len(packed["bytes"]) for packed in outputs)
         if isinstance(data, dict):
             total += len(data["bytes"])
     return total

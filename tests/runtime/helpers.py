@@ -23,6 +23,8 @@ from tests.helpers import paced, wait_until
 from tests.runtime.fifo import FifoDispatcher
 
 INPUT = (3, 16, 16)
+LARGE_INPUT = (3, 96, 96)
+"""A sample of 110,592 bytes: an input over 64 KiB travels as a Dask frame of its own."""
 BATCH = 4
 
 
@@ -45,18 +47,23 @@ def tiny_model() -> nn.Module:
     return TinyCNN().eval()
 
 
-def example() -> torch.Tensor:
-    return torch.randn(1, *INPUT)
+def example(shape: tuple[int, ...] = INPUT) -> torch.Tensor:
+    return torch.randn(1, *shape)
 
 
 def two_stage(
-    name: str = "tiny", *, stage_ms: tuple[float, float] = (4.0, 6.0), slo_ms: float = 500.0, gpus: tuple[str, str] = ("L4", "T4")
+    name: str = "tiny",
+    *,
+    stage_ms: tuple[float, float] = (4.0, 6.0),
+    slo_ms: float = 500.0,
+    gpus: tuple[str, str] = ("L4", "T4"),
+    input_shape: tuple[int, ...] = INPUT,
 ) -> tuple[Profile, Plan]:
     """A profile and a plan: blocks [0, 1) on one ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4.
 
     Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.
     """
-    segmented = segment_model(tiny_model(), example())
+    segmented = segment_model(tiny_model(), example(input_shape))
     bounds = [0, 2, segmented.num_segments]
     blocked = segmented.cut(bounds)
     per_block = np.array([[ms * 1e3 * (1 + (b - 1) / BATCH) for b in range(1, BATCH + 1)] for ms in stage_ms])
@@ -101,9 +108,9 @@ def tls_security(directory: Path):
     return Security(tls_ca_file=str(ca_file), tls_scheduler_cert=cert, tls_worker_cert=cert, tls_client_cert=cert, require_encryption=True)
 
 
-def frames(n: int, seed: int = 1) -> list[torch.Tensor]:
+def frames(n: int, seed: int = 1, shape: tuple[int, ...] = INPUT) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, *INPUT, generator=generator) for _ in range(n)]
+    return [torch.randn(1, *shape, generator=generator) for _ in range(n)]
 
 
 def reference(xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -125,12 +132,12 @@ def counted(svc, model: str, ended: int, timeout: float = 10.0) -> dict:
     return wait_until(status, timeout=timeout, what=f"the scheduler to count {ended} requests of {model} as ended")
 
 
-def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", **plan_args):
-    profile, plan = two_stage(**plan_args)
+def deploy_two_stage(client, *, k: float = 1.0, dispatcher: str = "ppipe", input_shape: tuple[int, ...] = INPUT, **plan_args):
+    profile, plan = two_stage(input_shape=input_shape, **plan_args)
     return daskpipe.deploy(
         client,
         {"tiny": tiny_model()},
-        example_inputs={"tiny": example()},
+        example_inputs={"tiny": example(input_shape)},
         plan=plan,
         profiles={"tiny": profile},
         time_dilation=k,

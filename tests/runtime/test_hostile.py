@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client, Future, LocalCluster, wait
+from distributed.protocol import to_serialize
 
 import daskpipe
 from daskpipe.plan.schema import PlanError
@@ -29,7 +30,7 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped,
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.service import encode_input
 from tests.helpers import REPO, fresh_heap, paced, wait_until
-from tests.runtime.helpers import INPUT, counted, deploy_two_stage, example, frames, reference, tiny_model, two_stage
+from tests.runtime.helpers import INPUT, LARGE_INPUT, counted, deploy_two_stage, example, frames, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,18 +68,20 @@ def test_nan_and_inf_inputs_err_at_once_unless_the_service_allows_them(emulated_
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest(emulated_inproc):
+@pytest.mark.parametrize("shape", [INPUT, LARGE_INPUT], ids=["inline", "frames"])
+def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest(emulated_inproc, shape):
     cluster, client = emulated_inproc
-    good = frames(4)
+    good = frames(4, shape=shape)
     raw = encode_input(good[0])
     before = request_outcomes(cluster.scheduler)
-    with deploy_two_stage(client) as svc:
+    with deploy_two_stage(client, input_shape=shape) as svc:
         cases = {
             "samples take": (raw[:-4], 1),  # truncated: would fail the whole batch it joined
             "1 to 4 samples": (raw * 5, 5),  # more than the largest planned batch
             "got 0": (b"", 0),
             "got '1'": (raw, "1"),
-            "raw bytes": ("not bytes", 1),
+            "raw bytes, got str": ("not bytes", 1),
+            "raw bytes, got a serialized numpy.ndarray": (to_serialize(np.zeros(len(raw) // 8)), 1),  # a frame, but not of bytes
         }
         valid = [encode_input(x) for x in good]  # a full batch beside the bad ones: it runs at once
         futures = send_raw(svc, "tiny", [c[0] for c in cases.values()] + valid, [c[1] for c in cases.values()] + [1] * len(valid))
@@ -87,12 +90,14 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
                 future.result(timeout=30)
         for out, ref in zip(client.gather(futures[len(cases) :]), reference(good)):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        for out, ref in zip(client.gather(svc.map("tiny", good)), reference(good)):  # and through the Service
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         (ragged,) = send_raw(svc, "tiny", [raw, raw], [1])
         with pytest.raises(InvalidRequest, match="1 keys and 2 inputs"):
             ragged.result(timeout=30)
         assert svc.status()["tiny"]["invalid"] == len(cases)
         counted = {outcome: total - before.get(outcome, 0) for outcome, total in request_outcomes(cluster.scheduler).items()}
-        assert counted["invalid"] == len(cases) and counted["submitted"] == len(cases) + len(valid)
+        assert counted["invalid"] == len(cases) and counted["submitted"] == len(cases) + 2 * len(valid)
         assert counted["submitted"] == counted["completed"] + counted["failed"] + counted["invalid"] + counted["dropped"], (
             counted
         )  # every outcome accounted for

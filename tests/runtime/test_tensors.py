@@ -1,0 +1,51 @@
+"""Tensors and inputs on the wire: small ones packed in msgpack, large ones as Dask frames the
+scheduler forwards as they came."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from distributed.protocol import to_serialize
+from distributed.protocol.core import dumps, loads
+
+from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, input_nbytes, wire_input, wire_tensor
+
+
+def through_the_scheduler(message: dict, compression: str | None = None) -> tuple[list, dict, dict]:
+    """``message`` written by a client, read and written on by the scheduler (which never
+    deserializes what the client serialized), then read by a worker: the frames of each write,
+    what the scheduler held, and what the worker got."""
+    sent = dumps(message, context={"sender": "client", "recipient": "scheduler", "compression": compression})
+    held = loads(sent, deserialize=False)
+    forwarded = dumps(held, context={"sender": "scheduler", "recipient": "worker"})
+    return [sent, forwarded], held, loads(forwarded, deserialize=True)
+
+
+def test_a_large_input_is_a_frame_of_its_own_that_the_scheduler_forwards_and_counts_without_copying():
+    small, large = b"s" * 100, np.random.default_rng(0).bytes(PACKED_BYTES + 1)
+    writes, held, got = through_the_scheduler({"op": "daskpipe-submit", "inputs": [wire_input(small), wire_input(large)]})
+    assert [input_nbytes(payload) for payload in held["inputs"]] == [100, PACKED_BYTES + 1]
+    assert list(got["inputs"]) == [small, large]
+    for frames in writes:  # the large input is a frame of its own in both writes, never inside msgpack's
+        assert sum(len(memoryview(frame)) for frame in frames) > PACKED_BYTES + 1
+        assert any(len(memoryview(frame)) == PACKED_BYTES + 1 for frame in frames)
+        assert all(len(memoryview(frame)) < 4096 for frame in frames if len(memoryview(frame)) != PACKED_BYTES + 1)
+
+
+def test_only_raw_bytes_count_as_an_input():
+    _, held, _ = through_the_scheduler({"inputs": [to_serialize(np.zeros(10_000)), to_serialize({"a": 1}), "text", 3]})
+    assert [input_nbytes(payload) for payload in held["inputs"]] == [None, None, None, None]
+    assert wire_input("text") == "text" and wire_input(3) == 3  # a hostile client's payloads pass as they are, for the scheduler to refuse
+
+
+def test_a_frame_compressed_on_the_way_counts_as_of_unknown_size():
+    _, held, got = through_the_scheduler({"inputs": [wire_input(b"\0" * (PACKED_BYTES + 1))]}, compression="zlib")
+    assert input_nbytes(held["inputs"][0]) == -1 and got["inputs"][0] == b"\0" * (PACKED_BYTES + 1)
+
+
+def test_tensors_travel_packed_up_to_the_limit_and_as_dask_frames_beyond():
+    small, large = torch.randn(4, 4), torch.randn(PACKED_BYTES // 4 + 1)
+    _, _, got = through_the_scheduler({"data": [wire_tensor(small), wire_tensor(large)]})
+    assert isinstance(wire_tensor(small), dict)
+    for sent, received in zip((small, large), got["data"]):
+        torch.testing.assert_close(from_wire(received), sent)
