@@ -16,6 +16,7 @@ from distributed import Client
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.futures import ClientStream, ServedFuture
+from daskpipe.runtime.tensors import wire_input
 
 
 class RemoteSender:
@@ -32,7 +33,7 @@ class RemoteSender:
         """One request of ``size`` samples whose input is ``payload``, and its future."""
         key = f"remote-{model}-{self.token}-{next(self.counter)}"
         future = self.stream.pending[key] = ServedFuture(key, self.client)
-        self.stream.send({"op": messages.SUBMIT, "model": model, "keys": [key], "inputs": [payload], "sizes": [size]})
+        self.stream.send({"op": messages.SUBMIT, "model": model, "keys": [key], "inputs": [wire_input(payload)], "sizes": [size]})
         return future
 
     def close(self) -> None:

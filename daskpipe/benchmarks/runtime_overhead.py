@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -43,6 +44,9 @@ LOAD_BATCH, LOAD_STAGE_US = 8, 4000.0
 requests/s, offered at ``LOAD_FACTOR`` of it from a thread of the client."""
 LOAD_FACTOR = 0.8
 SLO_MS = 10_000.0  # generous: the throughput run is a burst, and nothing should be dropped
+INPUT_SHAPE = (16,)
+"""A request's sample: 64 bytes of float32, so that the control path is all there is to measure
+(``--input-shape 3,224,224`` carries 602 KB images instead, to measure their way through)."""
 
 
 def _noop(i: int) -> int:
@@ -54,14 +58,14 @@ def trivial_model() -> nn.Module:
     return nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
 
 
-def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US):
+def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US, input_shape: tuple[int, ...] = INPUT_SHAPE):
     """A profile and a 2-partition plan on ``cpu`` slots for each (model name, batch size), each
-    block profiled at ``stage_us`` at any batch size."""
+    block profiled at ``stage_us`` at any batch size, for requests of ``input_shape``."""
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
 
-    segmented = segment_model(trivial_model(), torch.zeros(1, 16))
+    segmented = segment_model(trivial_model(), torch.zeros(1, *input_shape))
     bounds = [0, 1, segmented.num_segments]
     blocked = segmented.cut(bounds)
     profiles, models = {}, []
@@ -122,9 +126,10 @@ def run_bench(
     processes: bool = True,
     latency_samples: int = 200,
     rounds: int = 2,
+    input_shape: tuple[int, ...] = INPUT_SHAPE,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> dict:
-    """The figures of ``daskpipe bench runtime``, all on one cluster.
+    """The figures of ``daskpipe bench runtime``, all on one cluster, with requests of ``input_shape``.
 
     Throughput rounds alternate plain Dask and daskpipe so that drift (warm-up, other load on the
     machine) hits both alike; each figure is the best of its rounds (noise only slows a run), and
@@ -142,17 +147,16 @@ def run_bench(
 
         protocol = resolve_protocol(protocol)
     with bench_cluster(processes, protocol) as cluster, Client(cluster) as client:
-        profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1})
-        model = trivial_model()
+        profiles, plan = profile_and_plan({"trivial-b32": BATCH, "trivial-b1": 1}, input_shape=input_shape)
+        model, x = trivial_model(), torch.zeros(1, *input_shape)
         svc = daskpipe.deploy(
             client,
             {name: model for name in profiles},
-            example_inputs={name: torch.zeros(1, 16) for name in profiles},
+            example_inputs={name: x for name in profiles},
             plan=plan,
             profiles=profiles,
         )
         try:
-            x = torch.zeros(1, 16)
             wait(client.map(_noop, range(100), pure=False))  # warm both paths
             wait(svc.map("trivial-b32", [x] * 2 * BATCH))
             wait(svc.map("trivial-b1", [x] * 10))
@@ -182,7 +186,7 @@ def run_bench(
         finally:
             svc.close()
         settle(client)
-        loaded_latencies, load = _loaded(client, latency_samples)
+        loaded_latencies, load = _loaded(client, latency_samples, input_shape)
         lags.extend(load.pop("loop_lags_s"))
         advance(note="loaded run")
     compute_s = 2 * STAGE_US * 1e-6
@@ -192,6 +196,8 @@ def run_bench(
     return {
         "cluster": f"LocalCluster, 4 CPU workers, {'processes' if processes else 'in-process (threads)'}, protocol {protocol}",
         "requests": requests,
+        "input_shape": list(input_shape),
+        "input_bytes": 4 * math.prod(input_shape),
         "rounds": rounds,
         "requests_per_second": max(daskpipe_rates),
         "failed": failed,
@@ -248,7 +254,7 @@ def per_request_ms(cpu_s: Mapping[str, float], requests: int) -> dict[str, float
     return {**per_role, "total": sum(per_role.values())}
 
 
-def _loaded(client: Any, samples: int) -> tuple[list[float], dict]:
+def _loaded(client: Any, samples: int, input_shape: tuple[int, ...]) -> tuple[list[float], dict]:
     """Closed-loop latencies of ``samples`` requests of trivial-b1, on its own pipeline, while
     another client, in a process of its own as clients are, sends trivial-load Poisson load at
     ``LOAD_FACTOR`` of its plan's capacity; and what the load saw, with the scheduler's loop lags."""
@@ -258,10 +264,10 @@ def _loaded(client: Any, samples: int) -> tuple[list[float], dict]:
 
     import daskpipe
 
-    profiles, plan = profile_and_plan({"trivial-b1": 1})
-    load_profiles, load_plan = profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US)
+    profiles, plan = profile_and_plan({"trivial-b1": 1}, input_shape=input_shape)
+    load_profiles, load_plan = profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US, input_shape=input_shape)
     plan = type(plan)(objective=plan.objective, models=plan.models + load_plan.models, cluster=plan.cluster)
-    model, x = trivial_model(), torch.zeros(1, 16)
+    model, x = trivial_model(), torch.zeros(1, *input_shape)
     svc = daskpipe.deploy(
         client,
         {"trivial-b1": model, "trivial-load": model},
@@ -428,17 +434,29 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
     help="Workers as processes (as daskpipe runs them), or threads of this process (all under one GIL).",
 )
 @click.option("--rounds", default=3, show_default=True, help="Throughput rounds of each kind, alternated; the best of each is reported.")
+@click.option(
+    "--input-shape",
+    default=",".join(map(str, INPUT_SHAPE)),
+    show_default=True,
+    help="Shape of a request's float32 sample, e.g. 3,224,224 (602 KB images, which travel as frames of their own); the loaded run's background load stays at 1600 requests/s, more than 2 cores move at that size.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, json_path: str | None) -> None:
+def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, input_shape: str, json_path: str | None) -> None:
     """Requests/s and per-request overhead of the Dask runtime with trivial stages, vs plain Dask tasks/s."""
+    from daskpipe.profiles.cli import parse_shape
+
     if requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     if rounds < 1:
         raise click.BadParameter("must be >= 1", param_hint="--rounds")
+    try:
+        shape = parse_shape(input_shape)
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint="--input-shape") from None
     from daskpipe.progress import progress_bar
 
     with progress_bar("throughput rounds, loaded run", total=2 * rounds + 1) as advance:
-        figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds, advance=advance)
+        figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds, input_shape=shape, advance=advance)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from daskpipe.cli import main
 
 
-def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("shape, nbytes", [("16", 64), ("3,96,96", 110_592)], ids=["small", "large-inputs-as-frames"])
+def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path, shape, nbytes):
     out = tmp_path / "runtime.json"
-    result = CliRunner().invoke(main, ["bench", "runtime", "--requests", "50", "--rounds", "1", "--in-process", "--json", str(out)])
+    args = ["bench", "runtime", "--requests", "50", "--rounds", "1", "--in-process", "--input-shape", shape, "--json", str(out)]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
+    assert figures["input_bytes"] == nbytes and figures["load"]["attainment"] > 0
     assert figures["requests"] == 64  # rounded up to whole batches of 32
     assert figures["failed"] == 0 and figures["batches"] >= 2 * 2  # the warm-up's two batches and this round's
     assert figures["requests_per_second"] > 0 and figures["dask_tasks_per_second"] > 0
@@ -24,3 +28,8 @@ def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path):
     assert set(cpu["closed_loop"]) == set(cpu["throughput"]) == {"all", "total"}, "client, scheduler and workers share this process"
     assert cpu["closed_loop"]["total"] == cpu["closed_loop"]["all"] > 0 and cpu["throughput"]["total"] == cpu["throughput"]["all"]
     assert figures["closed_loop_cores_busy"] > 0
+
+
+def test_bench_runtime_names_a_bad_input_shape():
+    result = CliRunner().invoke(main, ["bench", "runtime", "--input-shape", "3,x"])
+    assert result.exit_code != 0 and "--input-shape" in result.output and "comma-separated integers" in result.output
