@@ -242,11 +242,14 @@ def test_requests_released_while_queued_are_dropped_not_computed(emulated_inproc
     with deploy_two_stage(client, slo_ms=20_000.0) as svc:  # a partial batch waits for its last moment
         abandoned = svc.map("tiny", frames(3))
         wait_until(lambda: svc.status()["tiny"]["queued"] == 3, timeout=30, what="3 queued")
-        client.cancel(abandoned)
+        client.cancel(abandoned)  # Dask's cancel-keys goes on the client's batched stream: the next submit could overtake it
+        wait_until(
+            lambda: not any(f.key in cluster.scheduler.tasks for f in abandoned), timeout=30, what="the cancellation on the scheduler"
+        )
         kept = svc.submit("tiny", frames(1)[0])  # fills the batch of 4: it runs now, alone
         torch.testing.assert_close(kept.result(timeout=30), reference(frames(1))[0], atol=1e-4, rtol=1e-4)
         status = svc.status()["tiny"]
-        assert status["dropped"] == {"released": 3} and status["completed"] == 1 and status["queued"] == 0
+        assert status["dropped"] == {"released": 3} and status["completed"] == 1 and status["queued"] == 0, status
 
 
 def test_outputs_of_requests_released_mid_batch_are_freed_on_the_worker(emulated_inproc):
