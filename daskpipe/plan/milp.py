@@ -331,7 +331,7 @@ class _PoolSizing:
         import mip
 
         self.configs = configs
-        self.model = model = mip.Model(sense=mip.MAXIMIZE, solver_name=_solver_name(spec.options.solver))
+        self.model = model = _new_model(spec.options.solver)
         model.verbose = 0
         if model.solver_name.lower() == "cbc":
             model.cuts = 0  # CBC's cut rounds cost more than they prune here: 2.7x less CPU on the 16 bench cases
@@ -408,32 +408,24 @@ def _covers(config: Config, pipeline: Pipeline) -> bool:
     return all(throughput[(p.gpu, p.slices)] * p.vgpus >= pipeline.throughput * (1 - 1e-9) for p in pipeline.partitions)
 
 
-def _solver_name(choice: str) -> str:
-    """CBC unless HiGHS is asked for: on these pool-sizing MILPs CBC solves faster (docs/plan.md).
-    ``auto`` takes HiGHS where CBC's library does not load (python-mip 2 reads it from cbcbox)."""
+def _new_model(choice: str) -> Any:
+    """A maximizing python-mip model on CBC unless HiGHS is asked for: on these pool-sizing MILPs
+    CBC solves faster (docs/plan.md). ``auto`` takes HiGHS where CBC's library does not load
+    (python-mip 2 reads it from cbcbox)."""
     import mip
 
-    if choice == "cbc" or (choice == "auto" and not _unusable(mip.CBC)):
-        return mip.CBC
-    problem = _unusable(mip.HIGHS)
-    if problem and choice == "auto":
+    if choice == "cbc":
+        return mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+    for solver in (mip.CBC, mip.HIGHS) if choice == "auto" else (mip.HIGHS,):
+        try:
+            return mip.Model(sense=mip.MAXIMIZE, solver_name=solver)
+        except Exception as exc:  # python-mip raises bare Exceptions (or a NameError) when a solver's library is missing or broken
+            problem = f"{type(exc).__name__}: {exc}"
+    if choice == "auto":
         raise PlanError(
             f"no MILP solver is usable: CBC's library does not load, and HiGHS's neither ({problem}); reinstall mip or install highspy"
         )
-    if problem:
-        raise PlanError(f"solver 'highs' is not usable ({problem}); install highspy or use solver 'cbc'")
-    return mip.HIGHS
-
-
-def _unusable(solver: str) -> str:
-    """Why python-mip cannot make a model with ``solver``; "" when it can."""
-    import mip
-
-    try:
-        mip.Model(solver_name=solver)
-    except Exception as exc:  # python-mip raises bare Exceptions (or a NameError) when a solver's library is missing or broken
-        return f"{type(exc).__name__}: {exc}"
-    return ""
+    raise PlanError(f"solver 'highs' is not usable ({problem}); install highspy or use solver 'cbc'")
 
 
 # -- plan assembly ---------------------------------------------------------------------------
