@@ -87,13 +87,13 @@ class Wakeup:
             self.close()
             self._loop = loop
             self._fd = _open_timerfd(loop, self._on_due)
-        else:
-            self.cancel()
         self.at = at
         if self._fd is not None:
-            self._fd.set(max(at, 1e-9))  # 0 would disarm it
-        else:
-            self._handle = loop.call_at(loop.time() + (at - time.monotonic()), self._on_due)
+            self._fd.set(max(at, 1e-9))  # replaces the pending expiry (0 would disarm it)
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = loop.call_at(loop.time() + (at - time.monotonic()), self._on_due)
 
     def cancel(self) -> None:
         """Drop the pending wake-up, if any."""
