@@ -14,7 +14,7 @@ from daskpipe.runtime import gray
 from daskpipe.runtime.gctune import GC_CONFIG
 from daskpipe.runtime.plugin import EXTENSIONS_CONFIG
 
-TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int, "null": type(None)}
+TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int, "boolean": bool, "null": type(None)}
 
 
 def leaves(tree: dict, prefix: str = "") -> dict[str, object]:

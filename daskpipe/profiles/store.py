@@ -65,6 +65,7 @@ class MeasurementKey:
     torch: str
     threads: int  # torch intra-op threads (what a CPU table depends on; 0 on a GPU)
     together: int = 1  # workers of the kind timed at once on one host (CPU workers share its memory and caches)
+    cuda_graphs: bool = False  # a GPU table timed replaying CUDA graphs (daskpipe.profiles.graphs), not eagerly
 
     @property
     def digest(self) -> str:

@@ -118,6 +118,7 @@ def ppipe_launches(
                     pool=(p, q),
                     feeds=((p, q + 1),) if q + 1 < len(pipelines[p].partitions) else (),
                     serves=((p, q),),
+                    options={"max_batch": pipelines[p].batch_size},
                 )
             )
     return launches

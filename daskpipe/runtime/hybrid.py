@@ -170,7 +170,7 @@ class SharedStage(Stage):
             raise ValueError(
                 f"a shared stage needs max_batch >= 1 and a latency for every batch size up to it, got {max_batch} and {len(latency_s)}"
             )
-        super().__init__(model, partition, modules, **kwargs)
+        super().__init__(model, partition, modules, max_batch=max_batch, **kwargs)
         self.max_batch = max_batch
         self._latency_s = tuple(float(t) for t in latency_s)
         self._waiting: deque[tuple[dict[str, Any], Any, float | None]] = deque()
@@ -310,13 +310,10 @@ def hybrid_launches(
     for index in sorted(set(hybrid.stage_of.values())):
         stage, v = hybrid.serving.stages[index], hybrid.slices[index]
         serves = tuple(sorted(pq for pq, i in hybrid.stage_of.items() if i == index))
-        options: dict[str, Any] = {}
+        most = min(stage.batch, profile.max_batch(gpu, v))
+        options: dict[str, Any] = {"max_batch": most}
         if index in shared:
-            most = min(stage.batch, profile.max_batch(gpu, v))
-            options = {
-                "max_batch": most,
-                "latency_s": [profile.latency(gpu, v, b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)],
-            }
+            options["latency_s"] = [profile.latency(gpu, v, b, stage.start, stage.end) * 1e-6 * time_dilation for b in range(1, most + 1)]
         dtype = input_dtype if stage.start == 0 else FEATURE_MAP_DTYPE
         for slot in free.take(gpu, v, stage.instances, f"stage {index} (blocks [{stage.start}, {stage.end}), {stage.share}% share)"):
             launches.append(

@@ -25,6 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import dask.config
 import numpy as np
 import torch
 from distributed import Client
@@ -37,6 +38,7 @@ from daskpipe.profiles.store import MeasurementKey, ProfileStore, model_fingerpr
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError, check_count
 from daskpipe.runtime.messages import WorkerSlot
+from daskpipe.runtime.stage import CUDA_GRAPHS_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,13 @@ def describe_device(gpu: str, dask_worker: Any = None) -> dict[str, Any]:
     from daskpipe.runtime.gpu import gpu_backend
 
     name, driver = gpu_backend().describe(gpu)
-    return {"device": name, "driver": driver, "torch": torch.__version__, "threads": 0}
+    return {
+        "device": name,
+        "driver": driver,
+        "torch": torch.__version__,
+        "threads": 0,
+        "cuda_graphs": bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+    }
 
 
 def measure_kind(blocked: BlockedModel, *, name: str, batch_sizes: Sequence[int], gpu: str, slices: int, slo_us: float | None) -> Profile:
@@ -107,7 +115,16 @@ def measure_kind(blocked: BlockedModel, *, name: str, batch_sizes: Sequence[int]
         from daskpipe.runtime.gpu import gpu_backend
 
         device = gpu_backend().compute_device()
-    return profile_blocks(blocked, name=name, batch_sizes=batch_sizes, device=device, gpu_type=gpu, slices=slices, slo_us=slo_us)
+    return profile_blocks(
+        blocked,
+        name=name,
+        batch_sizes=batch_sizes,
+        device=device,
+        gpu_type=gpu,
+        slices=slices,
+        slo_us=slo_us,
+        cuda_graphs=bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+    )
 
 
 def profile_on_cluster(

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
+import dask.config
 import torch
 from dask.sizeof import sizeof
 from distributed import get_worker
@@ -145,6 +146,8 @@ class _SlotRuntime:
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
+CUDA_GRAPHS_CONFIG = "daskpipe.cuda-graphs"
+"""Dask config key: whether a real GPU's stages, and their profiles, replay CUDA graphs (docs/tuning.md)."""
 LOADING = threading.Lock()
 """Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
 the whole process: workers that share a process (``processes=False``) unpickle one stage at a
@@ -177,6 +180,7 @@ class Stage:
         input_dtype: str = "float32",
         device: str = "cpu",
         emulated: bool = False,
+        max_batch: int = 1,
     ):
         self.model = model
         self.partition = partition
@@ -197,7 +201,9 @@ class Stage:
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
         self._input_shape = tuple(input_shape)
         self._input_dtype = getattr(torch, input_dtype)
-        sizeof(_SLOTS[self.worker].executor.submit(self._compute, torch.zeros((1, *input_shape)), [1]).result())
+        executor = _SLOTS[self.worker].executor
+        self._forward = executor.submit(self._device_forward, max_batch).result()
+        sizeof(executor.submit(self._compute, torch.zeros((1, *input_shape)), [1]).result())
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.
@@ -390,10 +396,30 @@ class Stage:
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
             with LOADING:
-                y = self._module(x.to(self.device, self._dtype))
+                y = self._forward(x)
             if split is None:
                 return y.to(torch.float16).cpu()
             return [chunk.clone() for chunk in torch.split(y.cpu(), list(split))]
+
+    def _device_forward(self, max_batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """On the compute thread: the partition's forward on its device; on a real GPU replayed as
+        CUDA graphs of batch sizes 1..``max_batch`` (the Dask config key ``daskpipe.cuda-graphs``),
+        as it was profiled (:func:`daskpipe.profiles.profiler.device_runner`)."""
+        module, device, dtype = self._module, self.device, self._dtype
+        if device.type != "cuda":
+            return lambda x: module(x.to(device, dtype))
+        from daskpipe.profiles.profiler import device_runner
+
+        return device_runner(
+            module,
+            self._input_shape,
+            device,
+            range(1, max_batch + 1),
+            cuda_graphs=bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+            to_host=False,
+            what=f"{self.model} partition {self.partition}",
+            dtype=dtype,
+        )
 
     def _fail(self, batch: dict[str, Any], exc: BaseException) -> None:
         logger.warning("%s partition %d failed a batch of %d requests: %r", self.model, self.partition, len(batch["keys"]), exc)
