@@ -24,31 +24,40 @@ handles, cuDNN's algorithm choice) must not happen inside the capture."""
 
 
 class CudaGraphs:
-    """``module`` on ``device``, captured once per batch size of ``batch_sizes``; a batch of
-    another size runs eagerly. Graphs of one instance share a memory pool (the largest batch is
-    captured first, the smaller ones fit in its memory).
+    """``module`` on ``device``, captured once per batch size of ``batch_sizes``, taking inputs
+    of ``input_dtype`` and casting them to ``dtype`` (its parameters') inside the graph; a batch
+    of another size or dtype runs eagerly. Graphs of one instance share a memory pool (the largest
+    batch is captured first, the smaller ones fit in its memory).
 
-    Calling it copies ``x`` (host or device, any dtype) into the graph's input, replays, and returns
-    the graph's output tensor, which the next call of the same batch size overwrites: copy it out
+    Calling it copies ``x`` (host or device) into the graph's input, replays, and returns the
+    graph's output tensor, which the next call of the same batch size overwrites: copy it out
     before then (a stage copies every output to the host at once)."""
 
-    def __init__(self, module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype, device: torch.device, batch_sizes: Iterable[int]):
+    def __init__(
+        self,
+        module: nn.Module,
+        input_shape: Sequence[int],
+        input_dtype: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device,
+        batch_sizes: Iterable[int],
+    ):
         self.module, self.device, self.dtype = module, torch.device(device), dtype
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         pool = None
         side = torch.cuda.Stream(self.device)
         for batch in sorted(set(batch_sizes), reverse=True):
             # a normal tensor, not an inference one: callers copy into it in or out of inference mode
-            static_in = torch.zeros((batch, *input_shape), dtype=dtype, device=self.device)
+            static_in = torch.zeros((batch, *input_shape), dtype=input_dtype, device=self.device)
             with torch.inference_mode():
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
-                        module(static_in)
+                        module(static_in.to(dtype))
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    static_out = module(static_in)
+                    static_out = module(static_in.to(dtype))
                 if not isinstance(static_out, torch.Tensor):
                     raise TypeError(f"the module returns {type(static_out).__name__}, not one tensor")
                 pool = graph.pool()
@@ -61,9 +70,9 @@ class CudaGraphs:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         captured = self._graphs.get(x.shape[0])
-        if captured is None:
+        if captured is None or captured[1].dtype != x.dtype:
             with torch.inference_mode():
-                return self.module(x.to(self.device, self.dtype))
+                return self.module(x.to(self.device).to(self.dtype))
         graph, static_in, static_out = captured
         static_in.copy_(x)
         graph.replay()
@@ -71,12 +80,19 @@ class CudaGraphs:
 
 
 def capture(
-    module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype, device: torch.device, batch_sizes: Iterable[int], *, what: str
+    module: nn.Module,
+    input_shape: Sequence[int],
+    input_dtype: torch.dtype,
+    dtype: torch.dtype,
+    device: torch.device,
+    batch_sizes: Iterable[int],
+    *,
+    what: str,
 ) -> CudaGraphs | None:
     """:class:`CudaGraphs` of ``module``, or ``None`` (logged, naming ``what``) where it cannot be
     captured (a host synchronisation or a shape that depends on the data inside it): it then runs eagerly."""
     try:
-        return CudaGraphs(module, input_shape, dtype, device, batch_sizes)
+        return CudaGraphs(module, input_shape, input_dtype, dtype, device, batch_sizes)
     except Exception as exc:
         logger.warning("daskpipe: %s runs eagerly, it cannot be captured as a CUDA graph: %s: %s", what, type(exc).__name__, exc)
         if torch.cuda.is_available():  # the warm-up runs the failed capture left on its side stream

@@ -99,7 +99,7 @@ def ppipe_launches(
     input_dtypes: Mapping[str, str],
 ) -> list[StageLaunch]:
     """The stages of the models of ``input_shapes`` (block i's per-sample input shape, per model) on ``slots``."""
-    from daskpipe.runtime.stage import Stage
+    from daskpipe.runtime.stage import FEATURE_MAP_DTYPE, Stage
 
     launches = []
     for name, placements in place(plan, list(input_shapes), slots).items():
@@ -113,7 +113,7 @@ def ppipe_launches(
                     blocks=(start, end),
                     slot=slot,
                     input_shape=tuple(input_shapes[name][start]),
-                    input_dtype=input_dtypes[name],
+                    input_dtype=input_dtypes[name] if start == 0 else str(FEATURE_MAP_DTYPE).removeprefix("torch."),
                     stage_class=Stage,
                     pool=(p, q),
                     feeds=((p, q + 1),) if q + 1 < len(pipelines[p].partitions) else (),

@@ -36,9 +36,8 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.placement import FreeSlots
 from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory
-from daskpipe.runtime.stage import Stage, decode_inputs, keep_running
+from daskpipe.runtime.stage import FEATURE_MAP_DTYPE, Stage, decode_inputs, keep_running
 
-FEATURE_MAP_DTYPE = torch.float16
 RECENT_CALLS = 256
 """Compute calls a shared stage remembers for ``info()``: dispatch ids, their samples, seconds held."""
 

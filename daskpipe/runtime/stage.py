@@ -146,6 +146,8 @@ class _SlotRuntime:
 
 
 _SLOTS: weakref.WeakKeyDictionary[Any, _SlotRuntime] = weakref.WeakKeyDictionary()
+FEATURE_MAP_DTYPE = torch.float16
+"""What a stage hands the next one: half the bytes of fp32 on the wire and on the way to the GPU."""
 CUDA_GRAPHS_CONFIG = "daskpipe.cuda-graphs"
 """Dask config key: whether a real GPU's stages, and their profiles, replay CUDA graphs (docs/tuning.md)."""
 LOADING = threading.Lock()
@@ -166,8 +168,10 @@ class Stage:
     pickles, concatenated (every deployment sends its blocks pickled one by one,
     ``deployment.pickle_blocks``), loaded on the worker when the actor is created: a partition
     that does not fit fails the deploy with the cause, not the first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
-    (a torch dtype name) is the requests' dtype, with which the first partition rebuilds a batch
-    from the requests' raw bytes (``service.encode_input``).
+    (a torch dtype name) is what the partition receives: the requests' dtype, with which the first
+    partition rebuilds a batch from the requests' raw bytes (``service.encode_input``), or
+    :data:`FEATURE_MAP_DTYPE`. ``max_batch``: the largest batch it is sent (a real GPU's stage
+    captures a CUDA graph for each size up to it).
     """
 
     def __init__(
@@ -398,7 +402,7 @@ class Stage:
             with LOADING:
                 y = self._forward(x)
             if split is None:
-                return y.to(torch.float16).cpu()
+                return y.to(FEATURE_MAP_DTYPE).cpu()
             return [chunk.clone() for chunk in torch.split(y.cpu(), list(split))]
 
     def _device_forward(self, max_batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -407,7 +411,7 @@ class Stage:
         as it was profiled (:func:`daskpipe.profiles.profiler.device_runner`)."""
         module, device, dtype = self._module, self.device, self._dtype
         if device.type != "cuda":
-            return lambda x: module(x.to(device, dtype))
+            return lambda x: module(x.to(dtype))
         from daskpipe.profiles.profiler import device_runner
 
         return device_runner(
@@ -419,6 +423,7 @@ class Stage:
             to_host=False,
             what=f"{self.model} partition {self.partition}",
             dtype=dtype,
+            input_dtype=self._input_dtype,
         )
 
     def _fail(self, batch: dict[str, Any], exc: BaseException) -> None:

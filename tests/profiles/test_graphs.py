@@ -24,7 +24,7 @@ class HostSync(nn.Module):
 def test_a_module_that_cannot_be_captured_is_left_eager_and_named(caplog):
     device = torch.device("cuda")
     with caplog.at_level(logging.WARNING, logger="daskpipe.profiles.graphs"):
-        graphs = capture(HostSync(), (4,), torch.float32, device, [1, 2], what="the host-sync block")
+        graphs = capture(HostSync(), (4,), torch.float32, torch.float32, device, [1, 2], what="the host-sync block")
     assert graphs is None
     assert "the host-sync block runs eagerly" in caplog.text and "cannot be captured as a CUDA graph" in caplog.text
 
@@ -33,12 +33,12 @@ def test_a_module_that_cannot_be_captured_is_left_eager_and_named(caplog):
 def test_replays_compute_what_the_module_computes_at_every_captured_batch_size():
     device = torch.device("cuda")
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device).eval()
-    graphs = capture(module, (8,), torch.float32, device, [1, 3], what="mlp")
+    graphs = capture(module, (8,), torch.float16, torch.float32, device, [1, 3], what="mlp")  # fp16 in, cast on the GPU
     assert graphs is not None and graphs.batch_sizes == [1, 3]
-    for batch in (1, 3, 5):  # 5 was not captured: it runs eagerly
-        x = torch.randn(batch, 8)
+    for batch, dtype in ((1, torch.float16), (3, torch.float16), (5, torch.float16), (3, torch.float32)):  # the last two run eagerly
+        x = torch.randn(batch, 8).to(dtype)
         with torch.inference_mode():
-            assert torch.allclose(graphs(x).cpu(), module(x.to(device)).cpu(), atol=1e-5)
+            assert torch.allclose(graphs(x).cpu(), module(x.to(device).float()).cpu(), atol=1e-5)
 
 
 def test_a_table_whose_blocks_do_not_add_up_to_the_whole_model_says_so():
