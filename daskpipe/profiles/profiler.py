@@ -404,8 +404,8 @@ def _time_chain(
     }
 
 
-def warm_up_gpu(blocked: BlockedModel, measured: Sequence[int], device: torch.device, seconds: float = GPU_WARMUP_S) -> int:
-    """Run the whole model at every batch size in turn for ``seconds`` (:data:`GPU_WARMUP_S`); the runs made."""
+def warm_up_gpu(blocked: BlockedModel, measured: Sequence[int], device: torch.device, seconds: float = GPU_WARMUP_S) -> None:
+    """Run the whole model at every batch size in turn for ``seconds`` (:data:`GPU_WARMUP_S`)."""
     whole = nn.Sequential(*blocked.blocks)
     inputs = [_input(blocked, 0, b, device) for b in measured]
     runs, until = 0, time.perf_counter() + seconds
@@ -416,7 +416,6 @@ def warm_up_gpu(blocked: BlockedModel, measured: Sequence[int], device: torch.de
             if runs % len(inputs) == 0:
                 torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return runs
 
 
 def chain_sums(table: np.ndarray, measured: Sequence[int], chain: dict[int, float]) -> dict[int, float]:
