@@ -17,10 +17,11 @@ from torch import nn
 
 from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.deployment import StageLaunch, pickle_blocks, release, start_stages
+from daskpipe.runtime.deployment import StageLaunch, pickle_blocks, ppipe_launches, release, start_stages
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.service import inventory
-from daskpipe.runtime.stage import Stage, feature_map_peers
+from daskpipe.runtime.stage import FEATURE_MAP_DTYPE, Stage, feature_map_peers
+from tests.runtime.helpers import BATCH, two_stage
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,14 @@ def test_a_stage_that_cannot_start_fails_the_start_naming_it_and_leaves_nothing_
     with pytest.raises(DeployError, match=r"^stage actor daskpipe-stage-m-0-1-\w+ \('m' blocks \[1, 2\) on \S+\) could not start: .*mat1"):
         client.sync(start_stages, client, launches(client, blocked, second_input=(7,)), {"m": pickle_blocks(blocked.blocks)})
     poll_for(lambda: set(cluster.scheduler.tasks) <= before, timeout=5)
+
+
+def test_a_plans_stages_are_told_what_they_receive_and_their_largest_batch(cluster_and_model) -> None:
+    """The first partition gets the requests' dtype, the next the feature maps' (a GPU stage
+    captures its CUDA graphs for that dtype), and each one its pipeline's batch size."""
+    _, client, _ = cluster_and_model
+    profile, plan = two_stage("m")
+    shapes = {"m": [profile.input_shape, *profile.boundary_shapes]}
+    made = sorted(ppipe_launches(plan, inventory(client), shapes, {"m": "uint8"}), key=lambda launch: launch.partition)
+    assert [launch.input_dtype for launch in made] == ["uint8", str(FEATURE_MAP_DTYPE).removeprefix("torch.")] == ["uint8", "float16"]
+    assert [launch.options for launch in made] == [{"max_batch": BATCH}] * 2
