@@ -22,6 +22,7 @@ from daskpipe.cli import LazyGroup
         "dashboard": "daskpipe.benchmarks.dashboard:bench_dashboard",
         "goodput": "daskpipe.benchmarks.goodput:bench_goodput",
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
+        "serve": "daskpipe.benchmarks.serve:bench_serve",
     },
 )
 def bench() -> None:

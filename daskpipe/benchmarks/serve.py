@@ -1,0 +1,294 @@
+"""``daskpipe bench serve``: does a deploy keep its SLO on the cluster it is given, at real time?
+
+It connects to a running cluster (on GPUs: ``dask scheduler --preload daskpipe`` and a
+``daskpipe worker`` per node), deploys one torchvision model with random weights and an SLO,
+profiled on the cluster as any deploy is, and offers open-loop Poisson load at fractions of its
+plan's capacity. The load comes from several client processes, each with its own ``Client``: one
+Python client sent at most about 1000 single requests a second on an H200's host, short of what
+one GPU serves. A request is on time when its output is in its sender's hands within the SLO of
+its scheduled send time. Last, it deploys the model again with an SLO far under what one request
+takes, which must be refused at deploy time with the smallest SLO that can be served.
+
+This is the issue's real-GPU bar: at 50% load, 99% on time, or a refusal at deploy time.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from typing import Any, Sequence
+
+import click
+import numpy as np
+import torch
+from torch import nn
+
+from daskpipe.plan.schema import Plan, PlanError
+from daskpipe.profiles.cli import parse_shape
+
+WARM_UP_LOAD, WARM_UP_S = 0.3, 2.0  # the first batches of a deployment, not counted
+START_S = 4.0  # from spawning the senders to their first send: they import torch and connect first
+DRAIN_S = 30.0  # after the last send: a request still not ended is counted lost
+REFUSED_SLO_MS = 0.1
+
+
+class BytesToUnit(nn.Module):
+    """uint8 pixels to [0, 1] floats, in front of a model served with uint8 inputs (a quarter of
+    fp32's bytes on the wire; a GPU stage casts them on the GPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() / 255
+
+
+def served_model(name: str, input_shape: Sequence[int], input_dtype: str) -> tuple[nn.Module, torch.Tensor]:
+    """The torchvision model ``name`` with random weights, and one example request."""
+    import torchvision
+
+    try:
+        module: nn.Module = torchvision.models.get_model(name, weights=None).eval()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    if input_dtype == "uint8":
+        return nn.Sequential(BytesToUnit(), module).eval(), torch.randint(0, 256, (1, *input_shape), dtype=torch.uint8)
+    return module, torch.randn(1, *input_shape)
+
+
+def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float, results: Any) -> None:
+    """In a client process of its own: Poisson requests of ``model`` at ``rate`` for ``seconds``
+    from the wall-clock time ``start_at``; puts each request's latency in ms (``None`` when it did
+    not end with an output in hand) and its errors, by reason, on ``results``."""
+    try:
+        from distributed import Client, wait
+
+        from daskpipe.benchmarks.remote_client import RemoteSender, mark_in_hand
+
+        gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
+        due = np.cumsum(gaps)
+        due = due[due < seconds]
+        in_hand = [float("nan")] * len(due)
+        with Client(address) as client, RemoteSender(client) as sender:
+            futures = []
+            time.sleep(max(0.0, start_at - time.time()))
+            zero = time.perf_counter()
+            for i, at in enumerate(due):
+                time.sleep(max(0.0, zero + at - time.perf_counter()))
+                future = sender.submit(model, payload)
+                future.add_done_callback(lambda f, i=i: mark_in_hand(in_hand, i, f))
+                futures.append(future)
+            wait(futures, timeout=DRAIN_S)
+            time.sleep(0.2)  # the last done callbacks
+            latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
+            results.put({"latencies_ms": latencies, "errors": ended_otherwise(futures)})
+    except Exception as exc:  # the parent reports it with the trial
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def ended_otherwise(futures: Sequence[Any]) -> dict[str, int]:
+    """Futures that ended without an output, counted by why: a drop's reason, ``failed``, or a status."""
+    from daskpipe.runtime.errors import RequestDropped, RequestFailed
+
+    counts: dict[str, int] = {}
+    for future in futures:
+        if future.status == "finished":
+            continue
+        if future.status == "error":
+            error = future.exception()
+            why = (
+                f"dropped: {error.reason}"
+                if isinstance(error, RequestDropped)
+                else "failed"
+                if isinstance(error, RequestFailed)
+                else type(error).__name__
+            )
+        else:
+            why = f"not ended ({future.status})"
+        counts[why] = counts.get(why, 0) + 1
+    return counts
+
+
+def trial(
+    svc: Any, address: str, model: str, payload: bytes, rate: float, seconds: float, senders: int, slo_ms: float, seed: int
+) -> dict[str, Any]:
+    """One open-loop trial at ``rate`` from ``senders`` processes; what it measured."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    start_at = time.time() + START_S
+    before = svc.status()[model]
+    processes = [
+        context.Process(target=send_poisson, args=(address, model, payload, rate / senders, seconds, seed * 1000 + k, start_at, results))
+        for k in range(senders)
+    ]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=START_S + seconds + DRAIN_S + 60) for _ in processes]
+    for process in processes:
+        process.join(30)
+    failures = [r["error"] for r in reports if "error" in r]
+    if failures:
+        raise RuntimeError(f"a sender process failed: {failures[0]}")
+    latencies = np.array([np.inf if v is None else v for r in reports for v in r["latencies_ms"]])
+    errors: dict[str, int] = {}
+    for report in reports:
+        for why, count in report["errors"].items():
+            errors[why] = errors.get(why, 0) + count
+    after = svc.status()[model]
+    in_hand = latencies[np.isfinite(latencies)]
+    on_time = int((latencies <= slo_ms).sum())
+    return {
+        "offered_rate_per_s": rate,
+        "requests": len(latencies),
+        "attainment": on_time / len(latencies) if len(latencies) else None,
+        "on_time": on_time,
+        "late": int((in_hand > slo_ms).sum()),
+        "ended_otherwise": errors,
+        "p50_ms": float(np.percentile(in_hand, 50)) if len(in_hand) else None,
+        "p99_ms": float(np.percentile(in_hand, 99)) if len(in_hand) else None,
+        "batches": after["batches"] - before["batches"],
+        "measured_ratios": after.get("measured_ratios"),
+        "control": after.get("control"),
+    }
+
+
+def run_serve(
+    address: str,
+    *,
+    model: str,
+    input_shape: Sequence[int],
+    input_dtype: str,
+    slo_ms: float,
+    loads: Sequence[float],
+    seconds: float,
+    senders: int,
+    time_dilation: float,
+) -> dict[str, Any]:
+    """Deploy, offer each load, then check a refusal (module docstring); the figures."""
+    from distributed import Client
+
+    import daskpipe
+    from daskpipe.runtime.errors import DeployError
+
+    module, example = served_model(model, input_shape, input_dtype)
+    payload = example.numpy().tobytes()
+    figures: dict[str, Any] = {
+        "scheduler": address,
+        "model": model,
+        "input_shape": list(input_shape),
+        "input_dtype": input_dtype,
+        "slo_ms": slo_ms,
+        "time_dilation": time_dilation,
+        "senders": senders,
+        "seconds": seconds,
+        "timing": "a request is on time when its output is in its sender's hands within the SLO (times the dilation) of its scheduled Poisson send time",
+    }
+    on_time_ms = slo_ms * time_dilation
+    with Client(address) as client:
+        figures["workers"] = sorted(str(w.get("name")) for w in client.scheduler_info(n_workers=-1)["workers"].values())
+        started = time.perf_counter()
+        svc = daskpipe.deploy(
+            client, {model: module}, example_inputs={model: example}, slo_ms={model: slo_ms}, time_dilation=time_dilation, elastic=None
+        )
+        try:
+            figures["deploy_s"] = time.perf_counter() - started
+            plan = svc.plan
+            assert isinstance(plan, Plan), "a synchronous client's service has its plan at hand"
+            capacity = plan.model(model).throughput / time_dilation  # the plan's, in undilated time
+            figures["plan_rate_per_s"] = capacity
+            figures["plan"] = plan.to_dict()
+            figures["profile_timing"] = svc.profiles[model].meta.get("measurements")
+            trial(svc, address, model, payload, WARM_UP_LOAD * capacity, WARM_UP_S, senders, on_time_ms, seed=0)
+            figures["loads"] = {
+                f"{load:g}": trial(svc, address, model, payload, load * capacity, seconds, senders, on_time_ms, seed=1 + i)
+                for i, load in enumerate(loads)
+            }
+        finally:
+            svc.close()
+        try:
+            daskpipe.deploy(
+                client,
+                {model: module},
+                example_inputs={model: example},
+                slo_ms={model: REFUSED_SLO_MS},
+                time_dilation=time_dilation,
+                elastic=None,
+            ).close()
+            figures["refusal"] = {"slo_ms": REFUSED_SLO_MS, "refused": False}
+        except (DeployError, PlanError) as exc:
+            figures["refusal"] = {"slo_ms": REFUSED_SLO_MS, "refused": True, "error": f"{type(exc).__name__}: {exc}"}
+    return figures
+
+
+def parse_loads(ctx: click.Context, param: click.Parameter, value: str) -> list[float]:
+    try:
+        loads = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"comma-separated fractions of the plan's capacity, got {value!r}") from None
+    if not loads or not all(0 < load <= 2 for load in loads):
+        raise click.BadParameter(f"each load must be in (0, 2], got {value!r}")
+    return loads
+
+
+@click.command("serve")
+@click.argument("scheduler_address")
+@click.option("--model", default="resnet50", show_default=True, help="A torchvision model name (random weights).")
+@click.option(
+    "--input-shape",
+    default="3,224,224",
+    show_default=True,
+    callback=lambda ctx, param, value: parse_shape(value),
+    help="One sample's shape.",
+)
+@click.option(
+    "--input-dtype",
+    type=click.Choice(["float32", "uint8"]),
+    default="float32",
+    show_default=True,
+    help="uint8: pixels, scaled to [0, 1] in the model.",
+)
+@click.option(
+    "--slo-ms", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The SLO the model is deployed with."
+)
+@click.option(
+    "--loads", default="0.25,0.5", show_default=True, callback=parse_loads, help="Fractions of the plan's capacity offered, one trial each."
+)
+@click.option(
+    "--seconds", default=6.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds of arrivals per trial."
+)
+@click.option("--senders", default=4, show_default=True, type=click.IntRange(min=1), help="Client processes the load comes from.")
+@click.option(
+    "--time-dilation",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Only for emulated GPUs on a slow machine (docs/runtime.md).",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
+def bench_serve(
+    scheduler_address: str,
+    model: str,
+    input_shape: tuple[int, ...],
+    input_dtype: str,
+    slo_ms: float,
+    loads: list[float],
+    seconds: float,
+    senders: int,
+    time_dilation: float,
+    json_path: str | None,
+) -> None:
+    """Attainment of a real-time deploy on a running cluster, under open-loop load from several client processes."""
+    figures = run_serve(
+        scheduler_address,
+        model=model,
+        input_shape=input_shape,
+        input_dtype=input_dtype,
+        slo_ms=slo_ms,
+        loads=loads,
+        seconds=seconds,
+        senders=senders,
+        time_dilation=time_dilation,
+    )
+    text = json.dumps(figures, indent=1, default=str)
+    click.echo(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
