@@ -147,6 +147,7 @@ def trial(
         "batches": after["batches"] - before["batches"],
         "measured_ratios": after.get("measured_ratios"),
         "control": after.get("control"),
+        "late_legs_since_deploy": after.get("late"),
     }
 
 

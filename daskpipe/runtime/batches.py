@@ -121,6 +121,7 @@ class Batches:
         if flight is not None and delays is not None:
             served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed)
         counts = served.counts
+        late = 0
         for key in keys:
             deadline = served.deadlines.pop(key, None)
             if deadline is None:  # ended already: both a batch and its retry after a worker loss ran
@@ -128,6 +129,10 @@ class Batches:
             served.inputs.pop(key, None)  # a retry still queued has nothing left to do
             counts["completed"] += 1
             counts["on_time"] += done <= deadline
+            late += done > deadline
+        legs = flight.legs(done) if late and flight is not None else None
+        if legs is not None:
+            served.late.add(legs, late)
         if flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
             self.plugin.metrics.complete(model, [done - r.arrival for r, _, _ in flight.retries], done)
         else:

@@ -330,6 +330,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 "in_flight": sum(len(f.keys) for f in served.flights.values()),
                 "closing": served.closing,
                 "control": served.control.summary(),
+                "late": served.late.summary(),
                 "measured_ratios": {f"{p}/{q}": ratio for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items())},
                 "suspects": self.watch.suspects(model),
             }

@@ -69,6 +69,53 @@ class Flight:
             previous_end = actual_end
         return self.ran[first][0] - max(first_start, free.get(first, -math.inf)), hops
 
+    def legs(self, done: float) -> dict[str, float] | None:
+        """Seconds this batch ran past its plan, by leg, once every hop has reported (``done``: the
+        completion read on the scheduler): ``behind``, its first slot still computing the batch
+        before; ``dispatch`` and ``hops``, the control path (:meth:`control_delays`); ``compute``,
+        the stages' compute beyond their planned spans (negative when faster); ``done``, the last
+        stage's end to its completion."""
+        delays = self.control_delays()
+        if delays is None or len(self.spans) != len(self.planned):
+            return None
+        dispatch, hops = delays
+        (first, first_start, _), last = self.planned[0], self.planned[-1][0]
+        ran = self.ran
+        return {
+            "behind": max(0.0, self.slot_free.get(first, -math.inf) - first_start),
+            "dispatch": max(0.0, dispatch),
+            "hops": sum(max(0.0, h) for h in hops),
+            "compute": sum(ran[partition][1] - ran[partition][0] - span for (partition, _, _), span in zip(self.planned, self.spans)),
+            "done": max(0.0, done - ran[last][1]),
+        }
+
+
+@dataclass
+class LateLegs:
+    """Where the batches whose requests ended late lost their time (:meth:`Flight.legs`), summed
+    over those batches: what to look at when attainment falls short while the margin looks right."""
+
+    requests: int = 0
+    batches: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+
+    def add(self, legs: dict[str, float], late_requests: int) -> None:
+        self.requests += late_requests
+        self.batches += 1
+        for leg, seconds in legs.items():
+            self.sums[leg] = self.sums.get(leg, 0.0) + seconds
+            self.peaks[leg] = max(self.peaks.get(leg, -math.inf), seconds)
+
+    def summary(self) -> dict[str, Any]:
+        """Milliseconds: each leg's mean and largest over the late batches."""
+        return {
+            "requests": self.requests,
+            "batches": self.batches,
+            "mean_ms": {leg: total / self.batches * 1e3 for leg, total in self.sums.items()} if self.batches else {},
+            "max_ms": {leg: peak * 1e3 for leg, peak in self.peaks.items()},
+        }
+
 
 @dataclass
 class Served:
@@ -106,6 +153,7 @@ class Served:
     sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
     budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
     control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
+    late: LateLegs = field(default_factory=LateLegs)  # where the batches that ended late lost their time
     gray: GrayPolicy = field(default_factory=GrayPolicy)
     suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
     slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.runtime.control import HORIZON_S, MIN_BATCHES, MIN_MARGIN_S, RECOMPUTE_EVERY, ControlPath
-from daskpipe.runtime.served import Flight
+from daskpipe.runtime.served import Flight, LateLegs
 
 MS = 1e-3
 
@@ -32,6 +32,24 @@ def test_a_flight_reports_no_delays_until_every_hop_has_run():
     flight = two_stage_flight()
     flight.ran = {0: (0.0, 0.010)}
     assert flight.control_delays() is None
+
+
+def test_a_late_batch_says_which_leg_lost_its_time():
+    flight = two_stage_flight()
+    flight.spans = [0.010, 0.010]
+    flight.ran = {0: (0.002, 0.015), 1: (0.016, 0.026)}  # 2 ms to start, 3 ms over its compute, 1 ms to hop
+    flight.slot_free = {0: 0.001}  # its slot ended the batch before 1 ms after the planned start
+    legs = flight.legs(done=0.0275)
+    assert legs == pytest.approx({"behind": 0.001, "dispatch": 0.001, "hops": 0.001, "compute": 0.003, "done": 0.0015})
+    assert two_stage_flight().legs(done=1.0) is None  # nothing has run yet
+
+    late = LateLegs()
+    late.add(legs, late_requests=3)
+    late.add({**legs, "compute": -0.001}, late_requests=1)  # a stage faster than planned counts below zero
+    summary = late.summary()
+    assert summary["requests"] == 4 and summary["batches"] == 2
+    assert summary["mean_ms"]["compute"] == pytest.approx(1.0) and summary["max_ms"]["compute"] == pytest.approx(3.0)
+    assert summary["mean_ms"]["done"] == pytest.approx(1.5) and LateLegs().summary()["mean_ms"] == {}
 
 
 def record(path: ControlPath, totals_ms: list[float]) -> None:

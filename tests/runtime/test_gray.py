@@ -138,6 +138,23 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
         assert 1.4 <= ratios["0/0"] <= 1.7 and 0.9 <= ratios["0/1"] <= 1.2, ratios
 
 
+def test_requests_that_end_late_are_accounted_to_the_leg_that_lost_the_time(pools_of_two):
+    cluster, client = pools_of_two
+    with deploy_pools_of_two(client) as svc:
+        served = plugin_of(cluster.scheduler).served["tiny"]
+        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        offer(svc, rate=40, seconds=0.3)  # warm
+        client.run(slow_down, 8.0, 30.0, workers=first_pool)  # the whole pool: slow, not suspect
+        try:
+            offer(svc, rate=40, seconds=1.0)
+        finally:
+            client.run(slow_down, 1.0, 0.001, workers=first_pool)
+        status = svc.status()["tiny"]
+        late = status["late"]
+        assert late["requests"] == status["completed"] - status["on_time"] > 0, status
+        assert max(late["mean_ms"], key=late["mean_ms"].get) == "compute" and late["max_ms"]["compute"] > 100, late
+
+
 def test_no_result_comes_later_than_the_late_limit(pools_of_two):
     cluster, client = pools_of_two
     with (
