@@ -304,6 +304,7 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
         "batches": after["batches"] - before["batches"],
         "overruns": after["overruns"] - before["overruns"],
         "control": after.get("control"),
+        "late_legs": after.get("late"),  # the deployment's, its warm-up stream included
     }
 
 

@@ -122,6 +122,7 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
         runtime = trial["runtime"]
         ended = runtime["on_time"] + runtime["late"] + sum(runtime["dropped_by_reason"].values()) + runtime["failed"] + runtime["lost"]
         assert ended == trial["requests"] and runtime["attainment"] == pytest.approx(runtime["on_time"] / trial["requests"])
+        assert set(runtime["late_legs"]) == {"requests", "batches", "mean_ms", "max_ms"}
         assert 0 <= trial["sim"]["attainment"] <= 1
     passed = [t["load_factor"] for t in model["trials"] if t["runtime"]["attainment"] >= report["target_attainment"]]
     assert model["runtime_max_load_factor"] == max(passed)
