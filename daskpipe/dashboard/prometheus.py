@@ -95,6 +95,11 @@ class DaskpipeCollector(PrometheusCollector):
             "Measured control-path delays: send (a request's submit to the scheduler, beyond its client's fastest), and of recent batches dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
             labels=["model", "kind", "quantile"],
         )
+        late = GaugeMetricFamily(
+            name("late_leg_seconds"),
+            "Over the batches whose requests ended after their deadline: how far each leg ran past its plan, mean and max (docs/runtime.md)",
+            labels=["model", "leg", "stat"],
+        )
         suspects = GaugeMetricFamily(
             name("suspect_slots"),
             "Slots that get no batches because they stalled or slowed down, until a probe computes in line (docs/operations.md)",
@@ -111,6 +116,9 @@ class DaskpipeCollector(PrometheusCollector):
                 for q in ("p50", "p99"):
                     if f"{kind}_{q}_ms" in summary:
                         control.add_metric([model, kind, "0.5" if q == "p50" else "0.99"], summary[f"{kind}_{q}_ms"] * 1e-3)
+            for stat in ("mean", "max"):
+                for leg, ms in status["late"][f"{stat}_ms"].items():
+                    late.add_metric([model, leg, stat], ms * 1e-3)
         now = time.monotonic()
         busy = metrics.busy_seconds(now - UTILISATION_WINDOW_S, now)
         gpus = GaugeMetricFamily(
@@ -132,7 +140,23 @@ class DaskpipeCollector(PrometheusCollector):
             server, _, direction = resource.rpartition("/")
             if direction in ("ul", "dl"):
                 nics.add_metric([server, direction], min(1.0, seconds / UTILISATION_WINDOW_S))
-        yield from (outcomes, dropped, attainment, latency, phases, batches, queue, in_flight, margin, control, suspects, gpus, slots, nics)
+        yield from (
+            outcomes,
+            dropped,
+            attainment,
+            latency,
+            phases,
+            batches,
+            queue,
+            in_flight,
+            margin,
+            control,
+            late,
+            suspects,
+            gpus,
+            slots,
+            nics,
+        )
 
 
 _COLLECTOR: DaskpipeCollector | None = None

@@ -153,6 +153,13 @@ def test_requests_that_end_late_are_accounted_to_the_leg_that_lost_the_time(pool
         late = status["late"]
         assert late["requests"] == status["completed"] - status["on_time"] > 0, status
         assert max(late["mean_ms"], key=late["mean_ms"].get) == "compute" and late["max_ms"]["compute"] > 100, late
+        exported = {
+            tuple(s.labels.values()): s.value
+            for family in DaskpipeCollector(cluster.scheduler).collect()
+            if family.name.endswith("daskpipe_late_leg_seconds")
+            for s in family.samples
+        }
+        assert exported[("tiny", "compute", "max")] == pytest.approx(late["max_ms"]["compute"] * 1e-3)
 
 
 def test_no_result_comes_later_than_the_late_limit(pools_of_two):
