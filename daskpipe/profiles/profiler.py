@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from daskpipe.profiles.graphs import device_runner
 from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.profiles.model import Profile
@@ -362,34 +363,6 @@ def _block_runner(
     return device_runner(
         module, shape, device, batch_sizes, cuda_graphs=cuda_graphs, to_host=end == blocked.num_blocks, what=f"blocks [{start}, {end})"
     )
-
-
-def device_runner(
-    module: nn.Module,
-    input_shape: Sequence[int],
-    device: torch.device,
-    batch_sizes: Iterable[int],
-    *,
-    cuda_graphs: bool,
-    to_host: bool,
-    what: str,
-    dtype: torch.dtype = torch.float32,
-    input_dtype: torch.dtype | None = None,
-) -> Callable[[torch.Tensor], Any]:
-    """``module`` as a stage runs it on a GPU: its input, of ``input_dtype`` (``dtype``'s by
-    default), copied in from wherever it is and cast to ``dtype`` there (torch casts a blocking
-    host-to-GPU copy on the host, before copying 2-4x the bytes), replayed as CUDA graphs
-    (:mod:`daskpipe.profiles.graphs`) unless ``cuda_graphs`` is off or it cannot be captured, and
-    its output copied to the host if ``to_host`` (an H200 took 0.42 ms to copy a batch of 8 images
-    in, 10% of that stage)."""
-    from daskpipe.profiles.graphs import capture
-
-    arriving = input_dtype or dtype
-    graphs = capture(module, input_shape, arriving, dtype, device, batch_sizes, what=what) if cuda_graphs else None
-    compute: Callable[[torch.Tensor], torch.Tensor] = graphs or (lambda x: module(x.to(device).to(dtype)))
-    if not to_host:
-        return compute
-    return lambda x: compute(x).cpu()
 
 
 def _time_chain(

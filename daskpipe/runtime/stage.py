@@ -45,6 +45,7 @@ from distributed.core import Status
 from distributed.protocol import to_serialize
 from torch import nn
 
+from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interval
@@ -408,12 +409,10 @@ class Stage:
     def _device_forward(self, max_batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """On the compute thread: the partition's forward on its device; on a real GPU replayed as
         CUDA graphs of batch sizes 1..``max_batch`` (the Dask config key ``daskpipe.cuda-graphs``),
-        as it was profiled (:func:`daskpipe.profiles.profiler.device_runner`)."""
+        as it was profiled (:func:`daskpipe.profiles.graphs.device_runner`)."""
         module, device, dtype = self._module, self.device, self._dtype
         if device.type != "cuda":
             return lambda x: module(x.to(dtype))
-        from daskpipe.profiles.profiler import device_runner
-
         return device_runner(
             module,
             self._input_shape,
