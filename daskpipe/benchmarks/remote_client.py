@@ -15,7 +15,8 @@ from typing import Any
 from distributed import Client
 
 from daskpipe.runtime import messages
-from daskpipe.runtime.futures import ClientStream, ServedFuture
+from daskpipe.runtime.futures import ServedFuture
+from daskpipe.runtime.service import open_stream
 from daskpipe.runtime.tensors import wire_input
 
 
@@ -24,16 +25,23 @@ class RemoteSender:
 
     def __init__(self, client: Client):
         self.client = client
-        self.stream = ClientStream(client)
+        self.stream = open_stream(client)
         self.token = uuid.uuid4().hex[:12]
         self.counter = itertools.count()
-        client.sync(self.stream.open)
 
     def submit(self, model: str, payload: bytes, size: int = 1) -> ServedFuture:
         """One request of ``size`` samples whose input is ``payload``, and its future."""
         key = f"remote-{model}-{self.token}-{next(self.counter)}"
         future = self.stream.pending[key] = ServedFuture(key, self.client)
-        self.stream.send({"op": messages.SUBMIT, "model": model, "keys": [key], "inputs": [wire_input(payload)], "sizes": [size]})
+        message = {
+            "op": messages.SUBMIT,
+            "model": model,
+            "keys": [key],
+            "inputs": [wire_input(payload)],
+            "sizes": [size],
+            "sent_at": time.time(),
+        }
+        self.stream.send(message)
         return future
 
     def close(self) -> None:

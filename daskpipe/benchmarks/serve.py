@@ -14,6 +14,7 @@ This is the issue's real-GPU bar: at 50% load, 99% on time, or a refusal at depl
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import time
@@ -57,7 +58,13 @@ def served_model(name: str, input_shape: Sequence[int], input_dtype: str) -> tup
 def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float, results: Any) -> None:
     """In a client process of its own: Poisson requests of ``model`` at ``rate`` for ``seconds``
     from the wall-clock time ``start_at``; puts each request's latency in ms (``None`` when it did
-    not end with an output in hand) and its errors, by reason, on ``results``."""
+    not end with an output in hand), its scheduled send time, and the errors by reason on ``results``.
+
+    A future is let go as soon as it has ended, as a serving client does: holding every future of a
+    trial keeps its key on the scheduler and its output on the worker, and each full garbage
+    collection of the three processes walks them all (on an H200's host the misses came a second
+    at a time, once the held requests had grown the heaps).
+    """
     try:
         from distributed import Client, wait
 
@@ -67,44 +74,49 @@ def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds:
         due = np.cumsum(gaps)
         due = due[due < seconds]
         in_hand = [float("nan")] * len(due)
+        errors: dict[str, int] = {}
+        in_flight: dict[int, Any] = {}
+
+        def ended(index: int, future: Any) -> None:  # Dask's callback thread
+            if in_flight.pop(index, None) is None:  # counted as not ended by the sweep below
+                return
+            mark_in_hand(in_hand, index, future)
+            if np.isnan(in_hand[index]):
+                why = why_not_in_hand(future)
+                errors[why] = errors.get(why, 0) + 1
+
         with Client(address) as client, RemoteSender(client) as sender:
-            futures = []
             time.sleep(max(0.0, start_at - time.time()))
             zero = time.perf_counter()
             for i, at in enumerate(due):
                 time.sleep(max(0.0, zero + at - time.perf_counter()))
-                future = sender.submit(model, payload)
-                future.add_done_callback(lambda f, i=i: mark_in_hand(in_hand, i, f))
-                futures.append(future)
-            wait(futures, timeout=DRAIN_S)
+                future = in_flight[i] = sender.submit(model, payload)
+                future.add_done_callback(functools.partial(ended, i))
+            wait(list(in_flight.values()), timeout=DRAIN_S)
             time.sleep(0.2)  # the last done callbacks
+            for index in list(in_flight):
+                left = in_flight.pop(index, None)
+                if left is not None:
+                    why = why_not_in_hand(left)
+                    errors[why] = errors.get(why, 0) + 1
             latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
-            results.put({"latencies_ms": latencies, "errors": ended_otherwise(futures)})
+            results.put({"latencies_ms": latencies, "due_s": due.tolist(), "errors": errors})
     except Exception as exc:  # the parent reports it with the trial
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def ended_otherwise(futures: Sequence[Any]) -> dict[str, int]:
-    """Futures that ended without an output, counted by why: a drop's reason, ``failed``, or a status."""
+def why_not_in_hand(future: Any) -> str:
+    """Why a future ended without its output in hand: a drop's reason, ``failed``, or its status."""
     from daskpipe.runtime.errors import RequestDropped, RequestFailed
 
-    counts: dict[str, int] = {}
-    for future in futures:
-        if future.status == "finished":
-            continue
-        if future.status == "error":
-            error = future.exception()
-            why = (
-                f"dropped: {error.reason}"
-                if isinstance(error, RequestDropped)
-                else "failed"
-                if isinstance(error, RequestFailed)
-                else type(error).__name__
-            )
-        else:
-            why = f"not ended ({future.status})"
-        counts[why] = counts.get(why, 0) + 1
-    return counts
+    if future.status == "error":
+        error = future.exception()
+        if isinstance(error, RequestDropped):
+            return f"dropped: {error.reason}"
+        return "failed" if isinstance(error, RequestFailed) else type(error).__name__
+    if future.status == "finished":
+        return "output lost before it was fetched"
+    return f"not ended ({future.status})"
 
 
 def trial(
@@ -128,6 +140,7 @@ def trial(
     if failures:
         raise RuntimeError(f"a sender process failed: {failures[0]}")
     latencies = np.array([np.inf if v is None else v for r in reports for v in r["latencies_ms"]])
+    due = np.array([at for r in reports for at in r["due_s"]])
     errors: dict[str, int] = {}
     for report in reports:
         for why, count in report["errors"].items():
@@ -137,6 +150,7 @@ def trial(
     on_time = int((latencies <= slo_ms).sum())
     return {
         "offered_rate_per_s": rate,
+        "started_at_unix_s": start_at,  # when the first sends were due: to line the trial up with logs
         "requests": len(latencies),
         "attainment": on_time / len(latencies) if len(latencies) else None,
         "on_time": on_time,
@@ -144,6 +158,7 @@ def trial(
         "ended_otherwise": errors,
         "p50_ms": float(np.percentile(in_hand, 50)) if len(in_hand) else None,
         "p99_ms": float(np.percentile(in_hand, 99)) if len(in_hand) else None,
+        "misses_by_second": np.bincount(due[latencies > slo_ms].astype(int), minlength=int(np.ceil(seconds))).tolist(),
         "batches": after["batches"] - before["batches"],
         "measured_ratios": after.get("measured_ratios"),
         "control": after.get("control"),

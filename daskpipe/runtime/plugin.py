@@ -35,7 +35,7 @@ from daskpipe.runtime.batches import Batches
 from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
-from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.intake import Intake, check_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
@@ -244,6 +244,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        freeze_heap()
         return "OK"
 
     def start_serving(

@@ -41,7 +41,7 @@ from daskpipe.profiles.store import configured_store
 from daskpipe.runtime import messages
 from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
-from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.futures import ClientStream, LandedFutures, ServedFuture
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
@@ -559,11 +559,13 @@ def deploy(
 def open_stream(client: Client) -> ClientStream:
     """The client's own stream to the scheduler, for a service's requests and their resolutions.
 
-    The client's process then collects garbage on the thresholds of a scheduler's: it holds a few
-    dozen objects per request in flight, as the scheduler does (:mod:`daskpipe.runtime.gctune`)."""
+    The client's process then collects garbage as a scheduler does (:mod:`daskpipe.runtime.gctune`):
+    on higher thresholds, as it holds a few dozen objects per request in flight, and with the heap
+    it holds by now frozen out of full collections."""
     raise_gc_thresholds()
     stream = ClientStream(client)
     client.sync(stream.open)
+    freeze_heap()
     return stream
 
 

@@ -49,7 +49,7 @@ from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interval
-from daskpipe.runtime.gctune import raise_gc_thresholds
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
@@ -209,6 +209,7 @@ class Stage:
         executor = _SLOTS[self.worker].executor
         self._forward = executor.submit(self._device_forward, max_batch).result()
         sizeof(executor.submit(self._compute, torch.zeros((1, *input_shape)), [1]).result())
+        freeze_heap()
 
     async def connect(self, peers: Sequence[str], timeout: float = 10.0) -> None:
         """Open the worker-to-worker streams to the next partition's workers before the first batch.

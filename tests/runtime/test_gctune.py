@@ -1,9 +1,13 @@
-"""The scheduler's and the stage workers' GC policy: Dask's CLI thresholds, configurable, never lowered."""
+"""The GC policy of the scheduler, the stage workers and serving clients: Dask's CLI thresholds,
+configurable, never lowered; the heap frozen once set up."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import subprocess
+import sys
+import textwrap
 
 import dask.config
 import pytest
@@ -30,3 +34,36 @@ def test_a_bad_factor_is_logged_and_changes_nothing(default_thresholds, caplog, 
     with dask.config.set({GC_CONFIG: bad}), caplog.at_level(logging.ERROR, logger="daskpipe.runtime.gctune"):
         assert raise_gc_thresholds() == CPYTHON_THRESHOLDS == gc.get_threshold()
     assert GC_CONFIG in caplog.text and repr(bad) in caplog.text
+
+
+FREEZING = textwrap.dedent(
+    """
+    import gc, sys, weakref
+    import dask.config
+    from daskpipe.runtime.gctune import FREEZE_CONFIG, freeze_heap
+
+    class Node:
+        pass
+
+    gc.freeze()  # as a host's Python may at start, before daskpipe is imported
+    before = gc.get_freeze_count()
+    with dask.config.set({FREEZE_CONFIG: False}):
+        assert not freeze_heap() and gc.get_freeze_count() == before, "configured off: nothing frozen"
+    cycle = Node(); cycle.me = cycle; dead = weakref.ref(cycle); del cycle
+    kept = [Node() for _ in range(5000)]
+    assert freeze_heap(), "the first call freezes"
+    assert dead() is None, "garbage made before was collected first, not frozen"
+    frozen = gc.get_freeze_count()
+    assert frozen > before + len(kept), (before, frozen)
+    assert not any(node is kept for node in gc.get_objects()), "a full collection no longer walks what was alive"
+    later = [Node() for _ in range(100)]
+    assert not freeze_heap() and gc.get_freeze_count() == frozen, "once per process: what is made later stays collectable"
+    print("frozen", frozen)
+    """
+)
+
+
+def test_a_process_freezes_its_heap_once_after_collecting_and_only_if_configured():
+    """In a fresh process: this one's heap holds every earlier test's objects."""
+    done = subprocess.run([sys.executable, "-c", FREEZING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("frozen"), done.stderr

@@ -586,6 +586,7 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
                 after["dropped"],
                 {k: round(v, 2) for k, v in after["control"].items()},
             )
+        assert all(client.run(gc.get_freeze_count).values()), "each stage worker froze its heap once set up"
 
 
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
