@@ -29,7 +29,8 @@ from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.cli import parse_shape
 
 WARM_UP_LOAD, WARM_UP_S = 0.3, 2.0  # the first batches of a deployment, not counted
-START_S = 4.0  # from spawning the senders to their first send: they import torch and connect first
+READY_S = 120.0  # for every sender process to import, connect and open its stream
+START_S = 0.5  # from the last sender's being ready to the first sends
 DRAIN_S = 30.0  # after the last send: a request still not ended is counted lost
 REFUSED_SLO_MS = 0.1
 
@@ -50,26 +51,50 @@ def served_model(name: str, input_shape: Sequence[int], input_dtype: str) -> tup
         module: nn.Module = torchvision.models.get_model(name, weights=None).eval()
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--model") from None
+    example = torch.frombuffer(bytearray(request_payload(input_shape, input_dtype)), dtype=getattr(torch, input_dtype))
+    return (nn.Sequential(BytesToUnit(), module).eval() if input_dtype == "uint8" else module), example.reshape(1, *input_shape)
+
+
+def request_payload(input_shape: Sequence[int], input_dtype: str) -> bytes:
+    """One request's raw bytes: random pixels (uint8) or standard normal floats (float32)."""
+    rng = np.random.default_rng(0)
     if input_dtype == "uint8":
-        return nn.Sequential(BytesToUnit(), module).eval(), torch.randint(0, 256, (1, *input_shape), dtype=torch.uint8)
-    return module, torch.randn(1, *input_shape)
+        return rng.integers(0, 256, size=tuple(input_shape), dtype=np.uint8).tobytes()
+    return rng.standard_normal(tuple(input_shape), dtype=np.float32).tobytes()
 
 
-def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float, results: Any) -> None:
-    """In a client process of its own: Poisson requests of ``model`` at ``rate`` for ``seconds``
-    from the wall-clock time ``start_at``; puts each request's latency in ms (``None`` when it did
+def send_poisson(
+    address: str,
+    model: str,
+    request: tuple[Sequence[int], str],
+    rate: float,
+    seconds: float,
+    seed: int,
+    ready: Any,
+    go: Any,
+    results: Any,
+) -> None:
+    """In a client process of its own: once connected, says so on ``ready`` and takes the wall-clock
+    start time from ``go``; from then, Poisson requests of ``model`` (inputs of ``request``'s shape
+    and dtype) at ``rate`` for ``seconds``. Puts each request's latency in ms (``None`` when it did
     not end with an output in hand), its scheduled send time, and the errors by reason on ``results``.
+
+    The payload is made here, not passed: a spawned process reads its arguments only after it has
+    imported the target's module, torch included, so an argument larger than a pipe's buffer held
+    the parent's start of the next sender until then. On an H200's host the four senders started
+    6 s apart, each sending alone for most of its trial.
 
     A future is let go as soon as it has ended, as a serving client does: holding every future of a
     trial keeps its key on the scheduler and its output on the worker, and each full garbage
-    collection of the three processes walks them all (on an H200's host the misses came a second
-    at a time, once the held requests had grown the heaps).
+    collection of the three processes walks them all.
     """
+    connected = False
     try:
         from distributed import Client, wait
 
         from daskpipe.benchmarks.remote_client import RemoteSender, mark_in_hand
 
+        payload = request_payload(*request)
         gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
         due = np.cumsum(gaps)
         due = due[due < seconds]
@@ -86,8 +111,11 @@ def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds:
                 errors[why] = errors.get(why, 0) + 1
 
         with Client(address) as client, RemoteSender(client) as sender:
+            connected = True
+            ready.put(None)
+            start_at = go.get(timeout=READY_S)
             time.sleep(max(0.0, start_at - time.time()))
-            zero = time.perf_counter()
+            zero, late_start_s = time.perf_counter(), time.time() - start_at
             for i, at in enumerate(due):
                 time.sleep(max(0.0, zero + at - time.perf_counter()))
                 future = in_flight[i] = sender.submit(model, payload)
@@ -100,9 +128,9 @@ def send_poisson(address: str, model: str, payload: bytes, rate: float, seconds:
                     why = why_not_in_hand(left)
                     errors[why] = errors.get(why, 0) + 1
             latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
-            results.put({"latencies_ms": latencies, "due_s": due.tolist(), "errors": errors})
+            results.put({"latencies_ms": latencies, "due_s": due.tolist(), "errors": errors, "late_start_s": late_start_s})
     except Exception as exc:  # the parent reports it with the trial
-        results.put({"error": f"{type(exc).__name__}: {exc}"})
+        (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def why_not_in_hand(future: Any) -> str:
@@ -120,22 +148,42 @@ def why_not_in_hand(future: Any) -> str:
 
 
 def trial(
-    svc: Any, address: str, model: str, payload: bytes, rate: float, seconds: float, senders: int, slo_ms: float, seed: int
+    svc: Any,
+    address: str,
+    model: str,
+    request: tuple[Sequence[int], str],
+    rate: float,
+    seconds: float,
+    senders: int,
+    slo_ms: float,
+    seed: int,
 ) -> dict[str, Any]:
-    """One open-loop trial at ``rate`` from ``senders`` processes; what it measured."""
+    """One open-loop trial at ``rate`` from ``senders`` processes, which start sending together
+    once all are connected; what it measured."""
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    start_at = time.time() + START_S
+    ready, go, results = context.Queue(), context.Queue(), context.Queue()
     before = svc.status()[model]
     processes = [
-        context.Process(target=send_poisson, args=(address, model, payload, rate / senders, seconds, seed * 1000 + k, start_at, results))
+        context.Process(target=send_poisson, args=(address, model, request, rate / senders, seconds, seed * 1000 + k, ready, go, results))
         for k in range(senders)
     ]
-    for process in processes:
-        process.start()
-    reports = [results.get(timeout=START_S + seconds + DRAIN_S + 60) for _ in processes]
-    for process in processes:
-        process.join(30)
+    try:
+        for process in processes:
+            process.start()
+        for _ in processes:
+            note = ready.get(timeout=READY_S)
+            if note is not None:
+                raise RuntimeError(f"a sender process failed: {note['error']}")
+        start_at = time.time() + START_S
+        for _ in processes:
+            go.put(start_at)
+        reports = [results.get(timeout=START_S + seconds + DRAIN_S + 60) for _ in processes]
+        for process in processes:
+            process.join(30)
+    finally:  # a sender that failed to start, or never reported, is not left behind
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
     failures = [r["error"] for r in reports if "error" in r]
     if failures:
         raise RuntimeError(f"a sender process failed: {failures[0]}")
@@ -151,6 +199,7 @@ def trial(
     return {
         "offered_rate_per_s": rate,
         "started_at_unix_s": start_at,  # when the first sends were due: to line the trial up with logs
+        "latest_sender_start_ms": max(r["late_start_s"] for r in reports) * 1e3,
         "requests": len(latencies),
         "attainment": on_time / len(latencies) if len(latencies) else None,
         "on_time": on_time,
@@ -185,7 +234,7 @@ def run_serve(
     from daskpipe.runtime.errors import DeployError
 
     module, example = served_model(model, input_shape, input_dtype)
-    payload = example.numpy().tobytes()
+    request = (tuple(input_shape), input_dtype)
     figures: dict[str, Any] = {
         "scheduler": address,
         "model": model,
@@ -212,9 +261,9 @@ def run_serve(
             figures["plan_rate_per_s"] = capacity
             figures["plan"] = plan.to_dict()
             figures["profile_timing"] = svc.profiles[model].meta.get("measurements")
-            trial(svc, address, model, payload, WARM_UP_LOAD * capacity, WARM_UP_S, senders, on_time_ms, seed=0)
+            trial(svc, address, model, request, WARM_UP_LOAD * capacity, WARM_UP_S, senders, on_time_ms, seed=0)
             figures["loads"] = {
-                f"{load:g}": trial(svc, address, model, payload, load * capacity, seconds, senders, on_time_ms, seed=1 + i)
+                f"{load:g}": trial(svc, address, model, request, load * capacity, seconds, senders, on_time_ms, seed=1 + i)
                 for i, load in enumerate(loads)
             }
         finally:

@@ -24,6 +24,7 @@ def test_bench_serve_offers_load_from_processes_and_checks_a_refusal(tmp_path):
     trial = figures["loads"]["0.25"]
     assert trial["offered_rate_per_s"] == pytest.approx(0.25 * figures["plan_rate_per_s"])
     assert trial["requests"] > 20 and trial["batches"] > 0
+    assert 0 <= trial["latest_sender_start_ms"] < 500, "the senders start together, once all are connected"
     assert trial["on_time"] + trial["late"] + sum(trial["ended_otherwise"].values()) == trial["requests"], "every request ends"
     assert len(trial["misses_by_second"]) == 2 and sum(trial["misses_by_second"]) == trial["requests"] - trial["on_time"]
     assert trial["attainment"] >= 0.95, trial  # a quarter of the plan's load, with a 2 s SLO
