@@ -15,6 +15,7 @@ This is the issue's real-GPU bar: at 50% load, 99% on time, or a refusal at depl
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import multiprocessing
 import time
@@ -53,6 +54,29 @@ def served_model(name: str, input_shape: Sequence[int], input_dtype: str) -> tup
         raise click.BadParameter(str(exc), param_hint="--model") from None
     example = torch.frombuffer(bytearray(request_payload(input_shape, input_dtype)), dtype=getattr(torch, input_dtype))
     return (nn.Sequential(BytesToUnit(), module).eval() if input_dtype == "uint8" else module), example.reshape(1, *input_shape)
+
+
+class CollectionPauses:
+    """The garbage collector's pauses in this process within the block (``gc.callbacks``). A full
+    collection holds a sender's event loop, and so the outputs it is timing and its sends: on an
+    H200's host, sender processes whose heap was not frozen paused 88-140 ms twice per trial."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._started = 0.0
+
+    def _time(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._started) * 1e3)
+
+    def __enter__(self) -> CollectionPauses:
+        gc.callbacks.append(self._time)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._time)
 
 
 def request_payload(input_shape: Sequence[int], input_dtype: str) -> bytes:
@@ -116,19 +140,28 @@ def send_poisson(
             start_at = go.get(timeout=READY_S)
             time.sleep(max(0.0, start_at - time.time()))
             zero, late_start_s = time.perf_counter(), time.time() - start_at
-            for i, at in enumerate(due):
-                time.sleep(max(0.0, zero + at - time.perf_counter()))
-                future = in_flight[i] = sender.submit(model, payload)
-                future.add_done_callback(functools.partial(ended, i))
-            wait(list(in_flight.values()), timeout=DRAIN_S)
-            time.sleep(0.2)  # the last done callbacks
+            with CollectionPauses() as collections:
+                for i, at in enumerate(due):
+                    time.sleep(max(0.0, zero + at - time.perf_counter()))
+                    future = in_flight[i] = sender.submit(model, payload)
+                    future.add_done_callback(functools.partial(ended, i))
+                wait(list(in_flight.values()), timeout=DRAIN_S)
+                time.sleep(0.2)  # the last done callbacks
             for index in list(in_flight):
                 left = in_flight.pop(index, None)
                 if left is not None:
                     why = why_not_in_hand(left)
                     errors[why] = errors.get(why, 0) + 1
             latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
-            results.put({"latencies_ms": latencies, "due_s": due.tolist(), "errors": errors, "late_start_s": late_start_s})
+            results.put(
+                {
+                    "latencies_ms": latencies,
+                    "due_s": due.tolist(),
+                    "errors": errors,
+                    "late_start_s": late_start_s,
+                    "gc_pauses_ms": collections.pauses_ms,
+                }
+            )
     except Exception as exc:  # the parent reports it with the trial
         (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -200,6 +233,8 @@ def trial(
         "offered_rate_per_s": rate,
         "started_at_unix_s": start_at,  # when the first sends were due: to line the trial up with logs
         "latest_sender_start_ms": max(r["late_start_s"] for r in reports) * 1e3,
+        "sender_gc_pause_max_ms": max((p for r in reports for p in r["gc_pauses_ms"]), default=0.0),
+        "sender_gc_pauses_over_10ms": sum(p > 10 for r in reports for p in r["gc_pauses_ms"]),
         "requests": len(latencies),
         "attainment": on_time / len(latencies) if len(latencies) else None,
         "on_time": on_time,

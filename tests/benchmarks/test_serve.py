@@ -3,11 +3,13 @@ request accounted for, and a refusal at deploy time."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 from click.testing import CliRunner
 
+from daskpipe.benchmarks.serve import CollectionPauses
 from daskpipe.cli import main
 from daskpipe.runtime.cluster import EmulatedCluster
 
@@ -25,6 +27,7 @@ def test_bench_serve_offers_load_from_processes_and_checks_a_refusal(tmp_path):
     assert trial["offered_rate_per_s"] == pytest.approx(0.25 * figures["plan_rate_per_s"])
     assert trial["requests"] > 20 and trial["batches"] > 0
     assert 0 <= trial["latest_sender_start_ms"] < 500, "the senders start together, once all are connected"
+    assert trial["sender_gc_pause_max_ms"] >= 0 and trial["sender_gc_pauses_over_10ms"] >= 0
     assert trial["on_time"] + trial["late"] + sum(trial["ended_otherwise"].values()) == trial["requests"], "every request ends"
     assert len(trial["misses_by_second"]) == 2 and sum(trial["misses_by_second"]) == trial["requests"] - trial["on_time"]
     assert trial["attainment"] >= 0.95, trial  # a quarter of the plan's load, with a 2 s SLO
@@ -43,3 +46,12 @@ def test_bench_serve_offers_load_from_processes_and_checks_a_refusal(tmp_path):
 def test_bench_serve_names_a_bad_option(option, value, message):
     result = CliRunner().invoke(main, ["bench", "serve", "tcp://127.0.0.1:1", option, value])
     assert result.exit_code == 2 and option in result.output and message in result.output, result.output
+
+
+def test_a_senders_collection_pauses_are_timed_only_within_the_block():
+    with CollectionPauses() as pauses:
+        gc.collect()
+    timed = len(pauses.pauses_ms)
+    gc.collect()
+    assert timed >= 1 and min(pauses.pauses_ms) >= 0
+    assert len(pauses.pauses_ms) == timed, "nothing is timed after the block"
