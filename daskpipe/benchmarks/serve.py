@@ -19,6 +19,7 @@ import gc
 import json
 import multiprocessing
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 import click
@@ -123,7 +124,7 @@ def send_poisson(
         due = np.cumsum(gaps)
         due = due[due < seconds]
         in_hand = [float("nan")] * len(due)
-        errors: dict[str, int] = {}
+        errors: Counter[str] = Counter()
         in_flight: dict[int, Any] = {}
 
         def ended(index: int, future: Any) -> None:  # Dask's callback thread
@@ -131,8 +132,7 @@ def send_poisson(
                 return
             mark_in_hand(in_hand, index, future)
             if np.isnan(in_hand[index]):
-                why = why_not_in_hand(future)
-                errors[why] = errors.get(why, 0) + 1
+                errors[why_not_in_hand(future)] += 1
 
         with Client(address) as client, RemoteSender(client) as sender:
             connected = True
@@ -150,14 +150,13 @@ def send_poisson(
             for index in list(in_flight):
                 left = in_flight.pop(index, None)
                 if left is not None:
-                    why = why_not_in_hand(left)
-                    errors[why] = errors.get(why, 0) + 1
+                    errors[why_not_in_hand(left)] += 1
             latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
             results.put(
                 {
                     "latencies_ms": latencies,
                     "due_s": due.tolist(),
-                    "errors": errors,
+                    "errors": dict(errors),
                     "late_start_s": late_start_s,
                     "gc_pauses_ms": collections.pauses_ms,
                 }
