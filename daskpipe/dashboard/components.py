@@ -311,6 +311,8 @@ CONTROL_COLUMNS = (
     ("hop_p99_ms", "hop p99"),
     ("done_p50_ms", "done p50"),
     ("done_p99_ms", "done p99"),
+    ("done_worker_p50_ms", "done p50: worker"),
+    ("done_wire_p50_ms", "done p50: wire"),
     ("total_p99_ms", "batch total p99"),
 )
 """The control-path table of the SLO page: ``ControlPath.summary`` keys and their titles."""

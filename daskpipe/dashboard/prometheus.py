@@ -17,6 +17,7 @@ from distributed.http.prometheus import PrometheusCollector
 from distributed.http.utils import RequestHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from daskpipe.runtime.control import KINDS as CONTROL_DELAYS
 from daskpipe.sched.metrics import LATENCY_BOUNDS_S, PHASES
 
 UTILISATION_WINDOW_S = 10.0
@@ -112,7 +113,7 @@ class DaskpipeCollector(PrometheusCollector):
             in_flight.add_metric([model], status["in_flight"])
             summary = status["control"]
             margin.add_metric([model], summary["margin_ms"] * 1e-3)
-            for kind in ("send", "dispatch", "hop", "done", "total"):
+            for kind in (*CONTROL_DELAYS, "total"):
                 for q in ("p50", "p99"):
                     if f"{kind}_{q}_ms" in summary:
                         control.add_metric([model, kind, "0.5" if q == "p50" else "0.99"], summary[f"{kind}_{q}_ms"] * 1e-3)

@@ -77,10 +77,11 @@ class Batches:
         overrun: bool = False,
         outputs: list | None = None,
         told: list | None = None,
+        sent_at: float | None = None,
     ) -> None:
         """The last stage stored the batch's outputs on ``worker``: resolve the futures of the
         clients it has not ``told`` itself, with the small ``outputs`` (packed tensors, never
-        unpacked here) that came along.
+        unpacked here) that came along. ``sent_at``: when ``worker`` wrote this (its clock).
 
         Only the resolutions are sent from here; the bookkeeping (the keys into memory on
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
@@ -103,14 +104,29 @@ class Batches:
                 worker=worker,
                 told=frozenset(told or ()),
             )
-        asyncio.get_running_loop().call_soon(self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic(), relayed)
+        ends = [end for _, kind, _, end in timings if kind == "compute"]
+        written_s = sent_at - ends[-1] if sent_at is not None and ends else None  # both on the worker's clock
+        asyncio.get_running_loop().call_soon(
+            self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic(), relayed, written_s
+        )
 
     @guarded
     def _done(
-        self, worker: str, model: str, dispatch: int, keys: list, nbytes: list, timings: list, overrun: bool, done: float, relayed: bool
+        self,
+        worker: str,
+        model: str,
+        dispatch: int,
+        keys: list,
+        nbytes: list,
+        timings: list,
+        overrun: bool,
+        done: float,
+        relayed: bool,
+        written_s: float | None,
     ) -> None:
         """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and
-        counts; ``relayed``: a client's futures were resolved from here, after the completion."""
+        counts; ``relayed``: a client's futures were resolved from here, after the completion;
+        ``written_s``: how long after its compute ended the worker wrote the completion."""
         store(self.plugin.scheduler, worker, keys, nbytes, self.reports)
         served = self.plugin.served.get(model)
         if served is None:
@@ -119,7 +135,7 @@ class Batches:
         flight = served.flights.pop(dispatch, None)
         delays = flight.control_delays() if flight is not None else None
         if flight is not None and delays is not None:
-            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed)
+            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed, written_s)
         counts = served.counts
         late = 0
         for key in keys:

@@ -11,7 +11,11 @@ resolution reaching the client. The plugin measures those from the feedback of e
 * ``hop``: a later stage's actual start minus the latest of the previous stage's actual end plus
   its planned transfer, its own planned start (so a planned wait is not counted) and the end of
   its slot's batch before;
-* ``done``: the completion read on the scheduler minus the last stage's actual end.
+* ``done``: the completion read on the scheduler minus the last stage's actual end, in two parts
+  (not planned apart, shown apart): ``done_worker``, until the last stage's worker writes the
+  completion (its compute thread's hand-back, and its clients' resolutions, written first), on
+  that worker's own clock; and ``done_wire``, the rest (the message's way and the scheduler's
+  reading). A ``done`` that grows shows which end to look at.
 
 One more delay comes before all of these, and is not planned with a margin: ``send``, from the
 caller's ``submit`` to the scheduler reading the request, beyond the fastest such trip from that
@@ -65,7 +69,7 @@ MIN_MARGIN_S = 0.002
 """The least margin, under what a few quiet batches measure. The last-moment dispatch of a batch
 waits on the dispatcher's wake-up, which is on time on Linux (:mod:`daskpipe.runtime.timer`) and
 up to a millisecond late elsewhere (the event loop's selector waits whole milliseconds)."""
-KINDS = ("send", "dispatch", "hop", "done")
+KINDS = ("send", "dispatch", "hop", "done", "done_worker", "done_wire")
 
 
 @dataclass
@@ -91,15 +95,23 @@ class ControlPath:
         margin less the typical delay (0 until :data:`MIN_BATCHES` batches are measured)."""
         return self.margin_s - self.typical_s
 
-    def record(self, now: float, dispatch_s: float, hops_s: list[float], done_s: float, relayed: bool = True) -> None:
+    def record(
+        self, now: float, dispatch_s: float, hops_s: list[float], done_s: float, relayed: bool = True, done_worker_s: float | None = None
+    ) -> None:
         """One batch's delays, measured at ``now``; each is clipped at 0 (a stage may start before
         its planned time). ``relayed``: the scheduler resolved a client's futures after ``done``,
-        rather than the last stage's worker all of them beside it."""
+        rather than the last stage's worker all of them beside it. ``done_worker_s``: the part of
+        ``done`` before the completion was written (``None``: not reported)."""
         dispatch_s, done_s = max(0.0, dispatch_s), max(0.0, done_s)
         hops_s = [max(0.0, h) for h in hops_s]
-        self.parts["dispatch"].append(dispatch_s)
-        self.parts["hop"].extend(hops_s)
-        self.parts["done"].append(done_s)
+        parts = self.parts
+        parts["dispatch"].append(dispatch_s)
+        parts["hop"].extend(hops_s)
+        parts["done"].append(done_s)
+        if done_worker_s is not None:
+            worker_s = min(max(0.0, done_worker_s), done_s)  # two clocks: the part is never more than the whole
+            parts["done_worker"].append(worker_s)
+            parts["done_wire"].append(done_s - worker_s)
         self.batches.append((now, dispatch_s + sum(hops_s) + (2 if relayed else 1) * done_s))
         self.recorded += 1
         if self.recorded % RECOMPUTE_EVERY == 0:

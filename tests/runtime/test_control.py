@@ -103,3 +103,17 @@ def test_the_way_back_counts_once_from_the_last_stage_and_twice_through_the_sche
     for i in range(2 * RECOMPUTE_EVERY):
         path.record(i * 0.01, 1.0 * MS, [], 2.0 * MS, relayed)
     assert path.margin_s == pytest.approx(margin_ms * MS)
+
+
+def test_the_way_back_shows_the_workers_part_apart_from_the_wire_and_within_the_whole():
+    path = ControlPath(seed_s=0.0)
+    path.record(0.0, 1.0 * MS, [], 2.0 * MS, False, done_worker_s=0.5 * MS)
+    path.record(0.01, 1.0 * MS, [], 2.0 * MS, False, done_worker_s=3.0 * MS)  # another clock: capped at the whole
+    path.record(0.02, 1.0 * MS, [], 2.0 * MS, False)  # a worker that did not say
+    summary = path.summary()
+    assert list(path.parts["done_worker"]) == pytest.approx([0.5 * MS, 2.0 * MS])
+    assert list(path.parts["done_wire"]) == pytest.approx([1.5 * MS, 0.0])
+    assert summary["done_p50_ms"] == pytest.approx(2.0) and summary["total_p50_ms"] == pytest.approx(3.0), (
+        "the parts add nothing to the path"
+    )
+    assert summary["done_worker_p99_ms"] <= summary["done_p99_ms"]

@@ -586,6 +586,9 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
                 after["dropped"],
                 {k: round(v, 2) for k, v in after["control"].items()},
             )
+            control = after["control"]
+            assert 0 < control["done_worker_p50_ms"] and 0 < control["done_wire_p50_ms"], control
+            assert max(control["done_worker_p50_ms"], control["done_wire_p50_ms"]) <= control["done_p99_ms"], "parts of the way back"
         assert all(client.run(gc.get_freeze_count).values()), "each stage worker froze its heap once set up"
 
 
