@@ -7,7 +7,7 @@ from dataclasses import fields
 import dask.config
 import pytest
 
-from daskpipe.config import DEFAULTS, SCHEMA, load
+from daskpipe.config import DEFAULTS, SCHEMA, current_frames_can_deadlock, load
 from daskpipe.dashboard.server import UPDATE_CONFIG
 from daskpipe.profiles.store import CONFIG_KEY as STORE_CONFIG
 from daskpipe.runtime import gray
@@ -70,3 +70,25 @@ def test_a_users_setting_wins_over_the_default():
         pytest.raises(ValueError, match="readmit-ratio must be a number >= 1, got 'fast'"),
     ):
         gray.GrayPolicy.from_config()
+
+
+@pytest.mark.parametrize(
+    "version, deadlocks",
+    [((3, 10, 14), True), ((3, 11, 7), True), ((3, 11, 9), False), ((3, 12, 2), True), ((3, 12, 3), False), ((3, 13, 0), False)],
+)
+def test_the_pythons_whose_current_frames_can_deadlock_are_the_ones_before_the_fix(version, deadlocks):
+    assert current_frames_can_deadlock(version) is deadlocks
+
+
+def test_dasks_worker_profiler_is_off_only_where_python_can_deadlock_and_a_users_setting_wins():
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+        (worker,) = cluster.workers.values()
+        assert ("profile" in worker.periodic_callbacks) is not current_frames_can_deadlock()
+    with (
+        dask.config.set({"distributed.worker.profile.enabled": True}),
+        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+    ):
+        (worker,) = cluster.workers.values()
+        assert "profile" in worker.periodic_callbacks
