@@ -110,6 +110,10 @@ def test_the_services_as_completed_yields_each_future_once_as_it_ends_without_th
             outputs = {id(f): f.result() for f in seen if f.status == "finished"}
         assert sorted(map(id, seen)) == sorted(map(id, [*early, bad, *later]))
         assert bad.status == "error"
+        unfinished = {
+            f.key: (f.status, f.exception(timeout=5) if f.status == "error" else None) for f in [*early, *later] if id(f) not in outputs
+        }
+        assert not unfinished, f"yielded, but not finished when read: {unfinished}"
         for future, ref in zip([*early, *later], reference(xs)):
             torch.testing.assert_close(outputs[id(future)], ref, atol=1e-4, rtol=1e-4)
         busy = threading.Event()
