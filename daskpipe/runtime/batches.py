@@ -77,11 +77,11 @@ class Batches:
         overrun: bool = False,
         outputs: list | None = None,
         told: list | None = None,
-        sent_at: float | None = None,
+        written_s: float | None = None,
     ) -> None:
         """The last stage stored the batch's outputs on ``worker``: resolve the futures of the
         clients it has not ``told`` itself, with the small ``outputs`` (packed tensors, never
-        unpacked here) that came along. ``sent_at``: when ``worker`` wrote this (its clock).
+        unpacked here) that came along. ``written_s``: how long after its compute ended ``worker`` wrote this.
 
         Only the resolutions are sent from here; the bookkeeping (the keys into memory on
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
@@ -104,8 +104,6 @@ class Batches:
                 worker=worker,
                 told=frozenset(told or ()),
             )
-        ends = [end for _, kind, _, end in timings if kind == "compute"]
-        written_s = sent_at - ends[-1] if sent_at is not None and ends else None  # both on the worker's clock
         asyncio.get_running_loop().call_soon(
             self._done, worker, model, dispatch, keys, nbytes, timings, overrun, time.monotonic(), relayed, written_s
         )

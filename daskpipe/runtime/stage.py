@@ -382,7 +382,7 @@ class Stage:
             done["told"] = told
             if len(told) < len(wanted) or not wanted:  # the scheduler tells the others, with the outputs
                 done["outputs"] = packed
-        done["sent_at"] = time.time()  # after the clients' writes: the control path's ``done_worker``
+        done["written_s"] = time.time() - ran[1]  # after the clients' writes: the control path's ``done_worker``
         slot.report(worker, done)
         if told and "outputs" not in done:  # every client holds its outputs
             slot.keep(worker, outputs)
