@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 from distributed import Client, Future
 from distributed.client import FutureState
 from distributed.comm import CommClosedError
+from distributed.utils import wait_for
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
@@ -43,7 +44,9 @@ class LandedState(FutureState):
 
     The gate is a bare lock, held while the future is pending: a burst makes thousands of
     futures, and a ``threading.Event`` each (five objects for the garbage collector) cost a
-    5000-request burst a fifth of its rate in collections."""
+    5000-request burst a fifth of its rate in collections. For the same reason the ``asyncio.Event``
+    that Dask sets on every state change exists only once a coroutine waits: Dask made one for
+    each future it finished, two of a served request's eight objects for the collector."""
 
     __slots__ = ("_gate", "_shut", "_listeners")
 
@@ -64,6 +67,21 @@ class LandedState(FutureState):
         if not self._shut:
             callback()
 
+    def _get_event(self) -> asyncio.Event | _Unwatched:
+        """What Dask's state changes set or clear: the event of a coroutine waiting, else nothing."""
+        return _UNWATCHED if self._event is None else self._event
+
+    def done(self) -> bool:
+        return not self._shut
+
+    async def wait(self, timeout: float | None = None) -> None:
+        event: asyncio.Event | None = self._event
+        if event is None:  # made in the event loop's thread, where Dask changes the state
+            event = self._event = asyncio.Event()  # type: ignore[assignment]  # Dask's annotation knows only its None
+            if not self._shut:
+                event.set()
+        await (event.wait() if timeout is None else wait_for(event.wait(), timeout))
+
     def wait_landed(self, timeout: float | None) -> bool:
         """Block until the future has ended (finished, erred or cancelled); ``False`` on timeout."""
         if not self._gate.acquire(True, -1 if timeout is None else timeout):
@@ -83,6 +101,19 @@ class LandedState(FutureState):
         elif not landed and not self._shut:
             self._gate.acquire()  # a waiter holds it only for an instant
             self._shut = True
+
+
+class _Unwatched:
+    """Stands in for the ``asyncio.Event`` of a future no coroutine waits for."""
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+_UNWATCHED = _Unwatched()
 
 
 def _marking(change: Callable[..., None]) -> Callable[..., None]:
