@@ -12,9 +12,12 @@ cluster's layout (every GPU on one server), so no hop crosses a NIC in either.
   passes tensors of the profile's boundary shapes where the profile records them, else small ones
   (PPipe's profiles record only bytes); the output says which.
 * Search: the simulator's max load is :func:`daskpipe.sim.find_max_load`'s; the runtime's is the
-  same bisection on the same grid (0.05 steps up to 1.0, attainment assumed not to rise with
-  load). Each runtime trial replays exactly the simulator's arrivals at that load (read from its
-  trace), and the simulator's attainment on them is reported beside the runtime's.
+  same bisection on the same grid (``--step``, 0.025 up to 1.0, attainment assumed not to rise
+  with load). The grid is finer than ``find_max_load``'s 0.05: at the loads these plans reach
+  (0.5-0.6), a 0.05 step is about a tenth of the load, as coarse as the 0.9 ratio the bench is
+  read against: one step more or less in either search moved the ratio by 0.08-0.1. Each
+  runtime trial replays exactly the simulator's arrivals at that load (read from its trace), and
+  the simulator's attainment on them is reported beside the runtime's.
 * Trials are independent, as simulations are: each runs on a fresh deployment of the plan (on the
   same cluster), after a warm-up stream that is not counted and a full garbage collection, so
   nothing measured at one load (queues, the control path's margin, young objects) carries over
@@ -63,14 +66,14 @@ MAX_GPUS = 3  # the emulated cluster runs a worker process per MPS slice on this
 BW_GBPS = 10.0
 PLAN_MARGIN = 0.4  # PPipe's: 40% of the SLO kept in the plan, none at run time
 TARGET = 0.99
-STEP, MAX_LOAD = 0.05, 1.0  # find_max_load's grid
+DEFAULT_STEP, MAX_LOAD = 0.025, 1.0
 SMALL_SHAPE = (16,)
 SERVER = "node-0"  # the emulated cluster's one server
 LEAD_S = 0.2  # from the start of a trial to its time zero: the client is ready before the first send
 DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand counts as lost
 WARM_UP_S, WARM_UP_LOAD = 1.0, 0.5  # each deployment's first batches (fresh streams) are slow, and not counted
 
-SEARCH = f"bisection on the {STEP:g} grid up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise with load; the simulator's is daskpipe.sim.find_max_load"
+SEARCH = f"bisection on the grid of `step` up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise with load; the simulator's is daskpipe.sim.find_max_load on the same grid"
 TIMING = "a request is on time when its output is in the client's hands (the service's as_completed, then result(), in a client thread) within the SLO of its scheduled Poisson send time"
 
 
@@ -340,7 +343,7 @@ def sim_summary(result: ModelResult) -> dict[str, Any]:
     }
 
 
-def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Callable[..., None]) -> dict[str, Any]:
+def measure_model(model: ServedModel, *, duration: float, seed: int, step: float, advance: Callable[..., None]) -> dict[str, Any]:
     """The simulator's and the runtime's max load factor for one model, with every runtime trial."""
     from distributed import Client
 
@@ -354,7 +357,7 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
     profiles = {model.name: model.profile}
     placements = on_one_server(model.plan)
     config = SimulationConfig(duration=duration, seed=seed, placements=placements)
-    sim_best = find_max_load(model.plan, profiles, config, target=TARGET, step=STEP, max_load=MAX_LOAD).max_load_factor[model.name]
+    sim_best = find_max_load(model.plan, profiles, config, target=TARGET, step=step, max_load=MAX_LOAD).max_load_factor[model.name]
     out: dict[str, Any] = {
         "slo_ms": model.profile.slo_us / 1e3,
         "sim_max_load_factor": sim_best,
@@ -413,7 +416,7 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
             )
             return runtime["attainment"] >= TARGET
 
-        out["runtime_max_load_factor"] = bisect_grid(load_grid(STEP, MAX_LOAD), passes)
+        out["runtime_max_load_factor"] = bisect_grid(load_grid(step, MAX_LOAD), passes)
     if sim_best > 0:
         out["ratio"] = out["runtime_max_load_factor"] / sim_best
     paths_ms = [t["runtime"]["control"]["total_p50_ms"] for t in trials if "total_p50_ms" in (t["runtime"].get("control") or {})]
@@ -422,16 +425,16 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, advance: Ca
         shortened = replace(model.plan, models=tuple(replace(m, slo_us=m.slo_us - cut_ms * 1e3) for m in model.plan.models))
         out["control_path_p50_ms"] = cut_ms
         out["sim_with_control_path_max_load_factor"] = find_max_load(
-            shortened, profiles, config, target=TARGET, step=STEP, max_load=MAX_LOAD
+            shortened, profiles, config, target=TARGET, step=step, max_load=MAX_LOAD
         ).max_load_factor[model.name]
     return out
 
 
-def max_trials() -> int:
+def max_trials(step: float) -> int:
     """Runtime trials of one model's search at most: the top of the grid, then the bisection."""
     from daskpipe.sim.simulate import load_grid
 
-    return 1 + math.ceil(math.log2(len(load_grid(STEP, MAX_LOAD))))
+    return 1 + math.ceil(math.log2(len(load_grid(step, MAX_LOAD))))
 
 
 def run_fidelity(
@@ -442,6 +445,7 @@ def run_fidelity(
     duration: float = DEFAULT_DURATION_S,
     seed: int = 1,
     max_rate: float = DEFAULT_MAX_RATE,
+    step: float = DEFAULT_STEP,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> dict[str, Any]:
     """The figures of ``daskpipe bench fidelity``; :class:`BenchOptionError` names a bad argument."""
@@ -449,12 +453,13 @@ def run_fidelity(
         raise BenchOptionError("--duration", f"must be a positive number of seconds, got {duration!r}")
     if not (max_rate > 0 and math.isfinite(max_rate)):
         raise BenchOptionError("--max-rate", f"must be a positive number of requests/s, got {max_rate!r}")
+    check_step(step)
     started = time.perf_counter()
     served = prepare(profiles, models, gpus, max_rate)
     results = {}
     for model in served:
-        results[model.name] = measure_model(model, duration=duration, seed=seed, advance=advance)
-        advance(max_trials() - len(results[model.name]["trials"]), note=f"{model.name} done")
+        results[model.name] = measure_model(model, duration=duration, seed=seed, step=step, advance=advance)
+        advance(max_trials(step) - len(results[model.name]["trials"]), note=f"{model.name} done")
     return {
         "profiles": str(profiles),
         "gpus": dict(gpus),
@@ -465,12 +470,20 @@ def run_fidelity(
         "duration_s": duration,
         "seed": seed,
         "target_attainment": TARGET,
+        "step": step,
         "search": SEARCH,
         "attainment_timing": TIMING,
         "ratio_definition": "runtime_max_load_factor / sim_max_load_factor (null when the simulator's is 0)",
         "models": results,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def check_step(step: float) -> None:
+    """A load grid's step: :class:`BenchOptionError` naming ``--step`` unless 0 < step <= 0.5 (a
+    grid of one point measures nothing)."""
+    if not (0 < step <= MAX_LOAD / 2 and math.isfinite(step)):
+        raise BenchOptionError("--step", f"must be a load factor step in (0, {MAX_LOAD / 2:g}], got {step!r}")
 
 
 def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[str, int]:
@@ -500,12 +513,13 @@ def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[s
 )
 @click.option("--duration", default=DEFAULT_DURATION_S, show_default=True, help="Seconds of Poisson arrivals per trial.")
 @click.option("--seed", default=1, show_default=True, help="Seed of the arrivals (the simulator's convention: the same workload in both).")
+@click.option("--step", default=DEFAULT_STEP, show_default=True, help="Step of the load-factor grid both searches bisect.")
 @click.option(
     "--max-rate", default=DEFAULT_MAX_RATE, show_default=True, help="Refuse plans of more req/s than this machine can send open-loop."
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_fidelity(
-    profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, max_rate: float, json_path: str | None
+    profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, step: float, max_rate: float, json_path: str | None
 ) -> None:
     """Max load factor at 99% attainment of each model's plan, in the simulator and on the Dask runtime."""
     names = [name.strip() for name in models.split(",") if name.strip()]
@@ -514,8 +528,9 @@ def bench_fidelity(
     from daskpipe.progress import progress_bar
 
     try:
-        with progress_bar("fidelity", total=len(names) * max_trials()) as advance:
-            figures = run_fidelity(profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, advance=advance)
+        check_step(step)
+        with progress_bar("fidelity", total=len(names) * max_trials(step)) as advance:
+            figures = run_fidelity(profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, step=step, advance=advance)
     except BenchOptionError as exc:
         raise click.BadParameter(str(exc), param_hint=exc.option) from None
     text = json.dumps(figures, indent=1)

@@ -56,6 +56,8 @@ def test_bisection_finds_the_highest_passing_load_in_few_trials():
     [
         (["--duration", "0"], "--duration"),
         (["--max-rate", "-1"], "--max-rate"),
+        (["--step", "0"], "--step"),
+        (["--step", "0.75"], "--step"),
         (["--gpus", "L4"], "--gpus"),
         (["--gpus", "L4:2,T4:2"], "--gpus"),
         (["--models", " , "], "--models"),
@@ -87,7 +89,7 @@ def test_models_and_plans_that_cannot_be_benched_are_refused_by_option(ppipe_dir
 @pytest.mark.shared
 @pytest.mark.timeout(120)
 def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tmp_path):
-    """textsnake (SLO 99.5 ms) on one L4 slot: short trials, the whole path, a sane report."""
+    """textsnake (SLO 99.5 ms) on one L4 slot: short trials on a coarse grid, the whole path, a sane report."""
     out = tmp_path / "fidelity.json"
     result = CliRunner().invoke(
         main,
@@ -102,6 +104,8 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
             "L4:1",
             "--duration",
             "1",
+            "--step",
+            "0.05",
             "--json",
             str(out),
         ],
@@ -117,7 +121,9 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
     assert 0 <= model["sim_with_control_path_max_load_factor"] <= 1
     assert model["tensors"].startswith("small") and model["emulated_gpus"] == {"L4": {"count": 1, "slices": 1}}
     assert 0 < model["planned_rate_per_s"] < 400 and model["plan"]
-    assert 1 <= len(model["trials"]) <= 6
+    assert report["step"] == 0.05 and 1 <= len(model["trials"]) <= 6, "the top of the grid, then at most 5 halvings of 20 loads"
+    for found in (model["sim_max_load_factor"], model["runtime_max_load_factor"]):
+        assert found / 0.05 == pytest.approx(round(found / 0.05)), "both searches on the grid of --step"
     for trial in model["trials"]:
         runtime = trial["runtime"]
         ended = runtime["on_time"] + runtime["late"] + sum(runtime["dropped_by_reason"].values()) + runtime["failed"] + runtime["lost"]
