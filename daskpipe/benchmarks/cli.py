@@ -23,6 +23,7 @@ from daskpipe.cli import LazyGroup
         "goodput": "daskpipe.benchmarks.goodput:bench_goodput",
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
         "serve": "daskpipe.benchmarks.serve:bench_serve",
+        "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
     },
 )
 def bench() -> None:

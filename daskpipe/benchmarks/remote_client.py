@@ -1,8 +1,8 @@
 """Requests from a client that did not deploy the models: the load of another client process.
 
 :class:`RemoteSender` sends on a daskpipe stream of its own, as a
-:class:`~daskpipe.runtime.service.Service` does, without deploying anything; inputs go as the raw
-bytes a ``Service`` would send for them. :func:`mark_in_hand` times when an output is in hand.
+:class:`~daskpipe.runtime.service.Service` does, without deploying anything; inputs are the raw
+bytes a ``Service`` would send for them, held here until the first stage fetches them. :func:`mark_in_hand` times when an output is in hand.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from typing import Any
 
 from distributed import Client
 
-from daskpipe.runtime import messages
 from daskpipe.runtime.futures import ServedFuture
 from daskpipe.runtime.service import open_stream
-from daskpipe.runtime.tensors import wire_input
 
 
 class RemoteSender:
@@ -33,15 +31,7 @@ class RemoteSender:
         """One request of ``size`` samples whose input is ``payload``, and its future."""
         key = f"remote-{model}-{self.token}-{next(self.counter)}"
         future = self.stream.pending[key] = ServedFuture(key, self.client)
-        message = {
-            "op": messages.SUBMIT,
-            "model": model,
-            "keys": [key],
-            "inputs": [wire_input(payload)],
-            "sizes": [size],
-            "sent_at": time.time(),
-        }
-        self.stream.send(message)
+        self.stream.send_requests(model, [key], [payload], [size], sent_at=time.time())
         return future
 
     def close(self) -> None:

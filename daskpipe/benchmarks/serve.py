@@ -101,68 +101,76 @@ def send_poisson(
 ) -> None:
     """In a client process of its own: once connected, says so on ``ready`` and takes the wall-clock
     start time from ``go``; from then, Poisson requests of ``model`` (inputs of ``request``'s shape
-    and dtype) at ``rate`` for ``seconds``. Puts each request's latency in ms (``None`` when it did
-    not end with an output in hand), its scheduled send time, and the errors by reason on ``results``.
+    and dtype) at ``rate`` for ``seconds`` (:func:`poisson_trial`), whose report goes on ``results``.
 
     The payload is made here, not passed: a spawned process reads its arguments only after it has
     imported the target's module, torch included, so an argument larger than a pipe's buffer held
     the parent's start of the next sender until then. On an H200's host the four senders started
     6 s apart, each sending alone for most of its trial.
+    """
+    connected = False
+    try:
+        from distributed import Client
+
+        from daskpipe.benchmarks.remote_client import RemoteSender
+
+        payload = request_payload(*request)
+        with Client(address) as client, RemoteSender(client) as sender:
+            connected = True
+            ready.put(None)
+            results.put(poisson_trial(sender, model, payload, rate, seconds, seed, go.get(timeout=READY_S)))
+    except Exception as exc:  # the parent reports it with the trial
+        (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def poisson_trial(sender: Any, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float) -> dict[str, Any]:
+    """From wall-clock ``start_at``, Poisson requests of ``model`` with input ``payload`` at
+    ``rate`` for ``seconds`` from ``sender`` (a :class:`~daskpipe.benchmarks.remote_client.RemoteSender`);
+    each request's latency in ms (``None`` when it did not end with an output in hand), its
+    scheduled send time, and the errors by reason.
 
     A future is let go as soon as it has ended, as a serving client does: holding every future of a
     trial keeps its key on the scheduler and its output on the worker, and each full garbage
     collection of the three processes walks them all.
     """
-    connected = False
-    try:
-        from distributed import Client, wait
+    from distributed import wait
 
-        from daskpipe.benchmarks.remote_client import RemoteSender, mark_in_hand
+    from daskpipe.benchmarks.remote_client import mark_in_hand
 
-        payload = request_payload(*request)
-        gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
-        due = np.cumsum(gaps)
-        due = due[due < seconds]
-        in_hand = [float("nan")] * len(due)
-        errors: Counter[str] = Counter()
-        in_flight: dict[int, Any] = {}
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
+    due = np.cumsum(gaps)
+    due = due[due < seconds]
+    in_hand = [float("nan")] * len(due)
+    errors: Counter[str] = Counter()
+    in_flight: dict[int, Any] = {}
 
-        def ended(index: int, future: Any) -> None:  # Dask's callback thread
-            if in_flight.pop(index, None) is None:  # counted as not ended by the sweep below
-                return
-            mark_in_hand(in_hand, index, future)
-            if np.isnan(in_hand[index]):
-                errors[why_not_in_hand(future)] += 1
+    def ended(index: int, future: Any) -> None:  # Dask's callback thread
+        if in_flight.pop(index, None) is None:  # counted as not ended by the sweep below
+            return
+        mark_in_hand(in_hand, index, future)
+        if np.isnan(in_hand[index]):
+            errors[why_not_in_hand(future)] += 1
 
-        with Client(address) as client, RemoteSender(client) as sender:
-            connected = True
-            ready.put(None)
-            start_at = go.get(timeout=READY_S)
-            time.sleep(max(0.0, start_at - time.time()))
-            zero, late_start_s = time.perf_counter(), time.time() - start_at
-            with CollectionPauses() as collections:
-                for i, at in enumerate(due):
-                    time.sleep(max(0.0, zero + at - time.perf_counter()))
-                    future = in_flight[i] = sender.submit(model, payload)
-                    future.add_done_callback(functools.partial(ended, i))
-                wait(list(in_flight.values()), timeout=DRAIN_S)
-                time.sleep(0.2)  # the last done callbacks
-            for index in list(in_flight):
-                left = in_flight.pop(index, None)
-                if left is not None:
-                    errors[why_not_in_hand(left)] += 1
-            latencies = [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)]
-            results.put(
-                {
-                    "latencies_ms": latencies,
-                    "due_s": due.tolist(),
-                    "errors": dict(errors),
-                    "late_start_s": late_start_s,
-                    "gc_pauses_ms": collections.pauses_ms,
-                }
-            )
-    except Exception as exc:  # the parent reports it with the trial
-        (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
+    time.sleep(max(0.0, start_at - time.time()))
+    zero, late_start_s = time.perf_counter(), time.time() - start_at
+    with CollectionPauses() as collections:
+        for i, at in enumerate(due):
+            time.sleep(max(0.0, zero + at - time.perf_counter()))
+            future = in_flight[i] = sender.submit(model, payload)
+            future.add_done_callback(functools.partial(ended, i))
+        wait(list(in_flight.values()), timeout=DRAIN_S)
+        time.sleep(0.2)  # the last done callbacks
+    for index in list(in_flight):
+        left = in_flight.pop(index, None)
+        if left is not None:
+            errors[why_not_in_hand(left)] += 1
+    return {
+        "latencies_ms": [None if np.isnan(t) else (t - zero - at) * 1e3 for t, at in zip(in_hand, due)],
+        "due_s": due.tolist(),
+        "errors": dict(errors),
+        "late_start_s": late_start_s,
+        "gc_pauses_ms": collections.pauses_ms,
+    }
 
 
 def why_not_in_hand(future: Any) -> str:
@@ -216,21 +224,32 @@ def trial(
         for process in processes:
             if process.is_alive():
                 process.terminate()
+    after = svc.status()[model]
+    return {
+        "offered_rate_per_s": rate,
+        "started_at_unix_s": start_at,  # when the first sends were due: to line the trial up with logs
+        **latency_figures(reports, slo_ms, seconds),
+        "batches": after["batches"] - before["batches"],
+        "measured_ratios": after.get("measured_ratios"),
+        "control": after.get("control"),
+        "late_legs_since_deploy": after.get("late"),
+    }
+
+
+def latency_figures(reports: Sequence[dict[str, Any]], slo_ms: float, seconds: float) -> dict[str, Any]:
+    """What the senders' :func:`poisson_trial` reports say together: attainment within ``slo_ms``,
+    latency percentiles of the outputs in hand, misses per second, and how the senders kept time."""
     failures = [r["error"] for r in reports if "error" in r]
     if failures:
         raise RuntimeError(f"a sender process failed: {failures[0]}")
     latencies = np.array([np.inf if v is None else v for r in reports for v in r["latencies_ms"]])
     due = np.array([at for r in reports for at in r["due_s"]])
-    errors: dict[str, int] = {}
+    errors: Counter[str] = Counter()
     for report in reports:
-        for why, count in report["errors"].items():
-            errors[why] = errors.get(why, 0) + count
-    after = svc.status()[model]
+        errors.update(report["errors"])
     in_hand = latencies[np.isfinite(latencies)]
     on_time = int((latencies <= slo_ms).sum())
     return {
-        "offered_rate_per_s": rate,
-        "started_at_unix_s": start_at,  # when the first sends were due: to line the trial up with logs
         "latest_sender_start_ms": max(r["late_start_s"] for r in reports) * 1e3,
         "sender_gc_pause_max_ms": max((p for r in reports for p in r["gc_pauses_ms"]), default=0.0),
         "sender_gc_pauses_over_10ms": sum(p > 10 for r in reports for p in r["gc_pauses_ms"]),
@@ -238,14 +257,10 @@ def trial(
         "attainment": on_time / len(latencies) if len(latencies) else None,
         "on_time": on_time,
         "late": int((in_hand > slo_ms).sum()),
-        "ended_otherwise": errors,
+        "ended_otherwise": dict(errors),
         "p50_ms": float(np.percentile(in_hand, 50)) if len(in_hand) else None,
         "p99_ms": float(np.percentile(in_hand, 99)) if len(in_hand) else None,
         "misses_by_second": np.bincount(due[latencies > slo_ms].astype(int), minlength=int(np.ceil(seconds))).tolist(),
-        "batches": after["batches"] - before["batches"],
-        "measured_ratios": after.get("measured_ratios"),
-        "control": after.get("control"),
-        "late_legs_since_deploy": after.get("late"),
     }
 
 

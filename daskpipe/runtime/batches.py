@@ -18,6 +18,7 @@ from distributed.protocol import Serialized
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed, guarded
+from daskpipe.runtime.inputs import HeldInput
 from daskpipe.runtime.keys import InMemoryReports, clients_of, err_keys, free_keys, resolve, store
 from daskpipe.runtime.served import Flight, Served
 from daskpipe.runtime.streams import ImmediateSend
@@ -46,6 +47,8 @@ class Dispatching(Protocol):
     def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...
 
     def arm(self) -> None: ...
+
+    def reach(self, client: str, addresses: list[str]) -> None: ...
 
 
 class Batches:
@@ -181,6 +184,34 @@ class Batches:
         err_keys(self.plugin.scheduler, failing, exception)
         self.plugin.arm()
 
+    @guarded
+    def on_unfetched(self, worker: str, model: str, dispatch: int, keys: list, reason: str, detail: str) -> None:
+        """The first stage on ``worker`` could not fetch the inputs of ``keys`` from their client: they
+        end here, dropped as ``client-gone`` or failed with ``detail``; the rest of the batch runs."""
+        served = self.plugin.served.get(model)
+        if served is None or dispatch in served.abandoned:
+            return
+        flight = served.flights.get(dispatch)
+        ending, ended = set(keys), True
+        if flight is not None:
+            kept = [i for i, key in enumerate(flight.keys) if key not in ending]
+            flight.keys = [flight.keys[i] for i in kept]
+            flight.retries = [flight.retries[i] for i in kept]
+            ended = not kept
+            if ended:  # nothing of it runs
+                served.flights.pop(dispatch, None)
+        live = [key for key in keys if key in served.deadlines]
+        failed = 0 if reason == "client-gone" else len(live)
+        self.plugin.metrics.fail(model, dispatch, failed, time.monotonic(), batch_ended=ended)
+        if failed:
+            served.counts["failed"] += failed
+            failure = RequestFailed(detail)
+            self.plugin.err(served, model, live, lambda key: failure)
+        else:
+            for key in live:
+                self.plugin.drop(served, model, key, "client-gone", detail)
+        self.plugin.arm()
+
     def _feedback(self, served: Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
         served.counts["overruns"] += bool(overrun)
         now = time.monotonic()
@@ -222,6 +253,8 @@ class Batches:
                 continue
             if request.id not in tasks:  # its client released it (cancelled, or left): compute nothing for nobody
                 self.plugin.drop(served, model, request.id, "released", "")
+            elif isinstance(queued[0], HeldInput) and queued[0].client not in self.plugin.client_streams:
+                self.plugin.drop(served, model, request.id, "client-gone", f"client {queued[0].client} left holding its input")
             else:
                 keys.append(request.id)
                 payloads.append(queued[0])
@@ -313,7 +346,17 @@ class Batches:
             "clients": clients_of(self.plugin.scheduler, self.plugin.client_streams, flight.keys),
         }
         if not flight.sources:
-            self.plugin.to_worker(flight.route[0]["address"], {"op": messages.BATCH, **batch, "inputs": [p for _, p, _ in retries]})
+            first = flight.route[0]["address"]
+            inputs: list[Any] = []
+            fetch: dict[str, list[int]] = {}  # client -> the indices of the inputs the first stage fetches from it
+            for index, (_, payload, _) in enumerate(retries):
+                if isinstance(payload, HeldInput):
+                    fetch.setdefault(payload.client, []).append(index)
+                    payload = None
+                inputs.append(payload)
+            for client in fetch:
+                self.plugin.reach(client, [first])
+            self.plugin.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
             return
         parts: dict[str, list] = {}
         for key, source in zip(flight.keys, flight.sources):

@@ -1,5 +1,10 @@
-"""The client's end of daskpipe's fast path: its own stream to the scheduler, reply streams from
-the workers that run last stages, and futures whose small results arrive with the completion.
+"""The client's end of daskpipe's fast path: its own stream to the scheduler, streams to the
+workers that fetch its inputs and run last stages, and futures whose small results arrive with the
+completion.
+
+The client holds each request's input until the request has ended: the worker that runs its
+batch's first stage fetches it over the client's stream to that worker
+(:mod:`daskpipe.runtime.inputs`), so input bytes never cross the scheduler.
 
 Requests leave on the client's :class:`ClientStream` (an :class:`~daskpipe.runtime.streams.ImmediateSend`, see
 :mod:`daskpipe.runtime.streams`). A batch's last stage sends :data:`~daskpipe.runtime.messages.RESOLVED`
@@ -30,12 +35,19 @@ from distributed.utils import wait_for
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
+from daskpipe.runtime.inputs import inline_input_bytes, wire_input
 from daskpipe.runtime.streams import ImmediateSend, open_comm
 from daskpipe.runtime.tensors import unpack_tensor
 
 logger = logging.getLogger(__name__)
 
 _NOTHING = object()
+HELD: weakref.WeakKeyDictionary[Client, dict[str, bytes]] = weakref.WeakKeyDictionary()
+"""The inputs each client holds, whichever of its services' streams sent them: a worker fetches
+them over whichever stream of the client it has."""
+SWEEP_HELD = 1024
+"""Every this many inputs held since the last sweep, the inputs of requests whose futures were let go
+before they ended are dropped (their futures never end here, so nothing else would)."""
 
 
 class LandedState(FutureState):
@@ -55,9 +67,9 @@ class LandedState(FutureState):
         self._gate = threading.Lock()
         self._gate.acquire()
         self._shut = True
-        self._listeners: list[Callable[[], None]] | None = None
+        self._listeners: list[Callable[[], object]] | None = None
 
-    def on_landed(self, callback: Callable[[], None]) -> None:
+    def on_landed(self, callback: Callable[[], object]) -> None:
         """Call ``callback`` when the future has ended: from the thread that ends it (the client's
         event loop), or here and now if it has. Where the two meet it may be called twice, so it
         must not mind."""
@@ -228,21 +240,59 @@ class LandedFutures:
 
 class ClientStream:
     """One client's daskpipe stream to the scheduler: submissions out, resolutions in; and its
-    REPLY streams from the workers that run last stages, which resolve its futures themselves.
+    streams to workers, which fetch the inputs it holds and resolve its futures themselves.
 
-    A resolution from the scheduler names the worker whose last stage computed the outputs; the
-    first one from a worker opens a REPLY stream to it (a worker this client cannot reach is
-    left to the scheduler). Opened by :meth:`open` on the client's loop; ``send`` may be called
-    from any thread."""
+    The scheduler names the workers: REACH those of the first stages its inputs go to, and a
+    resolution the worker whose last stage computed the outputs; the first mention of a worker
+    opens a stream to it (a worker this client cannot reach is left to the scheduler, and cannot
+    fetch this client's inputs: docs/deploying.md). Opened by :meth:`open` on the client's loop;
+    ``send`` and :meth:`send_requests` may be called from any thread."""
 
     def __init__(self, client: Client):
         self.client = client
         self.pending: weakref.WeakValueDictionary[str, ServedFuture] = weakref.WeakValueDictionary()
+        self.held = HELD.setdefault(client, {})  # request key -> its raw input, until the request has ended
+        self._held_since_sweep = 0
         self._out = ImmediateSend()
         self._reader: asyncio.Task | None = None
-        self._replies: dict[str, asyncio.Task] = {}  # worker address -> the task reading its REPLY stream
+        self._replies: dict[str, asyncio.Task] = {}  # worker address -> the task reading its stream
         self._reply_comms: dict[str, Any] = {}
+        self._to_workers: dict[str, ImmediateSend] = {}  # worker address -> what this client writes to it
         self._unreachable: set[str] = set()
+
+    def send_requests(
+        self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
+    ) -> None:
+        """Send requests of ``model`` (their futures made already) with raw ``inputs`` of ``sizes``
+        samples in one message. An input larger than ``daskpipe.inline-input-bytes`` stays here,
+        the message carrying its byte count, until its request has ended."""
+        inline, states = inline_input_bytes(), self.client.futures
+        entries: list[Any] = []
+        for key, raw in zip(keys, inputs):
+            if len(raw) <= inline:
+                entries.append(wire_input(raw))
+                continue
+            self.held[key] = raw
+            self._held_since_sweep += 1
+            state = states.get(key)
+            if isinstance(state, LandedState):
+                state.on_landed(functools.partial(self.held.pop, key, None))
+            entries.append(len(raw))
+        if self._held_since_sweep >= SWEEP_HELD:
+            self._sweep_held()
+        message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": entries, "sizes": sizes}
+        if sent_at is not None:
+            message["sent_at"] = sent_at
+        if start_block:
+            message["start_block"] = start_block
+        self.send(message)
+
+    def _sweep_held(self) -> None:
+        """Drop the inputs of requests this client no longer holds a future of."""
+        self._held_since_sweep = 0
+        futures = self.client.futures
+        for key in [k for k in self.held if k not in futures]:
+            self.held.pop(key, None)
 
     async def open(self) -> None:
         comm = await open_comm(
@@ -268,7 +318,8 @@ class ClientStream:
         if tasks:
             await asyncio.wait(tasks, timeout=2)
 
-    async def _read(self, comm: Any) -> None:
+    async def _read(self, comm: Any, worker: str | None = None) -> None:
+        """Read the scheduler's stream, or ``worker``'s."""
         try:
             while True:
                 for message in await comm.read():
@@ -277,6 +328,11 @@ class ClientStream:
                         self.resolve(message["keys"], message.get("outputs"))
                         if "worker" in message:
                             self.reach(message["worker"])
+                    elif op == messages.FETCH and worker is not None:
+                        self.hand_over(worker, message)
+                    elif op == messages.REACH:
+                        for address in message["workers"]:
+                            self.reach(address)
                     elif op == messages.REFUSED:
                         self.refuse(message["model"], message["refused"])
         except (CommClosedError, OSError):
@@ -284,8 +340,22 @@ class ClientStream:
         except Exception:
             logger.exception("daskpipe: a daskpipe stream to this client failed; futures still finish through Dask's report stream")
 
+    def hand_over(self, worker: str, fetch: dict) -> None:
+        """Send ``worker`` the inputs its first stage fetches; ``None`` for one this client no
+        longer holds (its request ended, or its future was let go)."""
+        stream = self._to_workers.get(worker)
+        if stream is None:
+            return
+        held = self.held
+        inputs = [wire_input(held.get(key)) for key in fetch["keys"]]
+        reply = {"op": messages.INPUTS, "client": self.client.id, "model": fetch["model"], "dispatch": fetch["dispatch"]}
+        try:
+            stream.send({**reply, "keys": fetch["keys"], "inputs": inputs})
+        except CommClosedError:  # the worker is gone: the scheduler retries its batch elsewhere
+            pass
+
     def reach(self, worker: str) -> None:
-        """Open a REPLY stream to ``worker`` unless one is open, opening, or could not be."""
+        """Open a stream to ``worker`` unless one is open, opening, or could not be."""
         if worker not in self._replies and worker not in self._unreachable and self._out.comm is not None and not self._out.please_stop:
             self._replies[worker] = asyncio.ensure_future(self._reply_from(worker))
 
@@ -295,14 +365,24 @@ class ClientStream:
                 worker,
                 self.client.connection_args,
                 {"op": messages.REPLY, "client": self.client.id, "reply": False},
-                "daskpipe Worker->Client",
+                "daskpipe Worker<->Client",
             )
-            await self._read(comm)  # until the worker or this client leaves
+            stream = self._to_workers[worker] = ImmediateSend()
+            stream.start(comm)
+            await self._read(comm, worker)  # until the worker or this client leaves
         except Exception as exc:  # the scheduler keeps resolving this worker's outputs
-            logger.info("daskpipe: could not open a reply stream from worker %s (%r); its results come through the scheduler", worker, exc)
+            logger.warning(
+                "daskpipe: could not open a stream to worker %s (%r): its results come through the scheduler, and it cannot fetch "
+                "this client's inputs (the client must reach the workers' ports, docs/deploying.md)",
+                worker,
+                exc,
+            )
             self._unreachable.add(worker)
         finally:
             self._reply_comms.pop(worker, None)
+            to_worker = self._to_workers.pop(worker, None)
+            if to_worker is not None:
+                to_worker.abort()
             if self._replies.get(worker) is asyncio.current_task():
                 del self._replies[worker]
 

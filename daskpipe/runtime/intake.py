@@ -21,6 +21,7 @@ from daskpipe.runtime.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.keys import Refusal, make_keys, refuse
 from daskpipe.runtime.gray import GrayPolicy
+from daskpipe.runtime.inputs import HeldInput, held_count
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.served import Served, queue_bound
 from daskpipe.runtime.streams import ImmediateSend
@@ -271,6 +272,8 @@ class Submitting(Protocol):
 
     def arm(self) -> None: ...
 
+    def reach(self, client: str, addresses: list[str]) -> None: ...
+
 
 class Intake:
     """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
@@ -379,9 +382,12 @@ class Intake:
             return
         now = time.monotonic()
         refused: list[Refusal] = []
-        accepted: list[tuple[Any, bytes, int]] = []
+        accepted: list[tuple[Any, Any, int]] = []
         room = served.max_queued - len(served.inputs)
+        holding = False
         for key, payload, size in zip(keys, inputs, sizes):
+            if held_count(payload):  # the client keeps the input; the first stage will fetch it
+                payload, holding = HeldInput(client, payload), True
             if key not in tasks and is_key(key):
                 served.counts["submitted"] += 1
                 refusal = served.refusal(payload, size, start_block)
@@ -396,6 +402,8 @@ class Intake:
                 else:
                     accepted.append((key, payload, size))
         refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
+        if holding and accepted:  # its streams to the stages' workers open before the first fetch
+            plugin.reach(client, sorted({address for _, _, address in served.stages}))
         make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
         control = served.control
         deadline, tolerance = arrival + served.budgets[start_block] - control.margin_s, control.tolerance_s

@@ -1,15 +1,23 @@
 """The wire vocabulary of daskpipe's runtime: message ops, handler names and worker resources.
 
-Every message is a plain dict (msgpack), so the scheduler never unpickles user data: request
-inputs ride inside as raw bytes (msgpack ``bin``, one per request), which the scheduler keeps and
-forwards as they are; feature maps and exceptions ride as ``to_serialize`` payloads. Times on the wire are wall-clock seconds
+Every message is a plain dict (msgpack), so the scheduler never unpickles user data. A request's
+input stays with the client that submitted it, and the worker that runs its batch's first stage
+fetches it from that client when the batch is dispatched: the scheduler sees only its byte count.
+An input of at most ``daskpipe.inline-input-bytes`` rides the submission instead, as raw bytes
+(msgpack ``bin``), which the scheduler keeps and forwards as they are. Feature maps and exceptions
+ride as ``to_serialize`` payloads. Times on the wire are wall-clock seconds
 (``time.time()``), the one clock that processes on different nodes share; the scheduler converts
 them to its monotonic clock.
 
 Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskpipe.runtime.streams`)::
 
-    client   --SUBMIT-->              scheduler   (keys, inputs, sizes, sent_at)
-    scheduler --BATCH-->              worker of partition 0
+    client   --SUBMIT-->              scheduler   (keys, sizes, sent_at; each input's byte count, or a small input)
+    scheduler --REACH-->              client      (open a stream to these first-stage workers)
+    scheduler --BATCH-->              worker of partition 0 (which inputs to fetch from which client)
+    worker   --FETCH-->               client      (on the client's stream to that worker)
+    client   --INPUTS-->              worker      (the raw inputs, as frames of their own)
+    worker   --UNFETCHED-->           scheduler   (requests whose input could not be fetched, and why)
+    scheduler --CLIENT_GONE-->        worker      (a client left: its inputs still to be fetched never will be)
     worker   --BATCH-->               worker of the next partition (fp16 feature map)
     scheduler --FORWARD-->            worker holding parked data (a staged data plane's next stage):
     worker   --BATCH-->               worker of that stage, which gathers the parts
@@ -18,9 +26,10 @@ Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskp
     worker   --RESOLVED-->            client      (small outputs, on the client's REPLY stream to that worker)
     scheduler --RESOLVED-->           client      (the futures the worker did not tell; small outputs ride along)
 
-A client opens a REPLY stream to a last stage's worker the first time the scheduler resolves
-futures computed there (RESOLVED names the worker): from then on that worker finishes the
-client's futures itself, and the scheduler is off the way back.
+A client opens a stream to a worker (the REPLY handler) when the scheduler asks it to (REACH: the
+workers of the first stages its inputs go to) or resolves futures computed there (RESOLVED names
+the worker). Over it the worker fetches the client's inputs and finishes the client's futures
+itself: the scheduler is off the way in and the way back.
 """
 
 from __future__ import annotations
@@ -34,15 +43,21 @@ SUBMIT = "daskpipe-submit"
 BATCH = "daskpipe-batch"
 FORWARD = "daskpipe-forward"  # send parked intermediate data on to a staged batch's first stage
 DISCARD = "daskpipe-discard"  # drop parked intermediate data (its request ended)
+CLIENT_GONE = "daskpipe-client-gone"  # a client left: the inputs still to be fetched from it never will be
 # worker -> scheduler, over the worker's batched stream
 FEEDBACK = "daskpipe-feedback"
 DONE = "daskpipe-done"
 FAILED = "daskpipe-failed"
 EXPIRED = "daskpipe-expired"  # a stage skipped a batch past its requests' late limit
+UNFETCHED = "daskpipe-unfetched"  # a first stage could not fetch some requests' inputs from their client
 # scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival;
 # worker -> client, over the client's REPLY stream to it: futures whose small outputs it computed
 RESOLVED = "daskpipe-resolved"
 REFUSED = "daskpipe-refused"
+REACH = "daskpipe-reach"  # scheduler -> client: open streams to these workers (they will fetch its inputs)
+# worker -> client and back, over the client's stream to the worker: a first stage fetching its batch's inputs
+FETCH = "daskpipe-fetch"
+INPUTS = "daskpipe-inputs"
 # worker -> worker: the feature map (op BATCH), and HELLO that opens the stream at deploy
 HELLO = "daskpipe-hello"
 # scheduler -> worker, worker -> scheduler: PING and PONG measure the control path at deploy

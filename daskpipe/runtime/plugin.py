@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 import dask.config
+from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -69,6 +70,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.slots: dict[str, WorkerSlot] = {}
         self.wakeup = Wakeup(self._on_timer)  # the earliest next_wake of all dispatchers
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
+        self.reached: dict[str, set[str]] = {}  # client id -> the workers it was asked to open streams to (REACH)
         self.to_workers: Streams | None = None  # batches and pings, opened at start
         self.pings = Pings()  # round trips to stage workers, measured when a model is served
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
@@ -98,6 +100,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.FEEDBACK: self.batches.on_feedback,
                     messages.DONE: self.batches.on_done,
                     messages.FAILED: self.batches.on_failed,
+                    messages.UNFETCHED: self.batches.on_unfetched,
                     messages.EXPIRED: self.watch.on_expired,
                     messages.PROBED: self.watch.on_probed,
                     messages.PONG: self.pings.on_pong,
@@ -173,13 +176,18 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     @guarded
     def remove_client(self, scheduler: Any, client: str) -> None:
         """A client left (closed, or vanished mid-stream), and Dask released its keys: its queued
-        requests are dropped here ("released") rather than computed for nobody or kept, and a
-        model whose stage actors it held (their keys are gone with it) is closed."""
+        requests end here, dropped as "client-gone", rather than computed for nobody or kept (their
+        keys are gone: nothing is left of them on the scheduler), and a model whose stage actors it
+        held (their keys are gone with it) is closed. A batch whose first stage still fetches
+        its inputs ends them there (:meth:`~daskpipe.runtime.batches.Batches.on_unfetched`)."""
         self.intake.send_clocks.forget(client)
+        for address in sorted(self.reached.pop(client, ())):  # their fetches from it end there at once
+            if address in self.slots:
+                self.to_worker(address, {"op": messages.CLIENT_GONE, "client": client})
         tasks = scheduler.tasks
         for model, served in list(self.served.items()):
             for key in [k for k in served.inputs if k not in tasks]:
-                self.drop(served, model, key, "released", f"client {client} left")
+                self.drop(served, model, key, "client-gone", f"client {client} left")
             if not served.closing and any(key not in tasks for key in served.stages.values()):
                 logger.warning("daskpipe: the stage actors of %s were released (client %s left); closing it", model, client)
                 self.close_models([model], reason="shutdown")
@@ -206,6 +214,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if client is not None:
             reply = self.client_streams[client] = ImmediateSend()
             reply.start(comm)
+            self.reached.pop(client, None)  # a new stream opens its own streams to the workers
         try:
             await self.scheduler.handle_stream(comm, extra={"client": client} if client is not None else {"worker": worker})
         finally:
@@ -214,6 +223,20 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     del self.client_streams[client]
                 reply.abort()
         return Status.dont_reply
+
+    def reach(self, client: str, addresses: list[str]) -> None:
+        """Ask ``client`` to open streams to those of ``addresses`` it was not asked to yet: their
+        first stages fetch its inputs over them."""
+        asked = self.reached.setdefault(client, set())
+        new = [address for address in addresses if address not in asked]
+        stream = self.client_streams.get(client)
+        if not new or stream is None:
+            return
+        asked.update(new)
+        try:
+            stream.send({"op": messages.REACH, "workers": new})
+        except CommClosedError:  # it is leaving: remove_client ends its requests
+            pass
 
     def to_worker(self, address: str, message: dict) -> None:
         """``message`` to ``address``'s worker on the scheduler's streams (opened at start)."""

@@ -18,7 +18,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import ControlPath
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.gray import GrayPolicy, Suspect
-from daskpipe.runtime.tensors import input_nbytes
+from daskpipe.runtime.inputs import input_nbytes
 from daskpipe.sched.api import Dispatcher, Request
 from daskpipe.sched.durations import BatchDurations
 
@@ -34,7 +34,7 @@ class Flight:
 
     keys: list[Any]
     addresses: frozenset[str]
-    retries: list[tuple[Request, bytes, int]] = field(default_factory=list)  # per key: (request, raw input, samples), kept for a retry
+    retries: list[tuple[Request, Any, int]] = field(default_factory=list)  # per key: (request, its input, samples), kept for a retry
     planned: list[tuple[int, float, float]] = field(
         default_factory=list
     )  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
@@ -127,7 +127,7 @@ class Served:
     stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
     emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
     durations: BatchDurations  # what an emulated slot holds a batch for (time-dilated); the simulator's model
-    inputs: dict[Any, tuple[bytes, int]] = field(default_factory=dict)  # queued: key -> (raw input, samples)
+    inputs: dict[Any, tuple[Any, int]] = field(default_factory=dict)  # queued: key -> (raw input or HeldInput, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, Flight] = field(default_factory=dict)
     counts: dict[str, int] = field(
@@ -169,7 +169,7 @@ class Served:
         nbytes = input_nbytes(payload)
         if nbytes is None:
             what = f"a serialized {payload.header.get('type', 'object')}" if isinstance(payload, Serialized) else type(payload).__name__
-            return f"the input must arrive as raw bytes, got {what}"
+            return f"the input must arrive as raw bytes or as its byte count, got {what}"
         if self.sample_nbytes and start_block == 0 and nbytes >= 0 and nbytes != size * self.sample_nbytes:
             return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {nbytes}"
         return None

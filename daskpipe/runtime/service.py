@@ -6,12 +6,11 @@ store; emulated kinds estimated, see :mod:`daskpipe.runtime.profiling`), plans w
 places one stage actor per (pool, slot) and tells the plugin to start serving. A
 :class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
 validates the input on the client (the profile knows its shape), creates the futures, and sends
-the inputs to the scheduler over the service's own stream (:class:`~daskpipe.runtime.futures.ClientStream`,
-which sends without Dask's 10 ms batching interval), a message per ``SUBMIT_CHUNK`` requests, each
-input as its raw bytes (:func:`encode_input`): msgpack carries a small one as it is, so no
-serializer call or extra frames per request, and a large one is a frame of its own, which the
-scheduler forwards without copying (:func:`~daskpipe.runtime.tensors.wire_input`); nothing is
-unpickled on the way.
+the requests to the scheduler over the service's own stream (:class:`~daskpipe.runtime.futures.ClientStream`,
+which sends without Dask's 10 ms batching interval), a message per ``SUBMIT_CHUNK`` requests. Each
+input is its raw bytes (:func:`encode_input`), which the client keeps until the first stage of its
+batch fetches them; a small one rides the submission instead (:mod:`daskpipe.runtime.inputs`).
+Nothing is unpickled on the way.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from daskpipe.plan.schema import Plan
 from daskpipe.profiles.fx import SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import configured_store
-from daskpipe.runtime import messages
 from daskpipe.runtime.arguments import check_deploy_arguments
 from daskpipe.runtime.errors import DeployError, InvalidRequest
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
@@ -48,7 +46,6 @@ from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, 
 from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
-from daskpipe.runtime.tensors import wire_input
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 
 SUBMIT_CHUNK = 256
@@ -270,18 +267,7 @@ class Service:
     def _send(
         self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
     ) -> None:
-        message: dict[str, Any] = {
-            "op": messages.SUBMIT,
-            "model": model,
-            "keys": keys,
-            "inputs": [wire_input(raw) for raw in inputs],
-            "sizes": sizes,
-        }
-        if sent_at is not None:
-            message["sent_at"] = sent_at
-        if start_block:
-            message["start_block"] = start_block
-        self._stream.send(message)
+        self._stream.send_requests(model, keys, inputs, sizes, start_block, sent_at)
 
     def _admit(self, model: str, x: Any, start_block: int = 0) -> tuple[int, bytes]:
         if self.closed:

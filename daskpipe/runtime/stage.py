@@ -49,6 +49,7 @@ from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interval
+from daskpipe.runtime.fetch import InputFetches
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
@@ -78,7 +79,8 @@ class _SlotRuntime:
     executor: ThreadPoolExecutor
     to_scheduler: Streams
     to_peers: Streams
-    clients: dict[str, ImmediateSend] = field(default_factory=dict)  # client id -> its REPLY stream: RESOLVED goes there
+    clients: dict[str, ImmediateSend] = field(default_factory=dict)  # client id -> its stream here: RESOLVED and FETCH go there
+    fetches: InputFetches | None = None  # first stages fetching their batches' inputs from clients (set by ``install``)
     tasks: set[asyncio.Task] = field(default_factory=set)
     slowdown: tuple[float, float] = (1.0, 0.0)  # (factor, until wall time): an emulated GPU's holds grow (``slow_down``)
     sleep_lead_s: float = 0.0  # how much before an emulated hold's end its sleep aims to wake, learned (``hold``)
@@ -473,9 +475,13 @@ def install(worker: Any) -> None:
     async def reply_stream(comm: Any, client: str) -> Status:  # Dask passes the comm to a handler whose first parameter is ``comm``
         return await _reply_stream(worker, comm, client)
 
+    batches = _BatchHandler(worker)
+    slot.fetches = InputFetches(worker.address, slot.clients, batches.start, functools.partial(slot.report, worker))
     worker.handlers[messages.REPLY] = reply_stream
     _store_kept_first(worker, slot)
-    worker.stream_handlers[messages.BATCH] = _BatchHandler(worker)
+    worker.stream_handlers[messages.BATCH] = batches
+    worker.stream_handlers[messages.INPUTS] = slot.fetches.on_inputs
+    worker.stream_handlers[messages.CLIENT_GONE] = slot.fetches.client_left
     worker.stream_handlers[messages.HELLO] = _hello
     worker.stream_handlers[messages.PING] = lambda token: slot.report(worker, {"op": messages.PONG, "token": token})
     worker.stream_handlers[messages.PROBE] = functools.partial(_probe, worker)
@@ -514,16 +520,21 @@ def _store_kept_first(worker: Any, slot: _SlotRuntime) -> None:
 
 
 async def _reply_stream(worker: Any, comm: Any, client: str) -> Status:
-    """The worker's ``REPLY`` handler: ``comm`` carries ``client``'s RESOLVED from now on (the
-    last stages here finish its futures themselves) until the client closes it."""
+    """The worker's ``REPLY`` handler: ``comm`` is ``client``'s stream to this worker from now on,
+    until the client closes it. The last stages here finish its futures over it (RESOLVED), and the
+    first stages fetch its inputs (FETCH, answered with INPUTS)."""
     slot = _SLOTS[worker]
+    fetches = slot.fetches
+    assert fetches is not None, "installed with the slot"
     stream = slot.clients[client] = ImmediateSend()
     stream.start(comm)
+    fetches.client_opened(client)
     try:
-        await worker.handle_stream(comm)  # the client sends nothing more: reading only notices that it left
+        await worker.handle_stream(comm)  # the client's INPUTS, until it leaves
     finally:
         if slot.clients.get(client) is stream:
             del slot.clients[client]
+            fetches.client_left(client)
         stream.abort()
     return Status.dont_reply
 
@@ -611,20 +622,31 @@ class _BatchHandler:
         inputs: Any = None,
         sent_at: float | None = None,
         part: list | None = None,
+        fetch: dict[str, list[int]] | None = None,
         **batch: Any,
     ) -> None:
         received_at = time.time() if sent_at is not None else None
         batch.update(route=route, sent_at=sent_at)
-        worker = self.worker
         if part is not None:  # one part of a staged batch's input: run once every part is here
             data = self._gather(batch, part, from_wire(data))
             if data is None:
                 return
+        if fetch:  # inputs its clients hold: run once they are here (daskpipe/runtime/fetch.py)
+            fetches = _SLOTS[self.worker].fetches
+            assert fetches is not None, "installed with the slot"
+            fetches.start(batch, inputs, fetch)
+            return
+        self.start(batch, from_wire(data) if data is not None else inputs, received_at)
+
+    def start(self, batch: dict[str, Any], data: Any, received_at: float | None = None) -> None:
+        """Run ``batch`` on its stage here: ``data`` is its feature map, or its requests' raw inputs."""
+        worker = self.worker
+        route = batch["route"]
         try:
             stage = worker.state.actors.get(route[0]["stage"])
             if not isinstance(stage, Stage):
                 raise LookupError(f"stage {route[0]['stage']!r} is not on worker {worker.address} (was it released?)")
-            stage.run(batch, from_wire(data) if data is not None else inputs, received_at)
+            stage.run(batch, data, received_at)
         except Exception as exc:  # never let a bad batch close the worker's stream
             logger.exception("daskpipe: worker %s could not start a batch of %s", worker.address, batch.get("model"))
             report_failure(

@@ -15,12 +15,13 @@ from typing import ClassVar, Hashable, Literal, Union
 
 Time = float  # seconds; the simulator's virtual clock or the runtime's monotonic clock
 
-DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost", "slow-worker"]
+DropReason = Literal["deadline", "overload", "no-capacity", "shutdown", "worker-lost", "slow-worker", "client-gone"]
 """Why a request was dropped: ``deadline`` (no batch can finish before its deadline), ``overload``
 (the queue bound was hit), ``no-capacity`` (no pipeline can take it: none planned, a pool empty for
 now, or more samples than the largest batch), ``shutdown`` (the service stopped), ``worker-lost`` (a
 worker of its pipeline died, and the retry could not serve it: its detail says why), ``slow-worker``
-(a worker of its pipeline stalled or slowed down, and the retry elsewhere could not serve it)."""
+(a worker of its pipeline stalled or slowed down, and the retry elsewhere could not serve it),
+``client-gone`` (its client left before it was served: it holds the input, and nobody waits for the output)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -362,10 +362,12 @@ class ServiceMetrics:
         self.model(model).invalid.add(now, count)
         self.last_time = now
 
-    def fail(self, model: str, dispatch_id: int, count: int, now: float) -> None:
-        """A stage of dispatch ``dispatch_id`` raised: ``count`` requests failed."""
+    def fail(self, model: str, dispatch_id: int, count: int, now: float, batch_ended: bool = True) -> None:
+        """``count`` requests of dispatch ``dispatch_id`` failed (a stage raised, or their inputs
+        could not be had); ``batch_ended``: none of the batch is still running."""
         metrics = self.model(model)
-        metrics.pending.pop(dispatch_id, None)
+        if batch_ended:
+            metrics.pending.pop(dispatch_id, None)
         metrics.failed.add(now, count)
         self.last_time = now
 

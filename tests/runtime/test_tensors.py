@@ -8,7 +8,8 @@ import torch
 from distributed.protocol import to_serialize
 from distributed.protocol.core import dumps, loads
 
-from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, input_nbytes, wire_input, wire_tensor
+from daskpipe.runtime.inputs import input_nbytes, wire_input
+from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, wire_tensor
 
 
 def through_the_scheduler(message: dict, compression: str | None = None) -> tuple[list, dict, dict]:

@@ -1,0 +1,321 @@
+"""``daskpipe bench capacity``: how many requests one scheduler can carry, by input size and senders.
+
+A cluster of its own processes, as on a real deployment: ``dask scheduler --preload daskpipe``,
+``daskpipe worker --emulate T4:N`` and ``K`` sender processes, each with its own ``Client``.
+The model is hold-only: its one block keeps every 64th pixel of the frame, and each batch is held
+to its profiled latency, so that the stages cost the two cores almost nothing and what is
+measured is the path of the requests, their inputs included. For each input shape and each number
+of senders, open-loop Poisson trials at rising rates find the highest rate at which >= 99% of the
+requests have their output in their sender's hands within the SLO. Around every trial it counts:
+
+* the scheduler's socket bytes (``ss``'s ``bytes_sent`` and ``bytes_received`` of the scheduler
+  process's TCP sockets) and its CPU time, per request: what one request costs the one process
+  that every request meets; ``ceiling_per_s`` is one scheduler core's worth, 1 / CPU per request;
+* every other process's CPU per request (the workers', each sender's).
+
+The scheduler's figures are read at the first rate of each shape, the same rate for every sender
+count, so that shapes are compared at the same load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+import click
+import numpy as np
+import torch
+from torch import nn
+
+from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload
+from daskpipe.profiles.cli import parse_shape
+
+MODEL = "capacity"
+SLO_MS = 200.0
+BATCH = 4
+HOLD_US = 2000.0  # a batch's profiled latency, at any size: 2,000 requests/s a slot
+SLOTS = 2
+ATTAINMENT = 0.99
+RATE_STEP = 1.3  # each trial offers this many times the last one's rate
+TRIAL_S = 3.0
+DRAIN_S = 10.0
+
+
+class KeepEvery64th(nn.Module):
+    """A stage that reads its input and computes next to nothing: what is left to measure is the serving."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., ::64, ::64].flatten(1)
+
+
+def hold_only_plan(input_shape: Sequence[int]):
+    """The profile and plan of :class:`KeepEvery64th` on :data:`SLOTS` emulated T4 slots, one
+    partition, batches of up to :data:`BATCH` held :data:`HOLD_US` each."""
+    from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
+    from daskpipe.profiles.fx import segment_model
+    from daskpipe.profiles.model import Profile
+
+    segmented = segment_model(KeepEvery64th(), torch.zeros(1, *input_shape))
+    bounds = [0, segmented.num_segments]
+    blocked = segmented.cut(bounds)
+    profile = Profile(
+        model=MODEL,
+        slo_us=SLO_MS * 1e3,
+        num_blocks=1,
+        latency_us={("T4", 1): np.full((1, BATCH), HOLD_US)},
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={"segment_boundaries": bounds},
+    )
+    throughput = SLOTS * BATCH / (HOLD_US * 1e-6)
+    pipeline = Pipeline(BATCH, throughput, (Partition(blocks=(0, 1), gpu="T4", slices=1, vgpus=SLOTS, latency_us=HOLD_US),))
+    plan = Plan(
+        objective=throughput,
+        models=(ModelPlan(name=MODEL, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),),
+        cluster={"bw_gbps": 10.0},
+    )
+    return profile, plan
+
+
+@contextmanager
+def cluster_processes(env: Mapping[str, str]) -> Iterator[str]:
+    """A scheduler and a worker process of :data:`SLOTS` emulated T4s, as their commands start
+    them on a real cluster; the scheduler's address."""
+    with tempfile.TemporaryDirectory() as folder:
+        scheduler_file = os.path.join(folder, "scheduler.json")
+        bin_dir = os.path.dirname(sys.executable)
+        started = [
+            subprocess.Popen(
+                [os.path.join(bin_dir, "dask"), "scheduler", "--preload", "daskpipe", "--scheduler-file", scheduler_file],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
+        try:
+            deadline = time.monotonic() + READY_S
+            while not os.path.exists(scheduler_file):
+                if time.monotonic() > deadline or started[0].poll() is not None:
+                    raise RuntimeError("the scheduler did not start")
+                time.sleep(0.1)
+            time.sleep(0.2)  # the file is written whole before its rename; read it once it is there
+            with open(scheduler_file) as f:
+                address = json.load(f)["address"]
+            started.append(
+                subprocess.Popen(
+                    [os.path.join(bin_dir, "daskpipe"), "worker", address, "--emulate", f"T4:{SLOTS}", "--server", "node-0"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            yield address
+        finally:
+            for process in reversed(started):
+                process.terminate()
+            for process in reversed(started):
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def sender_loop(address: str, input_shape: Sequence[int], ready: Any, commands: Any, results: Any) -> None:
+    """A sender process: connects once, then runs each ``(rate, seconds, seed, start_at)`` trial it
+    is sent (:func:`~daskpipe.benchmarks.serve.poisson_trial`) until it is sent ``None``."""
+    connected = False
+    try:
+        from distributed import Client
+
+        from daskpipe.benchmarks.remote_client import RemoteSender
+
+        payload = request_payload(input_shape, "float32")
+        with Client(address) as client, RemoteSender(client) as sender:
+            connected = True
+            ready.put(os.getpid())
+            while (command := commands.get()) is not None:
+                rate, seconds, seed, start_at = command
+                results.put(poisson_trial(sender, MODEL, payload, rate, seconds, seed, start_at))
+    except Exception as exc:
+        (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class Senders:
+    """``count`` sender processes, each with its own client, started once for many trials."""
+
+    def __init__(self, address: str, input_shape: Sequence[int], count: int):
+        context = multiprocessing.get_context("spawn")
+        self.ready, self.results = context.Queue(), context.Queue()
+        self.commands = [context.Queue() for _ in range(count)]
+        self.processes = [
+            context.Process(target=sender_loop, args=(address, tuple(input_shape), self.ready, commands, self.results))
+            for commands in self.commands
+        ]
+        for process in self.processes:
+            process.start()
+        self.pids = []
+        for _ in self.processes:
+            note = self.ready.get(timeout=READY_S)
+            if isinstance(note, dict):
+                self.close()
+                raise RuntimeError(f"a sender process failed: {note['error']}")
+            self.pids.append(note)
+
+    def trial(self, rate: float, seconds: float, seed: int) -> list[dict[str, Any]]:
+        start_at = time.time() + START_S
+        for k, commands in enumerate(self.commands):
+            commands.put((rate / len(self.commands), seconds, seed * 1000 + k, start_at))
+        return [self.results.get(timeout=START_S + seconds + DRAIN_S + 60) for _ in self.commands]
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(None)
+        for process in self.processes:
+            process.join(30)
+            if process.is_alive():
+                process.terminate()
+
+
+def socket_bytes(pid: int) -> dict[tuple[str, str], int]:
+    """Bytes sent plus received so far on each TCP socket of process ``pid``, by (local, peer) address."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    counts: dict[tuple[str, str], int] = {}
+    lines = out.splitlines()
+    for line, info in zip(lines[::2], lines[1::2]):
+        if f"pid={pid}," not in line:
+            continue
+        fields = line.split()
+        sent = re.search(r"bytes_sent:(\d+)", info)
+        received = re.search(r"bytes_received:(\d+)", info)
+        counts[(fields[3], fields[4])] = int(sent.group(1) if sent else 0) + int(received.group(1) if received else 0)
+    return counts
+
+
+def bytes_since(before: Mapping[tuple[str, str], int], pid: int) -> int:
+    """Socket bytes of ``pid`` since ``before`` (:func:`socket_bytes`); a socket opened since counts from zero."""
+    return sum(n - before.get(socket, 0) for socket, n in socket_bytes(pid).items())
+
+
+def cpu_s(pid: int) -> float:
+    import psutil
+
+    process = psutil.Process(pid)
+    times = [process.cpu_times(), *(child.cpu_times() for child in process.children(recursive=True))]
+    return sum(t.user + t.system for t in times)
+
+
+def measured_trial(senders: Senders, roles: dict[str, int], scheduler_pid: int, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    """One trial at ``rate``, with the scheduler's bytes and every role's CPU per request around it."""
+    bytes_before = socket_bytes(scheduler_pid)
+    cpu_before = {role: cpu_s(pid) for role, pid in roles.items()}
+    reports = senders.trial(rate, seconds, seed)
+    figures = latency_figures(reports, SLO_MS, seconds)
+    requests = max(figures["requests"], 1)
+    cpu_us = {role: (cpu_s(pid) - cpu_before[role]) * 1e6 / requests for role, pid in roles.items()}
+    return {
+        "offered_rate_per_s": rate,
+        **{k: figures[k] for k in ("requests", "attainment", "p50_ms", "p99_ms", "ended_otherwise", "latest_sender_start_ms")},
+        "scheduler_bytes_per_request": bytes_since(bytes_before, scheduler_pid) / requests,
+        "cpu_us_per_request": cpu_us,
+    }
+
+
+def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequence[int], start_rate: float, seconds: float) -> dict:
+    """For each input shape: deploy the hold-only model, then for each sender count the trials up
+    to the first that misses the 99% bar (module docstring)."""
+    from distributed import Client
+
+    import daskpipe
+
+    env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
+    figures: dict[str, Any] = {"slo_ms": SLO_MS, "attainment_bar": ATTAINMENT, "trial_s": seconds, "shapes": {}}
+    for input_shape in input_shapes:
+        profile, plan = hold_only_plan(input_shape)
+        per_shape: dict[str, Any] = {"input_bytes": 4 * math.prod(input_shape), "senders": {}}
+        with cluster_processes(env) as address, Client(address) as client:
+            client.wait_for_workers(SLOTS, timeout=READY_S)
+            svc = daskpipe.deploy(
+                client,
+                {MODEL: KeepEvery64th()},
+                example_inputs={MODEL: torch.zeros(1, *input_shape)},
+                plan=plan,
+                profiles={MODEL: profile},
+                elastic=None,
+            )
+            try:
+                scheduler_pid = client.run_on_scheduler(os.getpid)
+                workers = client.run(os.getpid)
+                for count in sender_counts:
+                    senders = Senders(address, input_shape, count)
+                    try:
+                        roles = {"scheduler": scheduler_pid, **{f"worker-{i}": pid for i, pid in enumerate(workers.values())}}
+                        roles.update({f"sender-{k}": pid for k, pid in enumerate(senders.pids)})
+                        senders.trial(start_rate / 2, 1.0, seed=0)  # warm-up: streams opened, first batches
+                        trials, rate, seed = [], start_rate, 1
+                        while True:
+                            trials.append(measured_trial(senders, roles, scheduler_pid, rate, seconds, seed))
+                            if (trials[-1]["attainment"] or 0) < ATTAINMENT:
+                                break
+                            rate, seed = rate * RATE_STEP, seed + 1
+                    finally:
+                        senders.close()
+                    passed = [t for t in trials if (t["attainment"] or 0) >= ATTAINMENT]
+                    first = trials[0]
+                    scheduler_us = first["cpu_us_per_request"]["scheduler"]
+                    per_shape["senders"][str(count)] = {
+                        "highest_rate_at_bar_per_s": passed[-1]["offered_rate_per_s"] if passed else None,
+                        "scheduler_bytes_per_request": first["scheduler_bytes_per_request"],
+                        "scheduler_cpu_us_per_request": scheduler_us,
+                        "ceiling_per_s": 1e6 / scheduler_us if scheduler_us > 0 else None,
+                        "trials": trials,
+                    }
+            finally:
+                svc.close()
+        figures["shapes"][",".join(map(str, input_shape))] = per_shape
+    return figures
+
+
+@click.command("capacity")
+@click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    default=("3,64,64", "3,512,1024"),
+    show_default=True,
+    callback=lambda ctx, param, value: [parse_shape(v) for v in value],
+    help="One sample's shape (float32); repeat for several, measured in the same run.",
+)
+@click.option(
+    "--senders",
+    default="1,2,4",
+    show_default=True,
+    callback=lambda ctx, param, value: [int(v) for v in value.split(",")],
+    help="Numbers of sender processes, each with its own Client.",
+)
+@click.option(
+    "--start-rate", default=20.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The first trial's rate, requests/s."
+)
+@click.option("--seconds", default=TRIAL_S, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds per trial.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
+def bench_capacity(
+    input_shapes: list[tuple[int, ...]], senders: list[int], start_rate: float, seconds: float, json_path: str | None
+) -> None:
+    """What one scheduler carries: its bytes and CPU per request, and the highest rate at 99% within the SLO."""
+    if any(k < 1 for k in senders):
+        raise click.BadParameter(f"sender counts must be >= 1, got {senders}", param_hint="--senders")
+    figures = run_capacity(input_shapes, senders, start_rate, seconds)
+    text = json.dumps(figures, indent=1)
+    click.echo(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
