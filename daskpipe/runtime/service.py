@@ -191,7 +191,7 @@ class Service:
 
     @property
     def plan(self) -> Plan | Awaitable[Plan]:
-        """The plan in force: the scheduler re-plans as workers join and leave (docs/operations.md).
+        """The plan in force; the scheduler re-plans as workers join and leave (docs/operations.md).
 
         With an asynchronous client, an awaitable: ``plan = await svc.plan``."""
         if self.client.asynchronous:
