@@ -2,27 +2,57 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from daskpipe.config import update_defaults
+from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
 if TYPE_CHECKING:
-    from daskpipe.runtime.service import Service
+    from daskpipe.runtime.elastic_state import ElasticSettings
+    from daskpipe.runtime.profiling import ProfilingOptions
+    from daskpipe.runtime.service import Service, deploy
 
-__all__ = ["Plan", "PlanError", "Profile", "ProfileError", "dask_setup", "deploy"]
+__all__ = [
+    "ElasticSettings",
+    "Plan",
+    "PlanError",
+    "PlannerOptions",
+    "Profile",
+    "ProfileError",
+    "ProfilingOptions",
+    "Service",
+    "dask_setup",
+    "deploy",
+]
 
 # Every process that runs daskpipe code imports this package first: here daskpipe's config defaults
 # are loaded (daskpipe/daskpipe.yaml), among them the dashboard pages the runtime's plugin attaches.
 update_defaults()
 
+# The runtime's names load on first use: they import torch, which a scheduler started with
+# `--preload daskpipe` never needs. The objects themselves, not wrappers, so that help() and
+# inspect.signature() show their real parameters.
+_LAZY = {
+    "deploy": "daskpipe.runtime.service",
+    "Service": "daskpipe.runtime.service",
+    "ProfilingOptions": "daskpipe.runtime.profiling",
+    "ElasticSettings": "daskpipe.runtime.elastic_state",
+}
 
-def deploy(client: Any, models: Any, **kwargs: Any) -> Service:
-    """Serve ``models`` on ``client``'s cluster; see :func:`daskpipe.runtime.service.deploy`."""
-    from daskpipe.runtime.service import deploy as _deploy
 
-    return _deploy(client, models, **kwargs)
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def dask_setup(scheduler: Any) -> None:

@@ -27,6 +27,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(
+    name="daskpipe",  # the name `dask daskpipe` registers it under (Dask's CLI adds a group by its own name)
     cls=LazyGroup,
     lazy={
         "plan": "daskpipe.plan.cli:plan",

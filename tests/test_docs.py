@@ -69,3 +69,44 @@ def test_the_check_sees_a_wrong_flag_and_a_wrong_command():
         "daskpipe bench chaos --fault stop",
         "daskpipe demo --duration 5",
     ]
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``,
+    a repeated heading numbered from ``-1``."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.+)$", FENCED.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def broken_links(page: Path) -> list[str]:
+    found = []
+    for target in LINK.findall(FENCED.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            found.append(f"{target}: no {linked.relative_to(ROOT)}")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            found.append(f"{target}: no heading #{anchor} in {linked.name}")
+    return found
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    """A link to another page, or to a heading of one, leads there (pages move and headings change)."""
+    found = broken_links(page)
+    assert not found, "\n".join(found)
+
+
+def test_anchors_follow_github():
+    page = ROOT / "docs" / "benchmarks.md"
+    assert {"the-request-paths-cost-daskpipe-bench-runtime", "november-29-later", "tried-not-kept"} <= anchors(page)

@@ -188,7 +188,7 @@ class Service:
 
     @property
     def plan(self) -> Plan | Awaitable[Plan]:
-        """The plan in force: the scheduler re-plans as workers join and leave (docs/operations.md).
+        """The plan in force; the scheduler re-plans as workers join and leave (docs/operations.md).
 
         With an asynchronous client, an awaitable: ``plan = await svc.plan``."""
         if self.client.asynchronous:
@@ -393,9 +393,17 @@ def deploy(
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
         ``Adaptive`` (:class:`~daskpipe.runtime.elastic_state.ElasticSettings`); ``None``: the plan stays.
 
-    Raises :class:`DeployError` when the cluster cannot serve the models as asked. With an
-    asynchronous client, ``svc = await deploy(client, ...)`` (and ``await svc.plan``,
-    ``await svc.status()``, ``await svc.close()`` or ``async with svc``).
+    Returns
+    -------
+    Service
+        Serving until closed. With an asynchronous client, an awaitable of it:
+        ``svc = await deploy(client, ...)`` (and ``await svc.plan``, ``await svc.status()``,
+        ``await svc.close()`` or ``async with svc``).
+
+    Raises
+    ------
+    DeployError
+        When the cluster cannot serve the models as asked; the message says what to change.
     """
     check_deploy_arguments(
         models,
