@@ -269,7 +269,7 @@ class ClientStream:
         inline, states = inline_input_bytes(), self.client.futures
         entries: list[Any] = []
         for key, raw in zip(keys, inputs):
-            if len(raw) <= inline:
+            if not isinstance(raw, bytes) or len(raw) <= inline:  # anything but bytes goes as it is, for the scheduler to refuse
                 entries.append(wire_input(raw))
                 continue
             self.held[key] = raw

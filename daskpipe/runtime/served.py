@@ -169,7 +169,7 @@ class Served:
         nbytes = input_nbytes(payload)
         if nbytes is None:
             what = f"a serialized {payload.header.get('type', 'object')}" if isinstance(payload, Serialized) else type(payload).__name__
-            return f"the input must arrive as raw bytes or as its byte count, got {what}"
+            return f"the input must arrive as its byte count or as raw bytes, got {what}"
         if self.sample_nbytes and start_block == 0 and nbytes >= 0 and nbytes != size * self.sample_nbytes:
             return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {nbytes}"
         return None

@@ -305,7 +305,7 @@ def vanish_and_redeploy(cluster, client) -> None:
         proc.wait()
     served = plugin.served["vanishing"]
     wait_until(lambda: served.closing, timeout=30, what="its model closed")
-    assert served.inputs == {} and served.dropped == {"released": 3} and served.counts["batches"] == 0
+    assert served.inputs == {} and served.dropped == {"client-gone": 3} and served.counts["batches"] == 0
     wait_until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), timeout=30, what="its keys forgotten")
     profile, plan = two_stage("vanishing", gpus=("cpu", "cpu"))  # the name is free again
     with daskpipe.deploy(
