@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from daskpipe.config import update_defaults
+from daskpipe.config import ConfigError, check_settings, update_defaults
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
 if TYPE_CHECKING:
     from daskpipe.runtime.service import Service
 
-__all__ = ["Plan", "PlanError", "Profile", "ProfileError", "dask_setup", "deploy"]
+__all__ = ["ConfigError", "Plan", "PlanError", "Profile", "ProfileError", "dask_setup", "deploy"]
 
 # Every process that runs daskpipe code imports this package first: here daskpipe's config defaults
 # are loaded (daskpipe/daskpipe.yaml), among them the dashboard pages the runtime's plugin attaches.
@@ -33,4 +33,5 @@ def dask_setup(scheduler: Any) -> None:
 
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"daskpipe is a scheduler preload (dask scheduler --preload daskpipe), not a {type(scheduler).__name__} preload")
+    check_settings()  # a bad daskpipe.* key stops the scheduler now, named, not its first deploy
     install(scheduler)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from daskpipe.config import setting
 from daskpipe.jsonfile import read_json_object
 from daskpipe.profiles.model import ProfileError
 
@@ -118,9 +119,5 @@ def configured_store(store: str | os.PathLike | ProfileStore | None) -> ProfileS
     """``store`` as a :class:`ProfileStore`, or the one the Dask config key ``daskpipe.profile-store`` names."""
     if isinstance(store, ProfileStore):
         return store
-    location = store
-    if location is None:
-        import dask.config
-
-        location = dask.config.get(CONFIG_KEY, None)
+    location = setting(CONFIG_KEY) if store is None else store
     return ProfileStore(location) if location else None
