@@ -51,6 +51,8 @@ def minimum_duration(validator: Any, minimum: float, value: Any, schema: dict[st
 
 @functools.cache
 def validator() -> jsonschema.protocols.Validator:
+    """The schema's validator, built once: Draft 2020-12 (the schema's ``$schema``), its numbers
+    finite, with the ``minimumDuration`` keyword."""
     base = jsonschema.Draft202012Validator
     schema = load(SCHEMA)
     base.check_schema(schema)

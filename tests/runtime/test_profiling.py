@@ -110,8 +110,11 @@ def test_a_bad_store_entry_is_moved_aside_and_its_kind_measured_again(cpu_cluste
     assert again.profiling_tasks == 1, "measured again, not planned on the bad entry"
     table = again.profile.table("cpu", 1)
     assert table.shape == first.profile.table("cpu", 1).shape and table.min() >= MIN_LATENCY_US
-    assert entry.is_file() and len(list(tmp_path.glob("*.rejected"))) == 1 and not list(tmp_path.glob("*.tmp"))
-    assert profiled().profiling_tasks == 0, "the new entry serves the next deploy"
+    assert len(list(tmp_path.glob("*.rejected"))) == 1 and not list(tmp_path.glob("*.tmp"))
+    if "warning" in again.profile.meta["measurements"]["cpu/1"]["timing"]:  # timed on a busy machine: not kept
+        assert not entry.exists()
+    else:
+        assert entry.is_file() and profiled().profiling_tasks == 0, "the new entry serves the next deploy"
 
 
 def test_the_cpu_worker_processes_of_a_host_time_their_kind_together_and_the_table_is_their_median():
