@@ -14,8 +14,8 @@ import time
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from daskpipe.config import ConfigError
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
+from daskpipe.config import ConfigError
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import MAX_SHARE, ControlPath

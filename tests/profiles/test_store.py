@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from daskpipe.config import ConfigError
 from daskpipe.profiles.model import ProfileError
-from tests.profiles.helpers import BAD_ENTRIES
 from daskpipe.profiles.store import CONFIG_KEY, MeasurementKey, ProfileStore, check_table, configured_store, model_fingerprint
+from tests.profiles.helpers import BAD_ENTRIES
 
 
 def small_net() -> nn.Module:
@@ -137,6 +138,8 @@ def test_the_store_comes_from_the_argument_or_the_dask_config(tmp_path):
     assert configured_store(None) is None
     with dask.config.set({CONFIG_KEY: str(tmp_path)}):
         assert configured_store(None).root == tmp_path
+    with dask.config.set({CONFIG_KEY: 123}), pytest.raises(ConfigError, match=f"^{CONFIG_KEY}: 123 is not of type 'string', 'null'"):
+        configured_store(None)
     assert configured_store(tmp_path / "x").root == tmp_path / "x"
     (tmp_path / "file").write_text("")
     with pytest.raises(ProfileError, match="not a folder"):
