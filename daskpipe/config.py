@@ -64,9 +64,9 @@ def validator() -> jsonschema.protocols.Validator:
     return extended(schema)
 
 
-def check(key: str, value: Any) -> Any:
-    """``value`` as the Dask config key ``key`` (dotted, under ``daskpipe``) would hold it, checked
-    against the schema; returned as it is. Raises :class:`ConfigError` naming each bad key."""
+def check(key: str, value: Any) -> None:
+    """Check ``value`` against the schema as the Dask config key ``key`` (dotted, under
+    ``daskpipe``) would hold it; raises :class:`ConfigError` naming each bad key."""
     tree: dict[str, Any] = {}
     node = tree
     parts = key.split(".")
@@ -76,7 +76,6 @@ def check(key: str, value: Any) -> Any:
     errors = sorted(validator().iter_errors(tree), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         raise ConfigError("; ".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors))
-    return value
 
 
 def check_settings() -> None:
