@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from daskpipe.config import update_defaults
+from daskpipe.config import ConfigError, check_settings, update_defaults
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from daskpipe.runtime.service import Service, deploy
 
 __all__ = [
+    "ConfigError",
     "ElasticSettings",
     "Plan",
     "PlanError",
@@ -63,4 +64,5 @@ def dask_setup(scheduler: Any) -> None:
 
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"daskpipe is a scheduler preload (dask scheduler --preload daskpipe), not a {type(scheduler).__name__} preload")
+    check_settings()  # a bad daskpipe.* key stops the scheduler now, named, not its first deploy
     install(scheduler)

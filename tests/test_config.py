@@ -1,20 +1,20 @@
-"""daskpipe's Dask config keys: one file of defaults, described by its schema, and read by the code."""
+"""daskpipe's Dask config keys: one file of defaults, described by its schema, read by the code, and
+every value checked against the schema as it is read."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 import dask.config
 import pytest
 
-from daskpipe.config import DEFAULTS, SCHEMA, current_frames_can_deadlock, load
+from daskpipe.config import DEFAULTS, SCHEMA, ConfigError, check, check_settings, current_frames_can_deadlock, load, setting
 from daskpipe.dashboard.server import UPDATE_CONFIG
 from daskpipe.profiles.store import CONFIG_KEY as STORE_CONFIG
 from daskpipe.runtime import gray
 from daskpipe.runtime.gctune import GC_CONFIG
 from daskpipe.runtime.plugin import EXTENSIONS_CONFIG
-
-TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int, "boolean": bool, "null": type(None)}
 
 
 def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -34,17 +34,49 @@ def described(schema: dict, path: str) -> dict:
     return node
 
 
-def test_every_default_is_described_by_the_schema_with_its_type():
+def test_every_default_is_described_by_the_schema_and_valid():
     defaults, schema = load(DEFAULTS), load(SCHEMA)
-    for path, value in leaves(defaults).items():
-        node = described(schema, path)
-        kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]
-        assert any(isinstance(value, TYPES[k]) and not (k in ("number", "integer") and isinstance(value, bool)) for k in kinds), (
-            path,
-            value,
-            kinds,
-        )
-        assert node.get("description") or described(schema, path.rsplit(".", 1)[0]).get("description"), path
+    check("daskpipe", defaults["daskpipe"])
+    for path in leaves(defaults):
+        assert described(schema, path).get("description") or described(schema, path.rsplit(".", 1)[0]).get("description"), path
+
+
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("daskpipe.gc-threshold-factor", 0, "less than the minimum of 1"),
+        ("daskpipe.gil-switch-interval", -1, "less than the minimum of 1e-05"),
+        ("daskpipe.cuda-graphs", "x", "not of type 'boolean'"),
+        ("daskpipe.dashboard.update-interval", "abc", "not a duration"),
+        ("daskpipe.dashboard.update-interval", "50ms", "shorter than 0.1 s"),
+        ("daskpipe.profile-store", 123, "not of type 'string', 'null'"),
+        ("daskpipe.scheduler-extensions", "notalist", "not of type 'array'"),
+        ("daskpipe.gray.suspect-factor", float("inf"), "inf is not of type 'number'"),
+        ("daskpipe.gray.late-limit-slos", float("inf"), "inf is not of type 'number'"),
+        ("daskpipe.gray.probe-interval-s", float("nan"), "nan is not of type 'number'"),
+        ("daskpipe.gray.slow-batches", 2.5, "not of type 'integer'"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_key_whichever_key_is_read(key, value, why):
+    with dask.config.set({key: value}):
+        for read in (key, "daskpipe.gc-freeze"):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*{re.escape(why)}"):
+                setting(read)
+
+
+def test_a_misspelt_key_is_refused_naming_it():
+    with dask.config.set({"daskpipe.gray.suspect-after": 3}), pytest.raises(ConfigError, match=r"^daskpipe.gray: .*'suspect-after'"):
+        check_settings()
+    with dask.config.set({"daskpipe.cuda-graph": False}), pytest.raises(ConfigError, match=r"^daskpipe: .*'cuda-graph' was unexpected"):
+        check_settings()
+
+
+def test_valid_settings_read_as_set():
+    with dask.config.set(
+        {"daskpipe.gil-switch-interval": None, "daskpipe.dashboard.update-interval": 0.25, "daskpipe.profile-store": "~/x"}
+    ):
+        assert setting("daskpipe.gil-switch-interval") is None
+        assert setting("daskpipe.dashboard.update-interval") == 0.25 and setting("daskpipe.profile-store") == "~/x"
 
 
 def test_the_keys_the_code_reads_have_their_defaults_in_the_file():
@@ -67,7 +99,7 @@ def test_a_users_setting_wins_over_the_default():
         assert gray.GrayPolicy.from_config().readmit_ratio == 3.0
     with (
         dask.config.set({"daskpipe.gray.readmit-ratio": "fast"}),
-        pytest.raises(ValueError, match="readmit-ratio must be a number >= 1, got 'fast'"),
+        pytest.raises(ConfigError, match="daskpipe.gray.readmit-ratio: 'fast' is not of type 'number'"),
     ):
         gray.GrayPolicy.from_config()
 

@@ -16,7 +16,6 @@ import logging
 import time
 from typing import Any
 
-import dask.config
 from bokeh.document import Document
 from dask.utils import parse_timedelta
 from distributed.dashboard.components import add_periodic_callback
@@ -24,6 +23,7 @@ from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.dashboard.core import BokehApplication, DaskBokehTornado
 from tornado.ioloop import IOLoop
 
+from daskpipe.config import setting
 from daskpipe.dashboard.components import VIEWS, Reader
 from daskpipe.sched.metrics import ServiceMetrics
 
@@ -31,20 +31,12 @@ logger = logging.getLogger(__name__)
 
 UPDATE_CONFIG = "daskpipe.dashboard.update-interval"
 """Dask config key of how often an open page refreshes (``DASK_DASKPIPE__DASHBOARD__UPDATE_INTERVAL``
-in the environment): a duration such as ``"1s"`` or ``"500ms"``, or seconds."""
-UPDATE_MIN_S = 0.1
+in the environment): a duration such as ``"1s"`` or ``"500ms"``, or seconds (at least 0.1 s: the schema's)."""
 
 
 def update_interval_ms() -> int:
-    """The configured refresh period of the pages, checked."""
-    value = dask.config.get(UPDATE_CONFIG)
-    try:
-        seconds = parse_timedelta(value, default="seconds")
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ValueError(f"{UPDATE_CONFIG} must be a duration such as '1s' or '500ms', got {value!r}") from exc
-    if seconds is None or seconds < UPDATE_MIN_S:
-        raise ValueError(f"{UPDATE_CONFIG} must be at least {UPDATE_MIN_S:g} s, got {value!r}")
-    return round(seconds * 1000)
+    """The configured refresh period of the pages."""
+    return round(parse_timedelta(setting(UPDATE_CONFIG), default="seconds") * 1000)
 
 
 NAV_PAGE = "daskpipe-plan"

@@ -132,8 +132,13 @@ def worker(
 
     from distributed._signals import wait_for_signals
 
+    from daskpipe.config import ConfigError, check_settings
     from daskpipe.runtime.worker import DaskpipeWorker, WorkerSpecError
 
+    try:  # a bad daskpipe.* key stops the workers now, named, not their first stage
+        check_settings()
+    except ConfigError as error:
+        raise click.ClickException(str(error)) from None
     security = worker_security(tls_ca_file, tls_cert, tls_key)
 
     async def run() -> None:

@@ -252,6 +252,7 @@ class ClientStream:
         self.client = client
         self.pending: weakref.WeakValueDictionary[str, ServedFuture] = weakref.WeakValueDictionary()
         self.held = HELD.setdefault(client, {})  # request key -> its raw input, until the request has ended
+        self.inline_bytes = inline_input_bytes()  # inputs up to this size ride the submission
         self._held_since_sweep = 0
         self._out = ImmediateSend()
         self._reader: asyncio.Task | None = None
@@ -266,7 +267,7 @@ class ClientStream:
         """Send requests of ``model`` (their futures made already) with raw ``inputs`` of ``sizes``
         samples in one message. An input larger than ``daskpipe.inline-input-bytes`` stays here,
         the message carrying its byte count, until its request has ended."""
-        inline, states = inline_input_bytes(), self.client.futures
+        inline, states = self.inline_bytes, self.client.futures
         entries: list[Any] = []
         for key, raw in zip(keys, inputs):
             if not isinstance(raw, bytes) or len(raw) <= inline:  # anything but bytes goes as it is, for the scheduler to refuse

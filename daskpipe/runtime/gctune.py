@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 
-import dask.config
+from daskpipe.config import setting
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +43,8 @@ FREEZE_CONFIG = "daskpipe.gc-freeze"
 
 def raise_gc_thresholds() -> tuple[int, int, int]:
     """Raise this process's GC thresholds to the configured factor of CPython's defaults, never
-    lowering one already higher (Dask's CLIs set them first; the call is idempotent); returns them.
-
-    A bad factor is logged as an error and changes nothing: the thresholds only tune speed.
-    """
-    factor = dask.config.get(GC_CONFIG)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:
-        logger.error(
-            "daskpipe: %s must be a number from 1 to 1000, got %r; the GC thresholds stay %s", GC_CONFIG, factor, gc.get_threshold()
-        )
-        return gc.get_threshold()
+    lowering one already higher (Dask's CLIs set them first; the call is idempotent); returns them."""
+    factor = setting(GC_CONFIG)
     gen0, gen1, gen2 = (max(now, round(default * factor)) for now, default in zip(gc.get_threshold(), CPYTHON_THRESHOLDS))
     wanted = (gen0, gen1, gen2)
     if wanted != gc.get_threshold():
@@ -71,7 +63,7 @@ def freeze_heap() -> bool:
     Once is counted here, not from ``gc.get_freeze_count()``: the H200 host's Python froze 375
     objects of its own at start, which a count would have taken for this freeze."""
     global _heap_frozen
-    if _heap_frozen or not dask.config.get(FREEZE_CONFIG):
+    if _heap_frozen or not setting(FREEZE_CONFIG):
         return False
     _heap_frozen = True
     gc.collect()

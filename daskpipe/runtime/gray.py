@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
-import dask.config
+from daskpipe.config import check, setting
 
 CONFIG = "daskpipe.gray"
 
 
 @dataclass(frozen=True)
 class GrayPolicy:
-    """How the plugin treats stalled and slow stages and failing batches (the module docstring)."""
+    """How the plugin treats stalled and slow stages and failing batches (the module docstring);
+    its fields are the keys under :data:`CONFIG`, checked against their schema however it is made."""
 
     suspect_factor: float = 2.0
     overdue_floor_slos: float = 0.25
@@ -52,30 +53,12 @@ class GrayPolicy:
     isolation_burst: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("suspect_factor", "probe_interval_s", "isolation_share", "overdue_floor_slos"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{CONFIG}.{name.replace('_', '-')} must be a number > 0, got {value!r}")
-        for name in ("late_limit_slos", "readmit_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-                raise ValueError(f"{CONFIG}.{name.replace('_', '-')} must be a number >= 1, got {value!r}")
-        if isinstance(self.isolation_burst, bool) or not isinstance(self.isolation_burst, int) or self.isolation_burst < 0:
-            raise ValueError(f"{CONFIG}.isolation-burst must be an integer >= 0, got {self.isolation_burst!r}")
-        if isinstance(self.slow_batches, bool) or not isinstance(self.slow_batches, int) or self.slow_batches < 1:
-            raise ValueError(f"{CONFIG}.slow-batches must be an integer >= 1, got {self.slow_batches!r}")
+        check(CONFIG, {name.replace("_", "-"): value for name, value in asdict(self).items()})
 
     @classmethod
     def from_config(cls) -> GrayPolicy:
         """The policy of ``daskpipe.gray.*`` in Dask's config, defaults for keys not set."""
-        given = dask.config.get(CONFIG, default={}) or {}
-        if not isinstance(given, dict):
-            raise ValueError(f"{CONFIG} must be a mapping of knobs, got {given!r}")
-        known = {name.replace("_", "-"): name for name in cls.__dataclass_fields__}
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            raise ValueError(f"unknown {CONFIG} keys {unknown}; known: {sorted(known)}")
-        return cls(**{known[key]: value for key, value in given.items()})
+        return cls(**{key.replace("-", "_"): value for key, value in setting(CONFIG).items()})
 
     def hop_bound(self, planned_s: float, margin_s: float, slo_s: float) -> float:
         """Seconds past a hop's planned start after which it is overdue."""

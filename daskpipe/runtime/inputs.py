@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import dask.config
 from distributed.protocol import Serialized, to_serialize
+
+from daskpipe.config import setting
 
 FRAME_BYTES = 65536
 """Raw bytes above this size travel as a Dask frame of their own, which Dask's comms write and the
@@ -36,8 +37,8 @@ class HeldInput:
 
 
 def inline_input_bytes() -> int:
-    """The configured :data:`INLINE_INPUT_BYTES_CONFIG`."""
-    return int(dask.config.get(INLINE_INPUT_BYTES_CONFIG))
+    """The configured :data:`INLINE_INPUT_BYTES_CONFIG` (read, and the config checked, once per client stream)."""
+    return int(setting(INLINE_INPUT_BYTES_CONFIG))
 
 
 def wire_input(raw: Any) -> Any:

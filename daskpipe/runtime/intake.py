@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
+from daskpipe.config import ConfigError
 from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import MAX_SHARE, ControlPath
@@ -216,7 +217,7 @@ def served_from(
     check_dispatcher(dispatcher)
     try:
         gray = GrayPolicy.from_config()
-    except (TypeError, ValueError) as exc:
+    except ConfigError as exc:
         raise DeployError(f"the scheduler's Dask config: {exc}") from None
     k = float(time_dilation)
     whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies

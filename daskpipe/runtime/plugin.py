@@ -24,11 +24,11 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
-import dask.config
 from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from daskpipe.config import setting
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime import messages
@@ -492,9 +492,9 @@ def start_extensions(scheduler: Any) -> None:
     """Run each ``module:function`` that the Dask config key :data:`EXTENSIONS_CONFIG` names on
     ``scheduler`` (the top-level ``daskpipe`` package names the dashboard's pages). A failing one
     is logged: the scheduler still serves requests."""
-    for name in dask.config.get(EXTENSIONS_CONFIG, []):
+    for name in setting(EXTENSIONS_CONFIG):
         try:
-            module, _, function = str(name).partition(":")
+            module, _, function = name.partition(":")
             getattr(importlib.import_module(module), function)(scheduler)
         except Exception:
             logger.exception("daskpipe: the scheduler extension %r could not start; serving goes on without it", name)

@@ -25,12 +25,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-import dask.config
 import numpy as np
 import torch
 from distributed import Client
 from torch import nn
 
+from daskpipe.config import setting
 from daskpipe.profiles.fx import BlockedModel
 from daskpipe.profiles.model import ESTIMATED, MEASURED, Profile, kind_label
 from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes, profile_blocks
@@ -103,7 +103,7 @@ def describe_device(gpu: str, dask_worker: Any = None) -> dict[str, Any]:
         "driver": driver,
         "torch": torch.__version__,
         "threads": 0,
-        "cuda_graphs": bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+        "cuda_graphs": setting(CUDA_GRAPHS_CONFIG),
     }
 
 
@@ -123,7 +123,7 @@ def measure_kind(blocked: BlockedModel, *, name: str, batch_sizes: Sequence[int]
         gpu_type=gpu,
         slices=slices,
         slo_us=slo_us,
-        cuda_graphs=bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+        cuda_graphs=setting(CUDA_GRAPHS_CONFIG),
     )
 
 

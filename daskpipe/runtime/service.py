@@ -32,6 +32,7 @@ import torch
 from distributed import Client, Future
 from torch import nn
 
+from daskpipe.config import ConfigError, check_settings
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.fx import SegmentationError
@@ -420,6 +421,10 @@ def deploy(
         max_queued=max_queued,
         elastic=elastic,
     )
+    try:  # this process's keys: its own (the store, its GC), and those of an in-process scheduler and workers
+        check_settings()
+    except ConfigError as exc:
+        raise DeployError(f"the Dask config: {exc}") from None
     names = list(models)
     slots = inventory(client)
     from daskpipe.runtime.environ import warn_slow_workers

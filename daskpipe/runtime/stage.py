@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
-import dask.config
 import torch
 from dask.sizeof import sizeof
 from distributed import get_worker
@@ -45,6 +44,7 @@ from distributed.core import Status
 from distributed.protocol import to_serialize
 from torch import nn
 
+from daskpipe.config import setting
 from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import RequestFailed
@@ -422,7 +422,7 @@ class Stage:
             self._input_shape,
             device,
             range(1, max_batch + 1),
-            cuda_graphs=bool(dask.config.get(CUDA_GRAPHS_CONFIG)),
+            cuda_graphs=setting(CUDA_GRAPHS_CONFIG),
             to_host=False,
             what=f"{self.model} partition {self.partition}",
             dtype=dtype,

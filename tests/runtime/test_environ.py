@@ -3,7 +3,6 @@ worker's threads, and a deploy-time warning with the fix for a worker that has i
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from distributed import Client, LocalCluster, wait
 from torch import nn
 
 import daskpipe
+from daskpipe.config import ConfigError
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.environ import (
     ALLOCATOR_VARIABLES,
@@ -125,13 +125,13 @@ def switch_interval():
     sys.setswitchinterval(saved)
 
 
-def test_the_switch_interval_is_configurable_and_a_bad_one_changes_nothing(switch_interval, caplog):
+def test_the_switch_interval_is_configurable_and_a_bad_one_is_refused_changing_nothing(switch_interval):
     sys.setswitchinterval(0.005)
     with dask.config.set({SWITCH_INTERVAL_CONFIG: None}):
         assert shorten_switch_interval() == 0.005, "null leaves Python's"
     for bad in ("fast", 0, True, 1.0):
-        with dask.config.set({SWITCH_INTERVAL_CONFIG: bad}), caplog.at_level(logging.ERROR, logger="daskpipe.runtime.environ"):
-            assert shorten_switch_interval() == 0.005
-        assert SWITCH_INTERVAL_CONFIG in caplog.text and repr(bad) in caplog.text
+        with dask.config.set({SWITCH_INTERVAL_CONFIG: bad}), pytest.raises(ConfigError, match=f"^{SWITCH_INTERVAL_CONFIG}: "):
+            shorten_switch_interval()
+        assert sys.getswitchinterval() == 0.005
     with dask.config.set({SWITCH_INTERVAL_CONFIG: 0.0002}):
         assert shorten_switch_interval() == pytest.approx(0.0002) == sys.getswitchinterval()

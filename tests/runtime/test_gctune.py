@@ -4,7 +4,6 @@ configurable, never lowered; the heap frozen once set up."""
 from __future__ import annotations
 
 import gc
-import logging
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import textwrap
 import dask.config
 import pytest
 
+from daskpipe.config import ConfigError
 from daskpipe.runtime.gctune import CPYTHON_THRESHOLDS, GC_CONFIG, raise_gc_thresholds
 
 
@@ -30,10 +30,10 @@ def test_a_higher_threshold_is_kept_and_the_factor_is_configurable(default_thres
 
 
 @pytest.mark.parametrize("bad", ["three", 0, -2, True, 10_000])
-def test_a_bad_factor_is_logged_and_changes_nothing(default_thresholds, caplog, bad):
-    with dask.config.set({GC_CONFIG: bad}), caplog.at_level(logging.ERROR, logger="daskpipe.runtime.gctune"):
-        assert raise_gc_thresholds() == CPYTHON_THRESHOLDS == gc.get_threshold()
-    assert GC_CONFIG in caplog.text and repr(bad) in caplog.text
+def test_a_bad_factor_is_refused_naming_the_key_and_changes_nothing(default_thresholds, bad):
+    with dask.config.set({GC_CONFIG: bad}), pytest.raises(ConfigError, match=f"^{GC_CONFIG}: "):
+        raise_gc_thresholds()
+    assert gc.get_threshold() == CPYTHON_THRESHOLDS
 
 
 FREEZING = textwrap.dedent(
@@ -48,7 +48,7 @@ FREEZING = textwrap.dedent(
     gc.freeze()  # as a host's Python may at start, before daskpipe is imported
     before = gc.get_freeze_count()
     with dask.config.set({FREEZE_CONFIG: False}):
-        assert not freeze_heap() and gc.get_freeze_count() == before, "configured off: nothing frozen"
+        assert not freeze_heap() and gc.get_freeze_count() <= before, "configured off: nothing frozen (refcounting may free some)"
     cycle = Node(); cycle.me = cycle; dead = weakref.ref(cycle); del cycle
     kept = [Node() for _ in range(5000)]
     assert freeze_heap(), "the first call freezes"

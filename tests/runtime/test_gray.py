@@ -12,6 +12,7 @@ import torch
 from distributed import Client, wait
 
 import daskpipe
+from daskpipe.config import ConfigError
 from daskpipe.dashboard.prometheus import DaskpipeCollector
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.cluster import EmulatedCluster
@@ -32,14 +33,16 @@ def test_the_policy_reads_dask_config_and_names_a_bad_knob():
     assert policy.readmit_ratio == 2.5 and policy.slow_batches == 5 and policy.suspect_factor == GrayPolicy().suspect_factor
     with (
         dask.config.set({"daskpipe.gray.late-limit-slos": 0.5}),
-        pytest.raises(ValueError, match=r"daskpipe.gray.late-limit-slos must be a number >= 1, got 0.5"),
+        pytest.raises(ConfigError, match=r"daskpipe.gray.late-limit-slos: 0.5 is less than the minimum of 1"),
     ):
         GrayPolicy.from_config()
     with (
         dask.config.set({"daskpipe.gray.suspect-after": 3}),
-        pytest.raises(ValueError, match=r"unknown daskpipe.gray keys \['suspect-after'\]"),
+        pytest.raises(ConfigError, match=r"daskpipe.gray: Additional properties are not allowed \('suspect-after' was unexpected\)"),
     ):
         GrayPolicy.from_config()
+    with pytest.raises(ConfigError, match=r"daskpipe.gray.isolation-burst: -1 is less than the minimum of 0"):
+        GrayPolicy(isolation_burst=-1)  # made in code, checked as the config key is
     assert GrayPolicy(suspect_factor=2, overdue_floor_slos=0.25).hop_bound(0.1, 0.002, 0.4) == pytest.approx(0.2 + 0.1)
 
 

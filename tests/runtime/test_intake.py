@@ -7,11 +7,13 @@ import asyncio
 import time
 import uuid
 
+import dask.config
 import pytest
 from distributed import Future
 
-from daskpipe.runtime.errors import RequestDropped
-from daskpipe.runtime.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, sliced_releases
+from daskpipe.runtime.control import ControlPath
+from daskpipe.runtime.errors import DeployError, RequestDropped
+from daskpipe.runtime.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, served_from, sliced_releases
 from daskpipe.runtime.service import encode_input
 from tests.runtime.helpers import deploy_two_stage, frames
 
@@ -86,3 +88,24 @@ def test_a_request_that_spent_its_slo_on_the_way_in_is_dropped_at_once_and_the_o
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == (1, 10)
         control = svc.status()["tiny"]["control"]
         assert control["send_p99_ms"] >= 500  # the stale one is among the recent sends
+
+
+def test_a_bad_key_in_the_schedulers_own_config_refuses_the_model_naming_it():
+    """The client checks its own config at deploy; a scheduler in another process has its own."""
+    with (
+        dask.config.set({"daskpipe.dashboard.update-interval": "soon"}),
+        pytest.raises(DeployError, match=r"^the scheduler's Dask config: daskpipe.dashboard.update-interval: 'soon' is not a duration"),
+    ):
+        served_from(
+            "m",
+            {},
+            {},
+            [],
+            {},
+            control=ControlPath(0.001),
+            time_dilation=1.0,
+            bw_gbps=10.0,
+            dispatcher="ppipe",
+            max_queued=None,
+            sample_nbytes=1,
+        )

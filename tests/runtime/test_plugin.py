@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import dask.config
 import pytest
 from distributed import Scheduler
 from distributed.utils_test import captured_logger
@@ -35,6 +36,16 @@ def test_dask_scheduler_preload_daskpipe_installs_the_plugin_without_pickle():
 def test_dask_setup_refuses_a_worker():
     with pytest.raises(TypeError, match="scheduler preload"):
         daskpipe.dask_setup(object())
+
+
+def test_the_preload_refuses_a_bad_key_naming_it_before_installing():
+    scheduler = Scheduler(dashboard_address=None, port=0)
+    with (
+        dask.config.set({"daskpipe.scheduler-extensions": "notalist"}),
+        pytest.raises(daskpipe.ConfigError, match="^daskpipe.scheduler-extensions: "),
+    ):
+        daskpipe.dask_setup(scheduler)
+    assert DaskpipeSchedulerPlugin.name not in scheduler.plugins
 
 
 def test_stream_handlers_log_their_own_errors_and_keep_the_stream():

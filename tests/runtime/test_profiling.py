@@ -9,10 +9,11 @@ import torch
 from distributed import get_task_stream
 
 import daskpipe
-from daskpipe.profiles.store import ProfileStore
+from daskpipe.profiles.store import MIN_LATENCY_US, ProfileStore
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import PROFILE_KEY_PREFIX, ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.service import inventory
+from tests.profiles.helpers import BAD_ENTRIES
 from tests.runtime.helpers import example, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,6 +92,29 @@ def test_the_store_serves_a_second_profile_and_a_changed_weight_or_input_shape_m
     assert profiled(changed, example()).profiling_tasks == 1, "a changed weight misses"
     assert profiled(tiny_model(), torch.randn(1, 3, 20, 20)).profiling_tasks == 1, "a changed input shape misses"
     assert len(store) == 3
+
+
+@pytest.mark.parametrize("spoil", BAD_ENTRIES.values(), ids=BAD_ENTRIES)
+def test_a_bad_store_entry_is_moved_aside_and_its_kind_measured_again(cpu_cluster, tmp_path, spoil):
+    cluster, client = cpu_cluster
+    store = ProfileStore(tmp_path)
+    slots = inventory(client)
+
+    def profiled():
+        return profile_on_cluster(client, slots, "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2, store=store)
+
+    first = profiled()
+    (entry,) = tmp_path.glob("*.json")
+    spoil(entry)
+    again = profiled()
+    assert again.profiling_tasks == 1, "measured again, not planned on the bad entry"
+    table = again.profile.table("cpu", 1)
+    assert table.shape == first.profile.table("cpu", 1).shape and table.min() >= MIN_LATENCY_US
+    assert len(list(tmp_path.glob("*.rejected"))) == 1 and not list(tmp_path.glob("*.tmp"))
+    if "warning" in again.profile.meta["measurements"]["cpu/1"]["timing"]:  # timed on a busy machine: not kept
+        assert not entry.exists()
+    else:
+        assert entry.is_file() and profiled().profiling_tasks == 0, "the new entry serves the next deploy"
 
 
 def test_the_cpu_worker_processes_of_a_host_time_their_kind_together_and_the_table_is_their_median():

@@ -541,7 +541,7 @@ def test_a_bad_gray_failure_knob_fails_the_deploy_naming_it(emulated_inproc):
     cluster, client = emulated_inproc
     with (
         dask.config.set({"daskpipe.gray.suspect-factor": -1}),
-        pytest.raises(DeployError, match=r"daskpipe.gray.suspect-factor must be a number > 0, got -1"),
+        pytest.raises(DeployError, match=r"the Dask config: daskpipe.gray.suspect-factor: -1 is less than or equal to the minimum of 0"),
     ):
         deploy_two_stage(client)
 

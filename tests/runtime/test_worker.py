@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 
+import dask.config
 import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
@@ -249,6 +250,12 @@ def test_cli_worker_rejects_bad_emulate():
 def test_cli_malformed_values_exit_2_naming_the_option(arguments, message):
     result = CliRunner().invoke(main, arguments)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_cli_worker_refuses_a_bad_config_key_naming_it_before_starting():
+    with dask.config.set({"daskpipe.gil-switch-interval": -1}):
+        result = CliRunner().invoke(main, ["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1"])
+    assert result.exit_code == 1 and "daskpipe.gil-switch-interval: -1 is less than the minimum" in result.output, result.output
 
 
 def test_a_bad_memory_limit_from_python_names_the_argument():
