@@ -14,7 +14,11 @@ requests have their output in their sender's hands within the SLO. Around every 
 * every other process's CPU per request (the workers', each sender's).
 
 The scheduler's figures are read at the first rate of each shape, the same rate for every sender
-count, so that shapes are compared at the same load.
+count, so that shapes are compared at the same load. The rates rise by :data:`RATE_STEP` until two
+trials in a row miss the bar (one miss on a shared machine can be noise). The data plane is
+``eager`` by default (``--dispatcher``): it sends a request as soon as a slot is free, so that what
+is measured is what the path carries; a deferred data plane holds each request to its batch's last
+moment, which makes a lone request's lateness a matter of the dispatch policy, not of capacity.
 """
 
 from __future__ import annotations
@@ -230,7 +234,9 @@ def measured_trial(senders: Senders, roles: dict[str, int], scheduler_pid: int, 
     }
 
 
-def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequence[int], start_rate: float, seconds: float) -> dict:
+def run_capacity(
+    input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequence[int], start_rate: float, seconds: float, dispatcher: str = "eager"
+) -> dict:
     """For each input shape: deploy the hold-only model, then for each sender count the trials up
     to the first that misses the 99% bar (module docstring)."""
     from distributed import Client
@@ -238,7 +244,7 @@ def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequenc
     import daskpipe
 
     env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
-    figures: dict[str, Any] = {"slo_ms": SLO_MS, "attainment_bar": ATTAINMENT, "trial_s": seconds, "shapes": {}}
+    figures: dict[str, Any] = {"slo_ms": SLO_MS, "attainment_bar": ATTAINMENT, "trial_s": seconds, "dispatcher": dispatcher, "shapes": {}}
     for input_shape in input_shapes:
         profile, plan = hold_only_plan(input_shape)
         per_shape: dict[str, Any] = {"input_bytes": 4 * math.prod(input_shape), "senders": {}}
@@ -250,6 +256,7 @@ def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequenc
                 example_inputs={MODEL: torch.zeros(1, *input_shape)},
                 plan=plan,
                 profiles={MODEL: profile},
+                dispatcher=dispatcher,
                 elastic=None,
             )
             try:
@@ -261,15 +268,14 @@ def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequenc
                         roles = {"scheduler": scheduler_pid, **{f"worker-{i}": pid for i, pid in enumerate(workers.values())}}
                         roles.update({f"sender-{k}": pid for k, pid in enumerate(senders.pids)})
                         senders.trial(start_rate / 2, 1.0, seed=0)  # warm-up: streams opened, first batches
-                        trials, rate, seed = [], start_rate, 1
-                        while True:
+                        trials, rate, seed, misses = [], start_rate, 1, 0
+                        while misses < 2:
                             trials.append(measured_trial(senders, roles, scheduler_pid, rate, seconds, seed))
-                            if (trials[-1]["attainment"] or 0) < ATTAINMENT:
-                                break
+                            misses = misses + 1 if (trials[-1]["attainment"] or 0) < ATTAINMENT else 0
                             rate, seed = rate * RATE_STEP, seed + 1
                     finally:
                         senders.close()
-                    passed = [t for t in trials if (t["attainment"] or 0) >= ATTAINMENT]
+                    passed = [t for t in trials[:-2] if (t["attainment"] or 0) >= ATTAINMENT]
                     first = trials[0]
                     scheduler_us = first["cpu_us_per_request"]["scheduler"]
                     per_shape["senders"][str(count)] = {
@@ -306,6 +312,7 @@ def run_capacity(input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequenc
     "--start-rate", default=20.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The first trial's rate, requests/s."
 )
 @click.option("--seconds", default=TRIAL_S, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds per trial.")
+@click.option("--dispatcher", default="eager", show_default=True, help="The data plane (deploy's dispatcher=).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_capacity(
     input_shapes: list[tuple[int, ...]], senders: list[int], start_rate: float, seconds: float, json_path: str | None
@@ -313,7 +320,7 @@ def bench_capacity(
     """What one scheduler carries: its bytes and CPU per request, and the highest rate at 99% within the SLO."""
     if any(k < 1 for k in senders):
         raise click.BadParameter(f"sender counts must be >= 1, got {senders}", param_hint="--senders")
-    figures = run_capacity(input_shapes, senders, start_rate, seconds)
+    figures = run_capacity(input_shapes, senders, start_rate, seconds, dispatcher)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

@@ -68,6 +68,11 @@ PLAN_MARGIN = 0.4  # PPipe's: 40% of the SLO kept in the plan, none at run time
 TARGET = 0.99
 DEFAULT_STEP, MAX_LOAD = 0.025, 1.0
 SMALL_SHAPE = (16,)
+READ_VALUES = 16
+REAL_INPUT_SHAPES = {"googlenet-v3": (3, 299, 299), "wide_resnet101_2": (3, 224, 224)}
+"""The models' own input sizes, which PPipe's profiles do not record; the cityscapes models take
+512x1024 frames (their names say so), and any other model here a 224x224 image."""
+INPUT_KINDS = ("real", "small")
 SERVER = "node-0"  # the emulated cluster's one server
 LEAD_S = 0.2  # from the start of a trial to its time zero: the client is ready before the first send
 DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand counts as lost
@@ -90,9 +95,10 @@ torch.fx.wrap("hand_over")
 
 
 def hand_over(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """One stand-in block: each sample's mean spread over a tensor of ``shape``. Wrapped for
-    torch.fx, so that a block is one graph node and the stand-in cuts exactly between blocks."""
-    return x.flatten(1).mean(1).view(-1, *(1,) * len(shape)).expand(-1, *shape).contiguous()
+    """One stand-in block: the mean of each sample's first :data:`READ_VALUES` values spread over
+    a tensor of ``shape``, so that a 6.3 MB frame costs no more compute than 16 floats. Wrapped
+    for torch.fx, so that a block is one graph node and the stand-in cuts exactly between blocks."""
+    return x.flatten(1)[:, :READ_VALUES].mean(1).view(-1, *(1,) * len(shape)).expand(-1, *shape).contiguous()
 
 
 class StandIn(nn.Module):
@@ -108,15 +114,26 @@ class StandIn(nn.Module):
         return x
 
 
-def stand_in(profile: Profile) -> tuple[Profile, StandIn, torch.Tensor, str]:
+def real_input_shape(name: str) -> tuple[int, ...]:
+    """The sample shape model ``name`` takes (:data:`REAL_INPUT_SHAPES`)."""
+    if "cityscapes-512x1024" in name:
+        return (3, 512, 1024)
+    return next((shape for prefix, shape in REAL_INPUT_SHAPES.items() if name.startswith(prefix)), (3, 224, 224))
+
+
+def stand_in(profile: Profile, input_shape: tuple[int, ...] | None = None) -> tuple[Profile, StandIn, torch.Tensor, str]:
     """The stand-in for ``profile``'s blocks, the profile re-cut for it (``segment_boundaries``:
-    one segment per block), a batch-1 example input, and what its tensors are."""
+    one segment per block), a batch-1 example input, and what its tensors are. ``input_shape``:
+    the requests' sample shape, else the profile's or a small one."""
     if profile.input_shape is not None and profile.boundary_shapes is not None:
-        input_shape, shapes = tuple(profile.input_shape), [*profile.boundary_shapes, SMALL_SHAPE]
+        shapes = [*profile.boundary_shapes, SMALL_SHAPE]
+        input_shape = input_shape or tuple(profile.input_shape)
         tensors = "the profile's boundary shapes"
     else:
-        input_shape, shapes = SMALL_SHAPE, [SMALL_SHAPE] * profile.num_blocks
+        shapes = [SMALL_SHAPE] * profile.num_blocks
         tensors = f"small: {SMALL_SHAPE} float32 per sample at every boundary (the profile records no boundary shapes)"
+    input_shape = input_shape or SMALL_SHAPE
+    tensors = f"inputs of {input_shape} float32 per sample; {tensors}"
     recut = replace(
         profile,
         input_shape=input_shape,
@@ -133,6 +150,7 @@ class ServedModel:
     GPUs (type -> count) with the slice count the plan cuts each type into."""
 
     name: str
+    inputs: str  # one of INPUT_KINDS
     profile: Profile
     module: StandIn
     example: torch.Tensor
@@ -158,8 +176,12 @@ class ServedModel:
         return lines
 
 
-def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str, int], max_rate: float) -> list[ServedModel]:
-    """Load, re-cut and plan every model, checking all of them before any cluster starts."""
+def prepare(
+    profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str, int], max_rate: float, inputs: Sequence[str] = INPUT_KINDS
+) -> list[ServedModel]:
+    """Load, re-cut and plan every model, checking all of them before any cluster starts; one
+    :class:`ServedModel` per model and kind of ``inputs`` (its real input size, or a small one),
+    all of a model on its one plan."""
     from daskpipe.plan.milp import make_plan
     from daskpipe.plan.options import PlannerOptions
     from daskpipe.plan.schema import PlanError
@@ -204,15 +226,15 @@ def prepare(profiles_path: str | Path, models: Sequence[str], gpus: Mapping[str,
                 "--gpus",
                 f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all GPUs of a type alike: pick other --gpus",
             )
-        model = ServedModel(
-            name, profile, module, example, tensors, plan, {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
-        )
-        if model.rate > max_rate:
+        on = {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
+        if plan.model(name).throughput > max_rate:
             raise BenchOptionError(
                 "--gpus",
-                f"the plan of {name} on {dict(gpus)} serves {model.rate:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs",
+                f"the plan of {name} on {dict(gpus)} serves {plan.model(name).throughput:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs",
             )
-        served.append(model)
+        for kind in inputs:
+            variant = stand_in(profiles[name], real_input_shape(name) if kind == "real" else None)
+            served.append(ServedModel(name, kind, *variant, plan, *on))
     return served
 
 
@@ -446,20 +468,29 @@ def run_fidelity(
     seed: int = 1,
     max_rate: float = DEFAULT_MAX_RATE,
     step: float = DEFAULT_STEP,
+    inputs: Sequence[str] = INPUT_KINDS,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> dict[str, Any]:
-    """The figures of ``daskpipe bench fidelity``; :class:`BenchOptionError` names a bad argument."""
+    """The figures of ``daskpipe bench fidelity``, per model and kind of inputs;
+    :class:`BenchOptionError` names a bad argument."""
     if not (duration > 0 and math.isfinite(duration)):
         raise BenchOptionError("--duration", f"must be a positive number of seconds, got {duration!r}")
     if not (max_rate > 0 and math.isfinite(max_rate)):
         raise BenchOptionError("--max-rate", f"must be a positive number of requests/s, got {max_rate!r}")
     check_step(step)
+    if not inputs or any(kind not in INPUT_KINDS for kind in inputs):
+        raise BenchOptionError("--inputs", f"name one or both of {list(INPUT_KINDS)}, got {list(inputs)}")
     started = time.perf_counter()
-    served = prepare(profiles, models, gpus, max_rate)
-    results = {}
+    served = prepare(profiles, models, gpus, max_rate, inputs)
+    results: dict[str, dict[str, Any]] = {}
     for model in served:
-        results[model.name] = measure_model(model, duration=duration, seed=seed, step=step, advance=advance)
-        advance(max_trials(step) - len(results[model.name]["trials"]), note=f"{model.name} done")
+        figures = results.setdefault(model.name, {})[model.inputs] = measure_model(
+            model, duration=duration, seed=seed, step=step, advance=advance
+        )
+        advance(max_trials(step) - len(figures["trials"]), note=f"{model.name} ({model.inputs} inputs) done")
+    for figures in results.values():
+        if "real" in figures and "small" in figures and figures["small"]["runtime_max_load_factor"] > 0:
+            figures["runtime_real_over_small"] = figures["real"]["runtime_max_load_factor"] / figures["small"]["runtime_max_load_factor"]
     return {
         "profiles": str(profiles),
         "gpus": dict(gpus),
@@ -474,6 +505,7 @@ def run_fidelity(
         "search": SEARCH,
         "attainment_timing": TIMING,
         "ratio_definition": "runtime_max_load_factor / sim_max_load_factor (null when the simulator's is 0)",
+        "inputs": "per model, `real`: requests of the model's own input size (REAL_INPUT_SHAPES), `small`: of 16 floats; runtime_real_over_small compares their runtime max load factors",
         "models": results,
         "wall_s": time.perf_counter() - started,
     }
@@ -517,9 +549,23 @@ def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[s
 @click.option(
     "--max-rate", default=DEFAULT_MAX_RATE, show_default=True, help="Refuse plans of more req/s than this machine can send open-loop."
 )
+@click.option(
+    "--inputs",
+    default=",".join(INPUT_KINDS),
+    show_default=True,
+    help="Request inputs, each measured in the same run: real (the model's own input size, e.g. 3x512x1024 for fcn) and small (16 floats).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_fidelity(
-    profiles: str, models: str, gpus: dict[str, int], duration: float, seed: int, step: float, max_rate: float, json_path: str | None
+    profiles: str,
+    models: str,
+    gpus: dict[str, int],
+    duration: float,
+    seed: int,
+    step: float,
+    max_rate: float,
+    inputs: str,
+    json_path: str | None,
 ) -> None:
     """Max load factor at 99% attainment of each model's plan, in the simulator and on the Dask runtime."""
     names = [name.strip() for name in models.split(",") if name.strip()]
@@ -529,8 +575,11 @@ def bench_fidelity(
 
     try:
         check_step(step)
-        with progress_bar("fidelity", total=len(names) * max_trials(step)) as advance:
-            figures = run_fidelity(profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, step=step, advance=advance)
+        kinds = [kind.strip() for kind in inputs.split(",") if kind.strip()]
+        with progress_bar("fidelity", total=len(names) * len(kinds) * max_trials(step)) as advance:
+            figures = run_fidelity(
+                profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, step=step, inputs=kinds, advance=advance
+            )
     except BenchOptionError as exc:
         raise click.BadParameter(str(exc), param_hint=exc.option) from None
     text = json.dumps(figures, indent=1)

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -269,6 +270,8 @@ class ClientStream:
         the message carrying its byte count, until its request has ended."""
         inline, states = self.inline_bytes, self.client.futures
         entries: list[Any] = []
+        if len(keys) != len(inputs):  # malformed: sent as it is, for the scheduler to refuse whole
+            inline = sys.maxsize
         for key, raw in zip(keys, inputs):
             if not isinstance(raw, bytes) or len(raw) <= inline:  # anything but bytes goes as it is, for the scheduler to refuse
                 entries.append(wire_input(raw))
@@ -281,6 +284,7 @@ class ClientStream:
             entries.append(len(raw))
         if self._held_since_sweep >= SWEEP_HELD:
             self._sweep_held()
+        entries.extend(wire_input(raw) for raw in inputs[len(entries) :])
         message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": entries, "sizes": sizes}
         if sent_at is not None:
             message["sent_at"] = sent_at

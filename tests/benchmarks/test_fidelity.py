@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from daskpipe.benchmarks.fidelity import bisect_grid, stand_in
+from daskpipe.benchmarks.fidelity import real_input_shape, bisect_grid, stand_in
 from daskpipe.cli import main
 from daskpipe.profiles.fx import cut_model, segment_model
 from daskpipe.profiles.model import Profile
@@ -34,8 +34,15 @@ def test_the_stand_in_cuts_exactly_at_the_profiles_blocks_with_its_shapes(shapes
     blocked = cut_model(module, example, recut.meta["segment_boundaries"])
     assert blocked.num_blocks == 4 and tuple(blocked.boundary_shapes) == recut.boundary_shapes
     assert blocked.input_shape == recut.input_shape == (shapes[0] if shapes else (16,))
-    assert tensors.startswith("the profile's" if shapes else "small")
+    assert ("the profile's" if shapes else "small:") in tensors
     assert blocked.run(example.repeat(3, *[1] * (example.dim() - 1))).shape[0] == 3
+
+
+def test_the_stand_in_takes_a_models_real_input_size_at_the_cost_of_small_ones():
+    recut, module, example, tensors = stand_in(profile(None), real_input_shape("fcn_r50-d8_4xb2-80k_cityscapes-512x1024"))
+    assert recut.input_shape == example.shape[1:] == (3, 512, 1024) and tensors.startswith("inputs of (3, 512, 1024)")
+    assert module(example).shape == (1, 16)
+    assert real_input_shape("googlenet-v3") == (3, 299, 299) and real_input_shape("wide_resnet101_2") == (3, 224, 224)
 
 
 def test_bisection_finds_the_highest_passing_load_in_few_trials():
@@ -62,6 +69,7 @@ def test_bisection_finds_the_highest_passing_load_in_few_trials():
         (["--gpus", "L4:2,T4:2"], "--gpus"),
         (["--models", " , "], "--models"),
         (["--profiles", "/nonexistent/ppipe"], "--profiles"),
+        (["--inputs", "huge"], "--inputs"),
     ],
 )
 def test_a_bad_option_is_refused_by_name_before_any_cluster_starts(tmp_path, args, option):
@@ -106,6 +114,8 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
             "1",
             "--step",
             "0.05",
+            "--inputs",
+            "real",
             "--json",
             str(out),
         ],
@@ -113,13 +123,14 @@ def test_a_short_run_reports_both_max_load_factors_and_their_ratio(ppipe_dir, tm
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     (name,) = report["models"]
-    model = report["models"][name]
+    assert list(report["models"][name]) == ["real"]
+    model = report["models"][name]["real"]
     assert name.startswith("textsnake") and model["slo_ms"] == pytest.approx(99.50985)
     assert 0 < model["sim_max_load_factor"] <= 1 and 0 < model["runtime_max_load_factor"] <= 1
     assert model["ratio"] == pytest.approx(model["runtime_max_load_factor"] / model["sim_max_load_factor"])
     assert 0 < model["control_path_p50_ms"] < model["slo_ms"], "the median of the trials' measured control paths"
     assert 0 <= model["sim_with_control_path_max_load_factor"] <= 1
-    assert model["tensors"].startswith("small") and model["emulated_gpus"] == {"L4": {"count": 1, "slices": 1}}
+    assert model["tensors"].startswith("inputs of (3, 224, 224) float32") and model["emulated_gpus"] == {"L4": {"count": 1, "slices": 1}}
     assert 0 < model["planned_rate_per_s"] < 400 and model["plan"]
     assert report["step"] == 0.05 and 1 <= len(model["trials"]) <= 6, "the top of the grid, then at most 5 halvings of 20 loads"
     for found in (model["sim_max_load_factor"], model["runtime_max_load_factor"]):
