@@ -38,7 +38,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.inputs import inline_input_bytes, wire_input
 from daskpipe.runtime.streams import ImmediateSend, open_comm
-from daskpipe.runtime.tensors import unpack_tensor
+from daskpipe.runtime.tensors import from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class LandedState(FutureState):
     that Dask sets on every state change exists only once a coroutine waits: Dask made one for
     each future it finished, two of a served request's eight objects for the collector."""
 
-    __slots__ = ("_gate", "_shut", "_listeners")
+    __slots__ = ("_gate", "_shut", "_listeners", "output")
 
     def __init__(self, key: str):
         super().__init__(key)
@@ -69,6 +69,11 @@ class LandedState(FutureState):
         self._gate.acquire()
         self._shut = True
         self._listeners: list[Callable[[], object]] | None = None
+        self.output: Any = _NOTHING  # the output, as it came with the completion (packed, or a tensor)
+
+    @property
+    def output_in_hand(self) -> bool:
+        return self.output is not _NOTHING and self.status == "finished"
 
     def on_landed(self, callback: Callable[[], object]) -> None:
         """Call ``callback`` when the future has ended: from the thread that ends it (the client's
@@ -130,10 +135,14 @@ _UNWATCHED = _Unwatched()
 
 
 def _marking(change: Callable[..., None]) -> Callable[..., None]:
-    """``change`` (a state change of Dask's ``FutureState``), then the gate set to match."""
+    """``change`` (a state change of Dask's ``FutureState``), then the gate set to match. A future
+    whose output is in this client's hands stays finished when Dask loses or cancels its key (its
+    worker died, or released it): the output is here, and nothing is lost."""
 
     @functools.wraps(change)
     def marked(self: LandedState, *args: Any, **kwargs: Any) -> None:
+        if change.__name__ in ("lose", "cancel") and self.output_in_hand:
+            return
         change(self, *args, **kwargs)
         self._mark()
 
@@ -154,7 +163,6 @@ class ServedFuture(Future):
     def __init__(self, key: str, client: Client):
         client.futures.setdefault(key, LandedState(key))
         super().__init__(key, client)
-        self.inline: Any = _NOTHING
 
     def result(self, timeout: float | None = None) -> Any:
         """As ``Future.result``. A synchronous client's caller waits in its own thread, and takes an
@@ -165,22 +173,23 @@ class ServedFuture(Future):
         if not self.client.asynchronous and isinstance(state, LandedState):
             if not state.wait_landed(timeout):
                 raise TimeoutError(f"timed out after {timeout} s.")
-            if self.output_in_hand:
-                return unpack_tensor(self.inline)
+            if state.output_in_hand:
+                return from_wire(state.output)
         return super().result(timeout)
 
     @property
     def output_in_hand(self) -> bool:
         """Finished, with its output come along with the completion (unpacked only when asked for:
         a burst's futures are often gathered instead)."""
-        return self.inline is not _NOTHING and self.status == "finished"
+        state = self._state
+        return isinstance(state, LandedState) and state.output_in_hand
 
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
         assert state is not None, "a future made with its client is bound at construction"
         await state.wait()
-        if self.output_in_hand:
-            return unpack_tensor(self.inline)
+        if isinstance(state, LandedState) and state.output_in_hand:
+            return from_wire(state.output)
         return await super()._result(raiseit)
 
 
@@ -413,9 +422,9 @@ class ClientStream:
                 continue
             if state.status != "pending":  # ended already: e.g. dropped while a worker that had stalled still computed it
                 continue
-            future = self.pending.pop(key, None)
-            if future is not None and outputs is not None:
-                future.inline = outputs[i]
+            self.pending.pop(key, None)
+            if outputs is not None and isinstance(state, LandedState):
+                state.output = outputs[i]
             state.finish()
         if orphans:
             self.client._send_to_scheduler({"op": "client-releases-keys", "keys": orphans, "client": self.client.id})

@@ -59,8 +59,9 @@ logger = logging.getLogger(__name__)
 
 
 INLINE_OUTPUT_BYTES = PACKED_BYTES
-"""A batch whose outputs take at most this many bytes sends them with its completion, so that the
-client's ``result()`` needs no fetch from this worker (daskpipe/runtime/futures.py)."""
+"""A batch's outputs go to every client with a stream to this worker, whatever their size, so that
+its ``result()`` needs no fetch and survives this worker's death; the scheduler relays them to the
+other clients only when they take at most this many bytes (it carries control, not data)."""
 SLEEP_LEAD_GAIN = 0.1
 """How far one emulated hold's lateness moves the next one's aim: a running mean over ~10 holds."""
 KEEP_S = 0.1
@@ -366,24 +367,23 @@ class Stage:
         }
         wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
         told: list[str] = []
-        if sum(nbytes) <= INLINE_OUTPUT_BYTES:
-            packed = [pack_tensor(t) for t in output]
-            keys = done["keys"]
-            for client in wanted:  # the clients first: DONE follows in the same loop turn, and a client
-                # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
-                # anyway is told the key is not in memory yet, and Dask's client asks again)
-                if client not in slot.clients:
-                    continue
-                try:
-                    slot.clients[client].send(
-                        {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [packed[i] for i in wanted[client]]}
-                    )
-                    told.append(client)
-                except CommClosedError:  # its reply stream is gone: the scheduler tells it
-                    pass
-            done["told"] = told
-            if len(told) < len(wanted) or not wanted:  # the scheduler tells the others, with the outputs
-                done["outputs"] = packed
+        wired = [wire_tensor(t) for t in output]  # small ones packed, large ones frames of their own
+        keys = done["keys"]
+        for client in wanted:  # the clients first: DONE follows in the same loop turn, and a client
+            # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
+            # anyway is told the key is not in memory yet, and Dask's client asks again)
+            if client not in slot.clients:
+                continue
+            try:
+                slot.clients[client].send(
+                    {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [wired[i] for i in wanted[client]]}
+                )
+                told.append(client)
+            except CommClosedError:  # its stream is gone: the scheduler tells it
+                pass
+        done["told"] = told
+        if (len(told) < len(wanted) or not wanted) and sum(nbytes) <= INLINE_OUTPUT_BYTES:
+            done["outputs"] = [pack_tensor(t) for t in output]  # the scheduler tells the others, with the small outputs
         done["written_s"] = time.time() - ran[1]  # after the clients' writes: the control path's ``done_worker``
         slot.report(worker, done)
         if told and "outputs" not in done:  # every client holds its outputs
