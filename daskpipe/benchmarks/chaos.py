@@ -21,17 +21,20 @@ through three phases:
      and re-admits it when a probe computes in line again (:mod:`daskpipe.runtime.gray`).
    * ``slow``: its emulated GPU holds every batch ``SLOW_FACTOR`` x its profiled latency for
      ``SLOW_S`` seconds (a throttled GPU);
+   * ``flap``: SIGKILL a busy worker of any pool, another :data:`FLAP_S` seconds later, and two at
+     once :data:`FLAP_S` seconds after that (Nannies restart each, and the plugin re-plans as they
+     leave and join): last stages die holding outputs their clients may not have read yet;
 3. two emulated A10 GPUs join on a new node; once the plugin has re-planned and migrated to a plan
    that uses them (``scale_up_seconds`` after they were asked for, worker start included), serving
    goes on for ``phase_s`` seconds (``attainment_after`` is everything after the first 10 s past
    the kill, ``attainment_after_scale_up`` the last phase).
 
-The first pool is the victim because a last stage's stored outputs are Dask data on that worker:
-outputs the client has not fetched yet die with it (Dask cancels their futures), a loss no
-scheduler can undo; requests in flight, the ones this benchmark is about, are re-dispatched.
-
-Every future is then counted by how it ended: ``completed``, ``dropped`` by reason, ``failed`` by
-cause, and ``lost`` (= submitted minus all of these; the contract is 0). ``recovery_seconds`` is
+A request counts as ``completed`` when its output is in the client's hands (a last stage sends
+it with the completion to a client with a stream to it, whatever its size; else it is fetched when
+the future finishes); at the end every future is read again, and one that ended otherwise since
+(Dask cancelled its key when its worker died) counts as ``lost`` as ``cancelled after it
+finished``. Every future is counted by how it ended: ``completed``, ``dropped`` by reason,
+``failed`` by cause, and ``lost`` (= submitted minus all of these; the contract is 0). ``recovery_seconds`` is
 how long after the fault until every following 5-second window of submissions meets the SLO for
 at least 99% of its requests; ``late_beyond_2x_slo`` counts results that came later than twice the
 SLO (the plugin drops a request instead, :mod:`daskpipe.runtime.gray`), and
@@ -73,7 +76,8 @@ SCALE_UP_TIMEOUT_S = 180.0
 COMPUTE_HEADROOM = 4.0  # emulated latency >= this x the CPU's real compute of the stage
 BW_GBPS = 100.0  # the emulated nodes' NICs
 SLO_FACTOR = 3.0  # the SLO, in latencies of the two-pool pipeline at BATCH
-FAULTS = ("kill", "stop", "slow")
+FAULTS = ("kill", "stop", "slow", "flap")
+FLAP_S = 3.0  # between the kills of the flapping fault
 STOP_S = 10.0  # a SIGSTOPped worker's freeze
 SLOW_S = 20.0  # a slowed emulated GPU's throttling ...
 SLOW_FACTOR = 3.0  # ... and how much slower it holds batches
@@ -163,7 +167,11 @@ class _Ledger:
         if not future.done():
             kind, detail = "lost", "never ended"
         elif future.status == "finished":
-            kind, detail = "completed", ""
+            try:
+                future.result()  # in hand already when it came with the completion, else fetched now
+                kind, detail = "completed", ""
+            except BaseException as exc:  # noqa: BLE001 - lost before it reached the client
+                kind, detail = "lost", type(exc).__name__
         else:
             try:
                 exc = future.exception()
@@ -247,8 +255,8 @@ def run_chaos(
             submitter.start()
             time.sleep(phase_s)
             advance(note="steady phase")
-            victim = _busy_worker(plugin, first_pool=plan.model(MODEL).pipelines[0].partitions[0].gpu)
-            with _fault(client, victim, fault):
+            victim = _busy_worker(plugin, plugin.slots if fault == "flap" else plan.model(MODEL).pipelines[0].partitions[0].gpu)
+            with _fault(client, victim, fault, plugin):
                 kill_at = time.monotonic()
                 time.sleep(phase_s)
             advance(note=f"after the fault ({fault})")
@@ -270,6 +278,8 @@ def run_chaos(
             for index, future in enumerate(futures):
                 if index not in ledger.outcome:  # its done-callback has not run yet
                     ledger.record(index, future)
+                elif ledger.outcome[index][0] == "completed" and future.status != "finished":
+                    ledger.outcome[index] = ("lost", "cancelled after it finished", ledger.outcome[index][2])
             plan_after = service.plan
             replans = [{"reasons": h["reasons"], "seconds": round(h["seconds"], 3)} for h in plugin.elastic.history]
             retried = service.status()[MODEL].get("retried", 0)
@@ -323,10 +333,14 @@ def run_chaos(
     }
 
 
-def _busy_worker(plugin: Any, first_pool: str, timeout_s: float = 30.0) -> tuple[str, str]:
-    """(address, name) of a first-pool worker while a batch runs through it."""
+def _busy_worker(plugin: Any, among: str | Any, timeout_s: float = 30.0, spare: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """(address, name) of a worker while a batch runs through it: of the first pool, when
+    ``among`` names its GPU type, else of any stage among the addresses ``among`` holds, but ``spare``."""
     served = plugin.served[MODEL]
-    pool = sorted({a for (_, q, a) in served.stages if q == 0 and plugin.slots[a].gpu == first_pool})
+    if isinstance(among, str):
+        pool = sorted({a for (_, q, a) in served.stages if q == 0 and plugin.slots[a].gpu == among})
+    else:
+        pool = sorted({a for (_, _, a) in served.stages if a in among and a not in spare})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         busy = [a for flight in list(served.flights.values()) for a in flight.addresses if a in pool]
@@ -337,16 +351,30 @@ def _busy_worker(plugin: Any, first_pool: str, timeout_s: float = 30.0) -> tuple
     return victim, str(plugin.scheduler.workers[victim].name)
 
 
+def _kill(client: Any, address: str) -> None:
+    os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
+
+
 @contextlib.contextmanager
-def _fault(client: Any, victim: tuple[str, str], fault: str) -> Iterator[None]:
+def _fault(client: Any, victim: tuple[str, str], fault: str, plugin: Any) -> Iterator[None]:
     """Inflict ``fault`` on the ``victim`` worker's process now; a stopped one is continued after
     ``STOP_S`` (and on the way out, whatever happens)."""
     address, _ = victim
-    pid = client.run(os.getpid, workers=[address])[address]
-    if fault == "kill":
-        os.kill(pid, signal.SIGKILL)
+    if fault in ("kill", "flap"):
+        _kill(client, address)
+        if fault == "flap":
+            time.sleep(FLAP_S)
+            second, _ = _busy_worker(plugin, plugin.slots)
+            _kill(client, second)
+            time.sleep(FLAP_S)
+            pair = [_busy_worker(plugin, plugin.slots)[0]]
+            pair.append(_busy_worker(plugin, plugin.slots, spare=frozenset(pair))[0])
+            for each in pair:
+                _kill(client, each)
         yield
-    elif fault == "stop":
+        return
+    pid = client.run(os.getpid, workers=[address])[address]
+    if fault == "stop":
         os.kill(pid, signal.SIGSTOP)
         resume = threading.Timer(STOP_S, os.kill, (pid, signal.SIGCONT))
         resume.start()
@@ -376,7 +404,8 @@ def _fault(client: Any, victim: tuple[str, str], fault: str) -> Iterator[None]:
     type=click.Choice(FAULTS),
     default="kill",
     show_default=True,
-    help=f"kill: SIGKILL a worker; stop: SIGSTOP it for {STOP_S:g} s; slow: its emulated GPU {SLOW_FACTOR:g}x slower for {SLOW_S:g} s.",
+    help=f"kill: SIGKILL a worker; stop: SIGSTOP it for {STOP_S:g} s; slow: its emulated GPU {SLOW_FACTOR:g}x slower for {SLOW_S:g} s; "
+    f"flap: SIGKILL a worker, another {FLAP_S:g} s later, then two at once.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_chaos(seed: int, capacity: float, load: float, phase_s: float, fault: str, json_path: str | None) -> None:

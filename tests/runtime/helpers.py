@@ -58,12 +58,14 @@ def two_stage(
     slo_ms: float = 500.0,
     gpus: tuple[str, str] = ("L4", "T4"),
     input_shape: tuple[int, ...] = INPUT,
+    model: nn.Module | None = None,
 ) -> tuple[Profile, Plan]:
-    """A profile and a plan: blocks [0, 1) on one ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4.
+    """A profile and a plan of ``model`` (:func:`tiny_model`'s by default): blocks [0, 1) on one
+    ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4; its first block is its first two segments.
 
     Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.
     """
-    segmented = segment_model(tiny_model(), example(input_shape))
+    segmented = segment_model(model if model is not None else tiny_model(), example(input_shape))
     bounds = [0, 2, segmented.num_segments]
     blocked = segmented.cut(bounds)
     per_block = np.array([[ms * 1e3 * (1 + (b - 1) / BATCH) for b in range(1, BATCH + 1)] for ms in stage_ms])

@@ -1,6 +1,7 @@
-"""Request inputs stay with their client until the first stage fetches them (daskpipe/runtime/inputs.py,
-daskpipe/runtime/fetch.py): correct outputs, nothing of the input on the scheduler, and every
-request ends when a worker or a client dies on the way."""
+"""A request's way in and out: inputs stay with their client until the first stage fetches them
+(daskpipe/runtime/inputs.py, daskpipe/runtime/fetch.py), and outputs go from the last stage to the
+client with the completion: correct outputs, nothing of the input on the scheduler, and every
+request ends right when a worker or a client dies on the way."""
 
 from __future__ import annotations
 
@@ -185,6 +186,50 @@ def test_a_first_stage_worker_killed_around_its_fetch_loses_nothing(two_first_sl
     finally:
         svc.close()
         client.wait_for_workers(3, timeout=60)  # the Nanny restarts the killed one for the next test
+
+
+def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_computed_them(two_first_slots):
+    """Outputs of 16 KB a request (a batch's over 64 KiB) ride the completion to the client; the
+    last stage's worker is then killed, and Dask loses their keys: the futures stay finished, with
+    their outputs."""
+    cluster, client = two_first_slots
+    profile, plan = two_stage("wide", input_shape=FETCHED, slo_ms=3000.0, model=WideOutput())
+    with daskpipe.deploy(
+        client,
+        {"wide": WideOutput()},
+        example_inputs={"wide": torch.zeros(1, *FETCHED)},
+        plan=plan,
+        profiles={"wide": profile},
+        elastic=None,
+    ) as svc:
+        xs = frames(8, shape=FETCHED)
+        futures = svc.map("wide", xs)
+        wait(futures, timeout=60)
+        assert all(f.output_in_hand for f in futures)
+        (last,) = {a for (_, q, a) in plugin_of(cluster.scheduler).served["wide"].stages if q == 1}
+        os.kill(client.run(os.getpid, workers=[last])[last], signal.SIGKILL)
+        wait_until(lambda: last not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
+        time.sleep(0.5)  # Dask's report of the lost keys reaches this client
+        model = WideOutput()
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went to the cluster"))
+            for future, x in zip(futures, xs):
+                assert future.status == "finished"
+                torch.testing.assert_close(future.result(), model.tail(model.head(x).half().float()), atol=1e-3, rtol=1e-3)
+    client.wait_for_workers(3, timeout=60)
+
+
+class WideOutput(torch.nn.Module):
+    """Two stages whose output is a 16 KB feature map a request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU())
+        self.tail = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.head(x))
 
 
 def test_a_client_killed_with_requests_queued_ends_them_as_client_gone_and_leaves_no_key(emulated_inproc):
