@@ -10,11 +10,14 @@ requests have their output in their sender's hands within the SLO. Around every 
 
 * the scheduler's socket bytes (``ss``'s ``bytes_sent`` and ``bytes_received`` of the scheduler
   process's TCP sockets) and its CPU time, per request: what one request costs the one process
-  that every request meets; ``ceiling_per_s`` is one scheduler core's worth, 1 / CPU per request;
-* every other process's CPU per request (the workers', each sender's).
+  that every request meets. The scheduler spends CPU with no request at all (heartbeats, the
+  plugin's and the dashboard's timers), so its CPU over an idle stretch and over every trial of a
+  ladder is fitted (least squares) as ``scheduler_idle_cpu_share`` x wall time plus
+  ``scheduler_cpu_us_per_request`` x requests: what a request adds. ``ceiling_per_s`` is what one
+  scheduler core allows at that cost, (1 - idle share) / CPU per request;
+* every other process's CPU per request (the workers', each sender's), idle time included.
 
-The scheduler's figures are read at the first rate of each shape, the same rate for every sender
-count, so that shapes are compared at the same load. The rates rise by :data:`RATE_STEP` until two
+The rates rise by :data:`RATE_STEP` until two
 trials in a row miss the bar (one miss on a shared machine can be noise). The data plane is
 ``eager`` by default (``--dispatcher``): it sends a request as soon as a slot is free, so that what
 is measured is what the path carries; a deferred data plane holds each request to its batch's last
@@ -218,20 +221,41 @@ def cpu_s(pid: int) -> float:
     return sum(t.user + t.system for t in times)
 
 
+def idle_cpu(pid: int, seconds: float) -> tuple[float, float]:
+    """(wall s, CPU s) of process ``pid`` over ``seconds`` of no requests."""
+    before, started = cpu_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return time.monotonic() - started, cpu_s(pid) - before
+
+
 def measured_trial(senders: Senders, roles: dict[str, int], scheduler_pid: int, rate: float, seconds: float, seed: int) -> dict[str, Any]:
     """One trial at ``rate``, with the scheduler's bytes and every role's CPU per request around it."""
     bytes_before = socket_bytes(scheduler_pid)
     cpu_before = {role: cpu_s(pid) for role, pid in roles.items()}
+    started = time.monotonic()
     reports = senders.trial(rate, seconds, seed)
+    wall = time.monotonic() - started
+    cpu = {role: cpu_s(pid) - cpu_before[role] for role, pid in roles.items()}
     figures = latency_figures(reports, SLO_MS, seconds)
     requests = max(figures["requests"], 1)
-    cpu_us = {role: (cpu_s(pid) - cpu_before[role]) * 1e6 / requests for role, pid in roles.items()}
     return {
         "offered_rate_per_s": rate,
         **{k: figures[k] for k in ("requests", "attainment", "p50_ms", "p99_ms", "ended_otherwise", "latest_sender_start_ms")},
+        "wall_s": wall,
+        "scheduler_cpu_s": cpu["scheduler"],
         "scheduler_bytes_per_request": bytes_since(bytes_before, scheduler_pid) / requests,
-        "cpu_us_per_request": cpu_us,
+        "cpu_us_per_request": {role: seconds * 1e6 / requests for role, seconds in cpu.items()},
     }
+
+
+def fitted_cost(idle: tuple[float, float], trials: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(idle share of a core, CPU seconds per request) of the scheduler, fitted by least squares to
+    its CPU over the idle stretch and the trials: cpu = share x wall + cost x requests."""
+    walls = [idle[0], *(t["wall_s"] for t in trials)]
+    requests = [0, *(t["requests"] for t in trials)]
+    cpu = [idle[1], *(t["scheduler_cpu_s"] for t in trials)]
+    (share, cost), *_ = np.linalg.lstsq(np.column_stack([walls, requests]), np.array(cpu), rcond=None)
+    return float(share), float(cost)
 
 
 def run_capacity(
@@ -268,6 +292,7 @@ def run_capacity(
                         roles = {"scheduler": scheduler_pid, **{f"worker-{i}": pid for i, pid in enumerate(workers.values())}}
                         roles.update({f"sender-{k}": pid for k, pid in enumerate(senders.pids)})
                         senders.trial(start_rate / 2, 1.0, seed=0)  # warm-up: streams opened, first batches
+                        idle = idle_cpu(scheduler_pid, seconds)
                         trials, rate, seed, misses = [], start_rate, 1, 0
                         while misses < 2:
                             trials.append(measured_trial(senders, roles, scheduler_pid, rate, seconds, seed))
@@ -276,13 +301,13 @@ def run_capacity(
                     finally:
                         senders.close()
                     passed = [t for t in trials[:-2] if (t["attainment"] or 0) >= ATTAINMENT]
-                    first = trials[0]
-                    scheduler_us = first["cpu_us_per_request"]["scheduler"]
+                    share, cost = fitted_cost(idle, trials)
                     per_shape["senders"][str(count)] = {
                         "highest_rate_at_bar_per_s": passed[-1]["offered_rate_per_s"] if passed else None,
-                        "scheduler_bytes_per_request": first["scheduler_bytes_per_request"],
-                        "scheduler_cpu_us_per_request": scheduler_us,
-                        "ceiling_per_s": 1e6 / scheduler_us if scheduler_us > 0 else None,
+                        "scheduler_bytes_per_request": float(np.median([t["scheduler_bytes_per_request"] for t in trials])),
+                        "scheduler_idle_cpu_share": share,
+                        "scheduler_cpu_us_per_request": cost * 1e6,
+                        "ceiling_per_s": (1 - share) / cost if cost > 0 else None,
                         "trials": trials,
                     }
             finally:
@@ -309,7 +334,7 @@ def run_capacity(
     help="Numbers of sender processes, each with its own Client.",
 )
 @click.option(
-    "--start-rate", default=20.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The first trial's rate, requests/s."
+    "--start-rate", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The first trial's rate, requests/s."
 )
 @click.option("--seconds", default=TRIAL_S, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds per trial.")
 @click.option("--dispatcher", default="eager", show_default=True, help="The data plane (deploy's dispatcher=).")

@@ -187,7 +187,8 @@ class Batches:
     @guarded
     def on_unfetched(self, worker: str, model: str, dispatch: int, keys: list, reason: str, detail: str) -> None:
         """The first stage on ``worker`` could not fetch the inputs of ``keys`` from their client: they
-        end here, dropped as ``client-gone`` or failed with ``detail``; the rest of the batch runs."""
+        end here, dropped as ``client-gone`` or ``deadline`` (``reason``), or failed with ``detail``;
+        the rest of the batch runs."""
         served = self.plugin.served.get(model)
         if served is None or dispatch in served.abandoned:
             return
@@ -201,7 +202,7 @@ class Batches:
             if ended:  # nothing of it runs
                 served.flights.pop(dispatch, None)
         live = [key for key in keys if key in served.deadlines]
-        failed = 0 if reason == "client-gone" else len(live)
+        failed = 0 if reason in ("client-gone", "deadline") else len(live)
         self.plugin.metrics.fail(model, dispatch, failed, time.monotonic(), batch_ended=ended)
         if failed:
             served.counts["failed"] += failed
@@ -209,7 +210,7 @@ class Batches:
             self.plugin.err(served, model, live, lambda key: failure)
         else:
             for key in live:
-                self.plugin.drop(served, model, key, "client-gone", detail)
+                self.plugin.drop(served, model, key, reason, detail)
         self.plugin.arm()
 
     def _feedback(self, served: Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:

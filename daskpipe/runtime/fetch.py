@@ -5,7 +5,8 @@ The scheduler's batch names, per client, the requests whose inputs that client h
 this worker (FETCH), and runs the batch once every answer is in (INPUTS). An input that cannot be
 had ends its request alone, and its batch-mates run without it: its client answered that it no
 longer holds it, the client's stream closed (it left: ``client-gone``), or no answer came by the
-batch's late limit (``expires``; a client that cannot reach this worker never opens the stream).
+batch's late limit (``expires``): dropped as late when the client's stream is open (a busy client),
+failed when it never opened (a client that cannot reach this worker).
 A fetch asked of a client whose stream is not open yet waits for it: the scheduler has asked the
 client to open it (REACH).
 """
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 UNAVAILABLE = "input-unavailable"
 CLIENT_GONE = "client-gone"
+LATE = "deadline"
 
 
 @dataclass
@@ -133,12 +135,16 @@ class InputFetches:
         if pending is None:
             return
         for client, indices in pending.waiting.items():
-            detail = (
-                f"worker {self.address} could not fetch the input from client {client} by the request's late limit "
-                "(can the client reach this worker? docs/deploying.md)"
-            )
+            if client in self.clients:  # it is connected, and busy: the request is late
+                why = (LATE, f"its input from client {client} did not reach worker {self.address} by the request's late limit")
+            else:
+                why = (
+                    UNAVAILABLE,
+                    f"worker {self.address} could not fetch the input from client {client}: the client opened no stream to it by the "
+                    "request's late limit (can the client reach this worker? docs/deploying.md)",
+                )
             for index in indices:
-                pending.lost[index] = (UNAVAILABLE, detail)
+                pending.lost[index] = why
         pending.waiting.clear()
         self._finish_if_complete(key)
 
