@@ -249,3 +249,17 @@ def test_no_test_module_imports_another_test_module_or_a_conftest() -> None:
             leaves = {name.rsplit(".", 1)[-1] for name in imported if within(name, "tests")}
             found += [f"{importer} imports {leaf}" for leaf in sorted(leaves) if leaf.startswith("test_") or leaf == "conftest"]
     assert found == []
+
+
+def test_the_scheduler_side_imports_no_torch() -> None:
+    """``dask scheduler --preload daskpipe`` runs the plugin and its request path, which carry control
+    only: request inputs stay raw bytes or byte counts there (daskpipe/runtime/inputs.py), never tensors."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, daskpipe, daskpipe.runtime.plugin, daskpipe.runtime.inputs, daskpipe.runtime.messages\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+    )
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout
+    assert shown.strip() == "[]", f"the scheduler side imported {shown.strip()}"
