@@ -312,6 +312,7 @@ class Batches:
             route=route,
             spans=spans,
             sources=sources,
+            pipeline=action.pipeline,
         )
         self.send(served, model, action.id, flight)
 

@@ -17,10 +17,12 @@ time: when a probe computes within ``readmit_ratio`` of the profiled latency, th
 pools. A request still in flight ``late_limit_slos`` SLOs after it arrived is dropped
 (``deadline``), so no result comes later than that.
 
-A stage that raises fails its batch; the plugin then retries the batch's requests in halves
-(bisection) while their deadlines allow, so that only an input that fails on its own fails, with
-its cause. Those retries are bounded: at most ``isolation_share`` of the model's batches, plus a
-burst of ``isolation_burst``, so a stream of poisoned inputs cannot eat the cluster.
+A stage that raises fails its batch; the plugin then retries the batch's requests apart, so that
+only an input that fails on its own fails, with its cause (:func:`isolation_split`): in halves
+(bisection, the least compute) when the worst case of bisecting down to one request still ends by
+their deadlines, else each request alone when that still does, the parts spread over the slots of
+the batch's pools. Those retries are bounded: at most ``isolation_share`` of the model's batches, plus a burst
+of ``isolation_burst``, so a stream of poisoned inputs cannot eat the cluster.
 
 The knobs are Dask config keys under ``daskpipe.gray`` (docs/operations.md), read when a model is
 served.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from daskpipe.config import check, setting
 
@@ -67,6 +69,37 @@ class GrayPolicy:
     def may_isolate(self, isolated: int, batches: int) -> bool:
         """Whether one more isolation batch fits the budget, ``isolated`` of ``batches`` so far."""
         return isolated + 1 <= self.isolation_share * batches + self.isolation_burst
+
+
+def isolation_split(
+    sizes: Sequence[int], time_left_s: float, hop_s: Callable[[int], list[float]], lanes: int, report_s: float
+) -> list[list[int]] | None:
+    """The parts (lists of indices into ``sizes``, the failed batch's requests' samples) to retry a
+    failed batch in, so that an input that fails alone is found within ``time_left_s``: its two
+    halves when bisecting down to one request fits in the worst case, each request alone when only
+    that fits, ``None`` when neither does. ``hop_s(samples)``: the seconds of each hop of the
+    batch's route at that size. A round's parts are dealt onto ``lanes`` routes through different
+    slots (as wide as the narrowest pool); a lane runs its parts one after another, hops
+    overlapping as a pipeline does; a round's failure is known ``report_s`` after its last part."""
+    indices = list(range(len(sizes)))
+
+    def round_s(parts: list[list[int]]) -> float:
+        slowest = 0.0
+        for lane in range(min(lanes, len(parts))):
+            hops = [hop_s(sum(sizes[i] for i in part)) for part in parts[lane::lanes]]
+            slowest = max(slowest, sum(max(h) for h in hops) + sum(hops[0]) - max(hops[0]))
+        return slowest + report_s
+
+    def bisection_s(part: list[int]) -> float:
+        if len(part) < 2:
+            return 0.0
+        halves = [part[: len(part) // 2], part[len(part) // 2 :]]
+        return round_s(halves) + max(bisection_s(half) for half in halves)
+
+    if bisection_s(indices) <= time_left_s:
+        return [indices[: len(indices) // 2], indices[len(indices) // 2 :]]
+    singles = [[i] for i in indices]
+    return singles if round_s(singles) <= time_left_s else None
 
 
 @dataclass

@@ -43,6 +43,7 @@ class Flight:
     route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
+    pipeline: int = 0  # the plan's pipeline it runs on
     sources: list[str] = field(
         default_factory=list
     )  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import guarded
-from daskpipe.runtime.gray import Suspect, Watchlist
+from daskpipe.runtime.gray import isolation_split, Suspect, Watchlist
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.served import Flight, Served
 from daskpipe.sched.api import DropReason, Request, Slot
@@ -282,32 +282,51 @@ class GrayWatch:
 
     # -- poison isolation ----------------------------------------------------------------------
     def isolate(
-        self, served: Served, model: str, flight: Flight, live: list[tuple[Request, bytes, int]], now: float
+        self, served: Served, model: str, flight: Flight, live: list[tuple[Request, Any, int]], now: float
     ) -> tuple[list[tuple[int, Flight]], list]:
-        """Each half of a failed batch's ``live`` requests that goes along its route again, while
-        the deadlines and the budget allow, as (dispatch id, flight) to send; and the keys of the
-        halves that cannot go."""
-        halves: list[tuple[int, Flight]] = []
-        failing: list[Any] = []
-        span = sum(flight.spans) + served.control.margin_s
-        half = len(live) // 2
-        for part in (live[:half], live[half:]):
-            fits = now + span <= min(served.deadlines[r.id] for r, _, _ in part)
-            if (
-                fits
-                and served.gray.may_isolate(served.counts["isolated"], served.counts["batches"])
-                and flight.addresses <= set(self.plugin.scheduler.workers)
-            ):
-                served.counts["isolated"] += 1
-                halves.append(
-                    (
-                        next(self._isolation_ids),
-                        Flight([r.id for r, _, _ in part], flight.addresses, part, route=flight.route, spans=flight.spans, isolating=True),
-                    )
-                )
-            else:
-                failing.extend(r.id for r, _, _ in part)
-        return halves, failing
+        """The parts of a failed batch's ``live`` requests to retry apart, as
+        :func:`~daskpipe.runtime.gray.isolation_split` splits them by the time their deadlines leave
+        and the budget allows, each on a route through other slots of the batch's pools where they
+        have several, as (dispatch id, flight) to send; and the keys that cannot go."""
+        margin, durations, pipeline = served.control.margin_s, served.durations, flight.pipeline
+        limit = served.model.pipelines[pipeline].batch_size
+        workers = self.plugin.scheduler.workers
+        lanes_by_hop = [
+            sorted(
+                {hop["address"]}
+                | {a for (p, q, a) in served.stages if (p, q) == (pipeline, hop["partition"]) and a in workers and a not in served.suspects}
+            )
+            for hop in flight.route
+        ]
+
+        def hop_s(samples: int) -> list[float]:
+            return [durations.compute_s(pipeline, hop["partition"], min(samples, limit)) for hop in flight.route]
+
+        # a round's parts leave together, and the measured margin covers a batch's whole control path
+        left = min(served.deadlines[r.id] for r, _, _ in live) - now
+        split = isolation_split([n for _, _, n in live], left, hop_s, min(len(lane) for lane in lanes_by_hop), margin)
+        if (
+            split is None
+            or not flight.addresses <= set(workers)
+            or not served.gray.may_isolate(served.counts["isolated"] + len(split) - 1, served.counts["batches"])
+        ):
+            return [], [r.id for r, _, _ in live]
+        served.counts["isolated"] += len(split)
+        sent = []
+        for lane, part in enumerate(split):
+            requests = [live[i] for i in part]
+            samples = min(sum(n for _, _, n in requests), limit)
+            route = []
+            for hop, slots in zip(flight.route, lanes_by_hop):
+                address = slots[lane % len(slots)]
+                held = durations.compute_s(pipeline, hop["partition"], samples) if address in served.emulated else 0.0
+                route.append({**hop, "address": address, "stage": served.stages[(pipeline, hop["partition"], address)], "hold_s": held})
+            addresses = frozenset(hop["address"] for hop in route)
+            isolation = Flight(
+                [r.id for r, _, _ in requests], addresses, requests, route=route, spans=flight.spans, isolating=True, pipeline=pipeline
+            )
+            sent.append((next(self._isolation_ids), isolation))
+        return sent, []
 
 
 def _abandon(served: Served, dispatch: int, address: str) -> None:

@@ -59,16 +59,19 @@ def two_stage(
     gpus: tuple[str, str] = ("L4", "T4"),
     input_shape: tuple[int, ...] = INPUT,
     model: nn.Module | None = None,
+    batch: int = BATCH,
+    vgpus: int = 1,
 ) -> tuple[Profile, Plan]:
-    """A profile and a plan of ``model`` (:func:`tiny_model`'s by default): blocks [0, 1) on one
-    ``gpus[0]`` slot, [1, 2) on one ``gpus[1]`` slot, batch 4; its first block is its first two segments.
+    """A profile and a plan of ``model`` (:func:`tiny_model`'s by default): blocks [0, 1) on
+    ``vgpus`` ``gpus[0]`` slots, [1, 2) on ``vgpus`` ``gpus[1]`` slots, at ``batch``; its first block
+    is its first two segments.
 
-    Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / 4)`` ms at batch ``b`` on either GPU type.
+    Block ``i`` takes ``stage_ms[i] * (1 + (b - 1) / batch)`` ms at batch ``b`` on either GPU type.
     """
     segmented = segment_model(model if model is not None else tiny_model(), example(input_shape))
     bounds = [0, 2, segmented.num_segments]
     blocked = segmented.cut(bounds)
-    per_block = np.array([[ms * 1e3 * (1 + (b - 1) / BATCH) for b in range(1, BATCH + 1)] for ms in stage_ms])
+    per_block = np.array([[ms * 1e3 * (1 + (b - 1) / batch) for b in range(1, batch + 1)] for ms in stage_ms])
     profile = Profile(
         model=name,
         slo_us=slo_ms * 1e3,
@@ -79,10 +82,10 @@ def two_stage(
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta={"segment_boundaries": bounds},
     )
-    at_batch = per_block[:, BATCH - 1]
-    throughput = BATCH / (at_batch.max() * 1e-6)
-    partitions = tuple(Partition(blocks=(i, i + 1), gpu=gpus[i], slices=1, vgpus=1, latency_us=float(at_batch[i])) for i in range(2))
-    pipeline = Pipeline(batch_size=BATCH, throughput=throughput, partitions=partitions)
+    at_batch = per_block[:, batch - 1]
+    throughput = vgpus * batch / (at_batch.max() * 1e-6)
+    partitions = tuple(Partition(blocks=(i, i + 1), gpu=gpus[i], slices=1, vgpus=vgpus, latency_us=float(at_batch[i])) for i in range(2))
+    pipeline = Pipeline(batch_size=batch, throughput=throughput, partitions=partitions)
     plan = Plan(
         objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),)
     )

@@ -17,11 +17,11 @@ from daskpipe.dashboard.prometheus import DaskpipeCollector
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import RequestDropped
-from daskpipe.runtime.gray import GrayPolicy, Watchlist
+from daskpipe.runtime.gray import GrayPolicy, Watchlist, isolation_split
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
 from tests.helpers import paced, wait_until
-from tests.runtime.helpers import INPUT, example, tiny_model, two_stage
+from tests.runtime.helpers import INPUT, example, frames, reference, tiny_model, two_stage
 
 SLO_MS = 400.0
 STAGE_MS = (20.0, 20.0)
@@ -214,3 +214,44 @@ def test_a_new_deployment_numbers_its_batches_past_those_of_a_closed_one(pools_o
         sent.append(-1)  # between the deployments
     first, second = sent[: sent.index(-1)], sent[sent.index(-1) + 1 : -1]
     assert first and second and min(second) > max(first), (first, second)
+
+
+def stage_costs(samples: int) -> list[float]:
+    """Two hops of 10 ms at one sample, 18.75 ms at eight (batch cost 1 + (b - 1) / 8)."""
+    return [0.010 * (1 + (samples - 1) / 8)] * 2
+
+
+@pytest.mark.parametrize(
+    "left_s, lanes, parts",
+    [
+        (1.0, 1, [[0, 1, 2, 3], [4, 5, 6, 7]]),  # time for bisection: halves, the least compute
+        (0.05, 4, [[i] for i in range(8)]),  # only one more round fits: each alone, two per lane
+        (0.05, 1, None),  # the same time on one lane: eight singles one after another do not fit
+        (0.005, 8, None),  # not even one pass
+    ],
+)
+def test_a_failed_batch_splits_by_the_time_its_deadlines_leave(left_s, lanes, parts):
+    assert isolation_split([1] * 8, left_s, stage_costs, lanes, report_s=0.002) == parts
+
+
+def test_one_poisoned_input_of_eight_fails_alone_at_an_slo_of_three_pipeline_passes():
+    """Pools of four slots each, batches of eight: the retries spread over the pools' slots, each
+    request alone when bisection's three more rounds would not fit, and the seven others complete."""
+    pass_ms = 2 * 10.0 * (1 + 7 / 8)
+    profile, plan = two_stage(stage_ms=(10.0, 10.0), slo_ms=3 * pass_ms, batch=8, vgpus=4)
+    with (
+        EmulatedCluster({"L4": 4, "T4": 4}, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+        daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}) as svc,
+    ):
+        for _ in range(3):  # warm the stages
+            wait(svc.map("tiny", frames(8, seed=5)), timeout=30)
+        xs = frames(8)
+        batch = svc.map("tiny", xs[:5] + [xs[5] * 1e6] + xs[6:])
+        wait(batch, timeout=30)
+        failed = [i for i, f in enumerate(batch) if f.status == "error"]
+        assert failed == [5], [(i, repr(batch[i].exception())) for i in failed]
+        for i, (future, ref) in enumerate(zip(batch, reference(xs))):
+            if i != 5:
+                torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
+        assert svc.status()["tiny"]["isolated"] in (6, 8)  # bisected when the margin leaves time for it, else each alone
