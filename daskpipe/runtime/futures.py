@@ -31,7 +31,7 @@ from distributed.utils import wait_for
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.streams import ImmediateSend, open_comm
-from daskpipe.runtime.tensors import unpack_tensor
+from daskpipe.runtime.tensors import unpack_output
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class ServedFuture(Future):
             if not state.wait_landed(timeout):
                 raise TimeoutError(f"timed out after {timeout} s.")
             if self.output_in_hand:
-                return unpack_tensor(self.inline)
+                return unpack_output(self.inline)
         return super().result(timeout)
 
     @property
@@ -167,7 +167,7 @@ class ServedFuture(Future):
         assert state is not None, "a future made with its client is bound at construction"
         await state.wait()
         if self.output_in_hand:
-            return unpack_tensor(self.inline)
+            return unpack_output(self.inline)
         return await super()._result(raiseit)
 
 

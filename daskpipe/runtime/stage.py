@@ -52,7 +52,7 @@ from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interv
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
-from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
+from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, output_nbytes, pack_output, split_output, wire_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class Stage:
             )
             return
         outputs = dict(zip(batch["keys"], output))
-        nbytes = [t.nbytes for t in output]
+        nbytes = [output_nbytes(t) for t in output]
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
         done = {
@@ -365,7 +365,7 @@ class Stage:
         wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
         told: list[str] = []
         if sum(nbytes) <= INLINE_OUTPUT_BYTES:
-            packed = [pack_tensor(t) for t in output]
+            packed = [pack_output(t) for t in output]
             keys = done["keys"]
             for client in wanted:  # the clients first: DONE follows in the same loop turn, and a client
                 # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
@@ -406,7 +406,7 @@ class Stage:
                 y = self._forward(x)
             if split is None:
                 return y.to(FEATURE_MAP_DTYPE).cpu()
-            return [chunk.clone() for chunk in torch.split(y.cpu(), list(split))]
+            return split_output(y, split)
 
     def _device_forward(self, max_batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """On the compute thread: the partition's forward on its device; on a real GPU replayed as
