@@ -4,8 +4,6 @@ unpartitioned model in eval mode: several inputs, tuple and dict outputs, token 
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from torch.utils._pytree import tree_flatten
 import daskpipe
 from daskpipe.profiles.fx import UncutWarning, call_arguments
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.service import inventory
 from tests.runtime.helpers import two_pool_plan, with_test_dispatcher
@@ -88,16 +85,18 @@ def assert_served_as_eval(svc, name: str, model: nn.Module, example, atol: float
         for x, got in zip(xs, outputs):
             args, kwargs = call_arguments(x)
             want = model(*args, **kwargs)
-            got_leaves, got_spec = tree_flatten(got)
-            want_leaves, want_spec = tree_flatten(want)
-            assert got_spec == want_spec
-            for g, w in zip(got_leaves, want_leaves):
-                torch.testing.assert_close(g, w, atol=atol * max(1.0, w.abs().max().item() if w.numel() else 1.0), rtol=1e-2)
+            scale = max([1.0, *(t.abs().max().item() for t in tree_flatten(want)[0] if t.numel())])
+            torch.testing.assert_close(got, want, atol=atol * scale, rtol=1e-2)  # mappings by key, sequences by position
 
 
 def deploy_whole(client, name: str, model: nn.Module, example):
     return daskpipe.deploy(
-        client, {name: model}, example_inputs={name: example}, slo_ms={name: SLO_US / 1e3}, dispatcher="fifo", profiling=ProfilingOptions(num_blocks=2)
+        client,
+        {name: model},
+        example_inputs={name: example},
+        slo_ms={name: SLO_US / 1e3},
+        dispatcher="fifo",
+        profiling=ProfilingOptions(num_blocks=2),
     )
 
 
@@ -163,6 +162,18 @@ def test_segmentation_is_cut_into_two_partitions_on_two_pools(cluster):
         (pipeline,) = svc.plan.model("fcn").pipelines
         assert [(p.blocks, p.gpu) for p in pipeline.partitions] == [((0, 2), "L4"), ((2, 4), "T4")]
         assert_served_as_eval(svc, "fcn", model, example, atol=1e-2)
+
+
+def test_the_cut_does_not_depend_on_the_order_workers_registered_in(cluster):
+    model = torchvision.models.efficientnet_b0(weights=None).eval()
+    example = torch.randn(1, 3, 64, 64)
+    slots = inventory(cluster)
+    cuts = [
+        profile_on_cluster(cluster, order, "efficientnet", model, example, slo_us=SLO_US, num_blocks=4, batch_sizes=1).profile.meta
+        for order in (slots, slots[::-1])
+    ]
+    assert cuts[0]["segment_boundaries"] == cuts[1]["segment_boundaries"]
+    assert cuts[0]["cut"] == cuts[1]["cut"] == "equal estimated batch-1 cost on L4"
 
 
 def test_detection_is_served_whole_where_its_forward_cannot_be_traced(cluster):
