@@ -73,6 +73,8 @@ def packed_nbytes(packed: dict[str, Any]) -> int:
 
 def output_nbytes(output: Any) -> int:
     """Bytes of the tensors in a request's output."""
+    if isinstance(output, torch.Tensor):  # the common case, on every request's way: no tree walk
+        return output.nbytes
     return sum(t.nbytes for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
 
