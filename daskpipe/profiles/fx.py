@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 FP16_BYTES = 2
 CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype)
@@ -132,6 +132,11 @@ class InputLayout:
         for shape, dtype, nbytes in zip(self.shapes, self.dtypes, self.leaf_nbytes):
             leaves.append(raw[:, offset : offset + nbytes].contiguous().view(dtype).reshape(-1, *shape))
             offset += nbytes
+        return tree_unflatten(leaves, self.spec)
+
+    def zeros(self, batch: int, device: str | torch.device = "cpu") -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of ``batch`` samples of zeros."""
+        leaves = [torch.zeros((batch, *shape), dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes)]
         return tree_unflatten(leaves, self.spec)
 
     def batch_of(self, example: Any, batch: int) -> tuple[tuple, dict]:
@@ -329,6 +334,100 @@ class UncutModel(Segmented):
         return [WholeModel(self.module)]
 
 
+class Reached(BaseException):
+    """The submodule a first block runs the model up to was called (a BaseException: no ``except Exception`` in the model stops it)."""
+
+
+class RunUpTo(nn.Module):
+    """The first block of a :class:`ResumedModel`: the model's forward until it calls submodule
+    ``path``, then ``block``, the submodule's first block, on what it was called with."""
+
+    def __init__(self, model: nn.Module, path: str, block: nn.Module):
+        super().__init__()
+        self.model = model
+        self.path = path
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        called: list[tuple[tuple, dict]] = []
+
+        def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            called.append((args, kwargs))
+            raise Reached()
+
+        handle = self.model.get_submodule(self.path).register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            self.model(*args, **kwargs)
+        except Reached:
+            pass
+        finally:
+            handle.remove()
+        (inner_args, inner_kwargs), *_ = called
+        return self.block(*inner_args, **inner_kwargs)
+
+
+class ResumeAfter(nn.Module):
+    """The last block of a :class:`ResumedModel`: ``block``, the submodule's last block, then the
+    model's forward on zeros of the requests' form, the submodule's call answered with that output."""
+
+    def __init__(self, model: nn.Module, path: str, block: nn.Module, layout: InputLayout):
+        super().__init__()
+        self.model = model
+        self.path = path
+        self.block = block
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor) -> Any:
+        output = self.block(x)
+        submodule = self.model.get_submodule(self.path)
+        submodule.forward = lambda *args, **kwargs: output  # this call only: the instance attribute goes in finally
+        try:
+            args, kwargs = self.layout.zeros(x.shape[0], x.device)
+            return self.model(*args, **kwargs)
+        finally:
+            del submodule.forward
+
+
+class ResumedModel(Segmented):
+    """A model fx cannot trace as a whole, cut inside submodule ``path``, which fx can: its first
+    block runs the model's own code up to that submodule, its last block runs the rest of it on
+    zeros of the requests' form, with the submodule's output. Right where what follows the
+    submodule depends on the input's shapes alone, as a detector's anchors and image sizes do;
+    :meth:`serves` checks it on the example."""
+
+    def __init__(self, model: nn.Module, path: str, inner: SegmentedModel, inputs: InputLayout, output_shape: tuple[int, ...]):
+        ends = [CutPoint(0, None, inputs.wire_shape), CutPoint(inner.cuts[-1].position, None, output_shape)]
+        super().__init__(inputs, [ends[0], *inner.cuts[1:-1], ends[1]], [f"{path}.{leaf}" for leaf in inner.leaves])
+        self.model = model
+        self.path = path
+        self.inner = inner
+
+    @property
+    def code(self) -> str:
+        return f"{type(self.model).__name__}, cut inside {self.path}:\n{self.inner.code}"
+
+    def _blocks(self, bounds: list[int]) -> list[nn.Module]:
+        if len(bounds) == 2:
+            return [WholeModel(self.model)]
+        blocks = self.inner._blocks(bounds)
+        blocks[0] = RunUpTo(self.model, self.path, blocks[0])
+        blocks[-1] = ResumeAfter(self.model, self.path, blocks[-1], self.inputs)
+        return blocks
+
+    def serves(self, example: Any) -> bool:
+        """Two blocks give the model's own output on ``example`` and on a random variation of it."""
+        blocked = self.cut([0, 1, self.num_segments])
+        varied = tree_map(lambda t: t + torch.randn_like(t) if t.dtype.is_floating_point else t, example)
+        with torch.inference_mode():
+            for request in (example, varied):
+                args, kwargs = call_arguments(request)
+                try:
+                    torch.testing.assert_close(blocked.run(self.inputs.pack(request), fp16_boundaries=False), self.model(*args, **kwargs))
+                except Exception:  # a different output, or one the rest of the model cannot make from zeros
+                    return False
+        return True
+
+
 @dataclass
 class BlockedModel:
     """A model as a chain of blocks: the first takes the requests' batch, inner boundaries are one
@@ -411,12 +510,13 @@ def segment_model(module: nn.Module, example_input: Any, leaf_modules: Iterable[
     inputs = InputLayout.of(example_input)
     module = served_copy(module)
     if isinstance(module, torch.jit.ScriptModule):
-        return uncut(module, inputs, example_input, "it is a TorchScript module, and torch.fx traces Python code, which it has none of")
+        return untraced(module, inputs, example_input, leaf_modules, "it is a TorchScript module, and torch.fx traces Python code")
     tracer = LeafTracer(leaf_modules)
     try:
         traced = fx.GraphModule(module, tracer.trace(module), class_name=type(module).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
-        return uncut(module, inputs, example_input, f"torch.fx cannot trace it: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        reason = f"torch.fx cannot trace it: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return untraced(module, inputs, example_input, leaf_modules, reason)
     one, two = (Propagation(traced).values(*inputs.batch_of(example_input, batch)) for batch in (1, 2))
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -431,29 +531,55 @@ def cut_model(module: nn.Module, example_input: Any, boundaries: Sequence[int], 
     return segment_model(module, example_input, leaf_modules).cut(boundaries)
 
 
-def uncut(module: nn.Module, inputs: InputLayout, example_input: Any, reason: str) -> UncutModel:
-    """``module`` as one block, checked on the example; the warning says ``reason``."""
+def untraced(module: nn.Module, inputs: InputLayout, example_input: Any, leaf_modules: Iterable[str], reason: str) -> Segmented:
+    """``module``, which fx cannot trace as a whole, cut inside the direct submodule with the most
+    segments that its forward calls once (:class:`ResumedModel`: a detector's backbone), where
+    that serves the model's own outputs; else whole, as one block. The warning says ``reason``."""
     args, kwargs = inputs.batch_of(example_input, 1)
+    calls: dict[str, list[tuple[tuple, dict]]] = {}
     with torch.inference_mode():
-        output = run_named(module, args, kwargs)
-    warnings.warn(f"{type(module).__name__} is served whole, as one block, not cut into a pipeline: {reason}", UncutWarning, stacklevel=2)
+        output = run_named(module, args, kwargs, calls)
     elements = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
-    return UncutModel(module, inputs, (max(elements, 1),), reason)
+    output_shape = (max(elements, 1),)
+    name = type(module).__name__
+    candidates = []
+    for path, ((child_args, child_kwargs),) in ((p, c) for p, c in calls.items() if len(c) == 1 and not (c[0][0] and c[0][1])):
+        inner_leaves = [leaf.removeprefix(f"{path}.") for leaf in leaf_modules]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UncutWarning)
+            try:
+                inner = segment_model(module.get_submodule(path), child_kwargs or tuple(child_args), inner_leaves)
+            except SegmentationError:  # its inputs are not batched tensors, or it fails alone
+                continue
+        if isinstance(inner, SegmentedModel) and inner.num_segments >= 2:
+            candidates.append(ResumedModel(module, path, inner, inputs, output_shape))
+    for resumed in sorted(candidates, key=lambda c: -c.num_segments):
+        if resumed.serves(example_input):
+            warnings.warn(
+                f"{name} is cut inside its submodule {resumed.path!r} only, the rest of it runs whole: {reason}", UncutWarning, stacklevel=2
+            )
+            return resumed
+    warnings.warn(f"{name} is served whole, as one block, not cut into a pipeline: {reason}", UncutWarning, stacklevel=2)
+    return UncutModel(module, inputs, output_shape, reason)
 
 
-def run_named(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """``module(*args, **kwargs)``; a failure raises :class:`SegmentationError` naming the innermost
-    submodule that was running, the inputs' shapes and dtypes, and torch's own message."""
+def run_named(module: nn.Module, args: tuple, kwargs: dict, calls: dict[str, list[tuple[tuple, dict]]] | None = None) -> Any:
+    """``module(*args, **kwargs)``, keeping in ``calls`` the arguments of each call of a direct
+    submodule; a failure raises :class:`SegmentationError` naming the innermost submodule that was
+    running, the inputs' shapes and dtypes, and torch's own message."""
     running: list[str] = []
     names = {m: name for name, m in module.named_modules()} if not isinstance(module, torch.jit.ScriptModule) else {}
+    kept = calls if calls is not None else {}
 
-    def enter(m: nn.Module, args: Any) -> None:
+    def enter(m: nn.Module, args: Any, kwargs: Any) -> None:
         running.append(names[m])
+        if names[m] and "." not in names[m]:
+            kept.setdefault(names[m], []).append((args, kwargs))
 
     def leave(m: nn.Module, args: Any, output: Any) -> None:
         running.pop()
 
-    handles = [m.register_forward_pre_hook(enter) for m in names] + [m.register_forward_hook(leave) for m in names]
+    handles = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in names] + [m.register_forward_hook(leave) for m in names]
     try:
         return module(*args, **kwargs)
     except Exception as exc:

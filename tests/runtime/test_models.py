@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import daskpipe
-from daskpipe.profiles.fx import UncutWarning, call_arguments
+from daskpipe.profiles.fx import UncutWarning, call_arguments, cut_model
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.service import inventory
@@ -176,12 +176,44 @@ def test_the_cut_does_not_depend_on_the_order_workers_registered_in(cluster):
     assert cuts[0]["cut"] == cuts[1]["cut"] == "equal estimated batch-1 cost on L4"
 
 
-def test_detection_is_served_whole_where_its_forward_cannot_be_traced(cluster):
+def random_detector() -> nn.Module:
+    """fasterrcnn_mobilenet_v3_large_320_fpn with random weights, its class 1 favoured so that it
+    keeps boxes past the score threshold (a random head scores every class ~1/91)."""
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None).eval()
+    with torch.no_grad():
+        model.roi_heads.box_predictor.cls_score.bias[1] = 4.0
+    return model
+
+
+def test_detection_is_cut_inside_its_backbone_into_two_partitions_on_two_pools(cluster):
+    model = random_detector()
     example = torch.randn(1, 3, 320, 320)
-    with pytest.warns(UncutWarning, match="Proxy object cannot be iterated"):
-        svc = deploy_whole(cluster, "detection", model, example)
+    with pytest.warns(UncutWarning, match="cut inside its submodule 'backbone' only"):
+        measured = profile_on_cluster(cluster, inventory(cluster), "detector", model, example, slo_us=SLO_US, num_blocks=6, batch_sizes=1)
+    profile = measured.profile
+    assert profile.num_blocks >= 4  # greedy balancing leaves out blocks the heavy head (a whole segment) takes the share of
+    svc = daskpipe.deploy(
+        cluster,
+        {"detector": model},
+        example_inputs={"detector": example},
+        plan=two_pool_plan(profile, profile.num_blocks - 1, batch=1),
+        profiles={"detector": profile},
+        dispatcher="fifo",
+    )
     with svc:
-        assert svc.profiles["detection"].num_blocks == 1
-        assert_served_as_eval(svc, "detection", model, example)
+        (pipeline,) = svc.plan.model("detector").pipelines
+        assert [p.gpu for p in pipeline.partitions] == ["L4", "T4"]
+        xs = requests(example)
+        outputs = [f.result(timeout=120) for f in svc.map("detector", xs)]
+    # With random weights many boxes tie on score, and an fp16 hop reorders NMS among them: the
+    # served output is checked against the same two partitions with the same hop, and those,
+    # without the hop, against the unpartitioned model.
+    blocked = cut_model(model, example, profile.meta["segment_boundaries"])
+    head, tail = (blocked.stage(*p.blocks) for p in pipeline.partitions)
+    with torch.inference_mode():
+        for x, got in zip(xs, outputs):
+            features = head(x)
+            assert len(got[0]["boxes"]) > 0
+            torch.testing.assert_close(got, tail(features.half().float()))
+            torch.testing.assert_close(tail(features), model(x))
