@@ -47,12 +47,12 @@ class UncutWarning(UserWarning):
 
 
 def call_arguments(example: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a request: a tensor is the one positional argument, a tuple or list
-    the positional arguments, a dict the keyword arguments."""
+    """``(args, kwargs)`` of a request: a tensor is the one positional argument, a tuple the
+    positional arguments, a dict the keyword arguments."""
     if isinstance(example, torch.Tensor):
         return (example,), {}
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
+    if isinstance(example, tuple):
+        return example, {}
     if isinstance(example, Mapping):
         return (), dict(sorted(example.items()))  # keyword arguments: their order is no part of the request
     raise SegmentationError(f"an example input is a batched tensor, a tuple of them or a dict of them, got {type(example).__name__}")

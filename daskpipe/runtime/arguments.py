@@ -32,7 +32,7 @@ def check_module(what: str, value: Any) -> None:
 def check_example(what: str, value: Any) -> None:
     """``value`` is a dense, batched tensor with values, or a tuple (positional arguments) or dict
     (keyword arguments) of them: it fixes the form, shapes and dtypes requests must have."""
-    if isinstance(value, (tuple, list)) and value:
+    if isinstance(value, tuple) and value:
         for index, item in enumerate(value):
             check_example(f"{what}[{index}]", item)
         return
