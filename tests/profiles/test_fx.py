@@ -12,7 +12,7 @@ from torch import nn
 
 from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles import SegmentationError, cut_model, segment_model
-from daskpipe.profiles.fx import UncutModel, UncutWarning
+from daskpipe.profiles.fx import ResumedModel, UncutModel, UncutWarning
 
 
 class TinyResidualNet(nn.Module):
@@ -210,3 +210,26 @@ def test_bad_boundaries():
         segmented.cut([0, 2, 2, segmented.num_segments])
     with pytest.raises(SegmentationError, match="must be a batched tensor"):
         segment_model(TinyResidualNet(), torch.tensor(1.0))
+
+
+class LoopsOverItsInput(nn.Module):
+    """A backbone fx can trace, inside a forward it cannot (a loop over the batch), returning one dict per sample: a detector's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        widths = [row.shape[0] for row in x]
+        return [{"features": f.relu(), "width": torch.tensor(w)} for f, w in zip(self.backbone(x), widths)]
+
+
+def test_an_untraceable_forward_is_cut_inside_its_traceable_submodule():
+    module = LoopsOverItsInput().eval()
+    with pytest.warns(UncutWarning, match="cut inside its submodule 'backbone' only"):
+        segmented = segment_model(module, torch.randn(1, 4))
+    assert isinstance(segmented, ResumedModel) and segmented.num_segments >= 3
+    blocked = segmented.cut([0, 1, 2, segmented.num_segments])
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(pickle.loads(pickle.dumps(blocked)).run(x, fp16_boundaries=False), module(x))
