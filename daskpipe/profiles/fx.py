@@ -543,7 +543,10 @@ def untraced(module: nn.Module, inputs: InputLayout, example_input: Any, leaf_mo
     output_shape = (max(elements, 1),)
     name = type(module).__name__
     candidates = []
-    for path, ((child_args, child_kwargs),) in ((p, c) for p, c in calls.items() if len(c) == 1 and not (c[0][0] and c[0][1])):
+    for path, made in calls.items():
+        if len(made) != 1 or (made[0][0] and made[0][1]):
+            continue  # called more than once, or with positional and keyword arguments at once
+        ((child_args, child_kwargs),) = made
         inner_leaves = [leaf.removeprefix(f"{path}.") for leaf in leaf_modules]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UncutWarning)
