@@ -130,7 +130,8 @@ class InputLayout:
         raw = x if x.dtype == torch.uint8 else x.to(torch.uint8)
         leaves, offset = [], 0
         for shape, dtype, nbytes in zip(self.shapes, self.dtypes, self.leaf_nbytes):
-            leaves.append(raw[:, offset : offset + nbytes].contiguous().view(dtype).reshape(-1, *shape))
+            row = raw[:, offset : offset + nbytes].contiguous().view(-1)  # flat first: a 1-row slice counts as contiguous, strides and all
+            leaves.append(row.view(dtype).reshape(-1, *shape))
             offset += nbytes
         return tree_unflatten(leaves, self.spec)
 
@@ -596,10 +597,11 @@ def run_named(module: nn.Module, args: tuple, kwargs: dict, calls: dict[str, lis
 
 
 def innermost(exc: BaseException) -> str:
-    """``Type: message`` of the deepest cause of ``exc``: torch's own words, not a wrapper's."""
+    """``Type: message`` of the deepest cause of ``exc``: torch's own words, not a wrapper's (nor
+    the node dump fx's interpreter appends to them)."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {str(exc).split(chr(10) * 2 + 'While executing')[0]}"
 
 
 class LeafTracer(fx.Tracer):

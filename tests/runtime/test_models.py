@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 import daskpipe
 from daskpipe.profiles.fx import UncutWarning, call_arguments, cut_model
 from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.service import inventory
 from tests.runtime.helpers import two_pool_plan, with_test_dispatcher
@@ -63,6 +64,13 @@ class TokenClassifier(nn.Module):
         return self.head(self.embedding(ids))
 
 
+class MaskedTokens(TokenClassifier):
+    """Token ids and a bool mask over them, by keyword: a language model's inputs."""
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.head(self.embedding(ids) * mask.unsqueeze(-1))
+
+
 def requests(example, seed: int = 1) -> list:
     """``REQUESTS`` requests of ``example``'s form, shapes and dtypes."""
     generator = torch.Generator().manual_seed(seed)
@@ -71,6 +79,8 @@ def requests(example, seed: int = 1) -> list:
     def like(t: torch.Tensor) -> torch.Tensor:
         if t.dtype.is_floating_point:
             return torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        if t.dtype == torch.bool:
+            return torch.rand(t.shape, generator=generator) > 0.5
         return torch.randint(0, 100, t.shape, generator=generator, dtype=t.dtype)
 
     return [spec.unflatten([like(t) for t in leaves]) for _ in range(REQUESTS)]
@@ -107,8 +117,9 @@ def deploy_whole(client, name: str, model: nn.Module, example):
         (TwoInputs, {"image": torch.randn(1, 6), "text": torch.randn(1, 4)}),
         (TupleOutput, torch.randn(1, 6)),
         (TokenClassifier, torch.randint(0, 100, (1, 5))),
+        (MaskedTokens, {"ids": torch.randint(0, 100, (1, 5)), "mask": torch.ones(1, 5, dtype=torch.bool)}),
     ],
-    ids=["two-inputs", "keyword-inputs", "tuple-output", "embedding-int64"],
+    ids=["two-inputs", "keyword-inputs", "tuple-output", "embedding-int64", "ids-and-bool-mask"],
 )
 def test_models_of_any_inputs_and_outputs_serve_as_their_eval_model(cluster, build, example):
     torch.manual_seed(0)
@@ -116,6 +127,22 @@ def test_models_of_any_inputs_and_outputs_serve_as_their_eval_model(cluster, bui
     with deploy_whole(cluster, "model", model, example) as svc:
         assert svc.profiles["model"].num_blocks == 2
         assert_served_as_eval(svc, "model", model, example)
+
+
+@pytest.mark.parametrize(
+    "example, message",
+    [
+        (torch.randn(1, 6, dtype=torch.float16), "must have the same dtype"),
+        (torch.randn(1, 5), "mat1 and mat2 shapes cannot be multiplied"),
+    ],
+    ids=["fp16-example", "wrong-width-example"],
+)
+def test_a_wrong_example_fails_the_deploy_with_torchs_own_message(cluster, example, message):
+    with pytest.raises(
+        DeployError, match=f"cannot be profiled: running TupleOutput on the example failed at node 'body_0' in module 'body.0'.*{message}"
+    ) as failed:
+        deploy_whole(cluster, "wrong", TupleOutput().eval(), example)
+    assert "While executing" not in str(failed.value), "torch's message, not fx's node dump after it"
 
 
 def test_torchscript_is_served_whole_with_a_warning_saying_why(cluster):
