@@ -597,11 +597,10 @@ def run_named(module: nn.Module, args: tuple, kwargs: dict, calls: dict[str, lis
 
 
 def innermost(exc: BaseException) -> str:
-    """``Type: message`` of the deepest cause of ``exc``: torch's own words, not a wrapper's (nor
-    the node dump fx's interpreter appends to them)."""
+    """``Type: message`` of the deepest cause of ``exc``: torch's own words, not a wrapper's."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    return f"{type(exc).__name__}: {str(exc).split(chr(10) * 2 + 'While executing')[0]}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class LeafTracer(fx.Tracer):
@@ -646,7 +645,10 @@ class Propagation(fx.Interpreter):
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         positional = list(args) + [kwargs[n.target] for n in placeholders[len(args) :] if n.target in kwargs]
         with torch.inference_mode():
-            self.run(*positional)
+            try:
+                self.run(*positional)
+            except SegmentationError as exc:  # raised by run_node; fx's run appended its node dump to the message
+                raise SegmentationError(str(exc).split("\n\nWhile executing")[0]) from exc.__cause__
         return self.kept
 
     def run_node(self, n: fx.Node) -> Any:
