@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.catalog import GPUSpec, load_catalog
-from daskpipe.profiles.fx import BlockedModel, segment_model
+from daskpipe.profiles.fx import BlockedModel, example_batch, segment_model
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes
 
@@ -160,7 +160,7 @@ def op_costs(block: nn.Module, input_shape: Sequence[int], batches: Iterable[int
     batches = list(batches)
     try:
         return _record_costs(copy.deepcopy(block).to("meta").eval(), input_shape, batches, precision, "meta")
-    except (RuntimeError, NotImplementedError) as on_meta:
+    except Exception as on_meta:  # a leaf that reads values (NMS, say), or a TorchScript module, which moves to no meta device
         device = next(block.parameters(), torch.empty(0)).device
         try:
             return _record_costs(block.eval(), input_shape, batches, precision, device)
@@ -175,12 +175,14 @@ def op_costs(block: nn.Module, input_shape: Sequence[int], batches: Iterable[int
 
 def _record_costs(block: nn.Module, input_shape: Sequence[int], batches: list[int], precision: Precision, device) -> dict[int, OpCosts]:
     element_bytes = 2 if precision == "fp16" else 4
-    make_input = torch.empty if str(device) == "meta" else torch.randn
     costs = {}
     for batch in batches:
         recorder = _OpRecorder()
+        example = (
+            torch.empty((batch, *input_shape), device=device) if str(device) == "meta" else example_batch(block, input_shape, batch, device)
+        )
         with torch.inference_mode(), recorder:
-            block(make_input((batch, *input_shape), device=device))
+            block(example)
         ops = np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
         costs[batch] = OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * element_bytes, outputs=ops[:, 2])
     return costs
@@ -294,12 +296,14 @@ def cut_by_estimate(
     spec: GPUSpec,
     constants: Constants = CALIBRATED,
     precision: Precision = "tf32",
+    leaf_modules: Iterable[str] = (),
 ) -> BlockedModel:
     """``module`` cut into ``num_blocks`` blocks of equal estimated batch-1 latency on ``spec``: a
-    cut decided without a device, so every kind of a cluster times the same blocks."""
+    cut decided without a device, so every kind of a cluster times the same blocks (``leaf_modules``:
+    see :func:`~daskpipe.profiles.fx.segment_model`)."""
     if example_input is None:
         raise ProfileError("estimate_profile needs example_input to cut a plain module into blocks")
-    segmented = segment_model(module.eval(), example_input[:1])
+    segmented = segment_model(module, example_input, leaf_modules)
     if segmented.num_segments < num_blocks:
         raise ProfileError(f"model has only {segmented.num_segments} cut segments; ask for at most that many blocks")
     segments = segmented.segments()

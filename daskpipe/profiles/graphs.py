@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -123,4 +124,6 @@ def device_runner(
     compute: Callable[[torch.Tensor], torch.Tensor] = graphs or (lambda x: module(x.to(device).to(dtype)))
     if not to_host:
         return compute
-    return lambda x: compute(x).cpu()
+    return lambda x: tree_map(
+        lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, compute(x)
+    )  # a model's last block may return dicts and lists

@@ -191,9 +191,7 @@ def profile_model(
     """
     _check_settings(slices, repeats, cpu_threads)
     device = torch.device(device)
-    module = module.eval()
-    home = next(module.parameters(), example_input).device
-    segmented = segment_model(module, example_input[:1].to(home))
+    segmented = segment_model(module, example_input)
     if segmented.num_segments < num_blocks:
         raise ValueError(f"{name}: has only {segmented.num_segments} single-tensor cut segments; ask for at most that many blocks")
     report = progress or (lambda stage, done, total: None)
@@ -434,9 +432,8 @@ def timing_summary(timings: Sequence[Timing], chain_ratios: dict[int, float] | N
 
 
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device, *, host: bool = False) -> torch.Tensor:
-    """A random input of ``block`` at ``batch``; on the host if ``host`` (a stage's first block takes it from there)."""
-    shape = blocked.input_shape if block == 0 else blocked.boundary_shapes[block - 1]
-    return torch.randn((batch, *shape), device="cpu" if host else device)
+    """An input of ``block`` at ``batch`` (:meth:`BlockedModel.example`); on the host if ``host`` (a stage's first block takes it from there)."""
+    return blocked.example(block, batch, "cpu" if host else device)
 
 
 # -- co-location mode: several models at once on MPS shares of one GPU -------------------------

@@ -46,20 +46,24 @@ CONFIG_KEY = "daskpipe.profile-store"
 logger = logging.getLogger(__name__)
 
 
-def model_fingerprint(module: nn.Module, example_input: torch.Tensor) -> str:
+def model_fingerprint(module: nn.Module, example_input: Any) -> str:
     """SHA-256 of what ``module`` computes: its traced graph's code, its modules' types and settings
     (the graph calls a standard layer by name only: a ReLU swapped for a Tanh, or another stride,
     leaves the code as it was), its parameters and buffers (names, dtypes, shapes and bytes), and
     the input's per-sample shape and dtype."""
-    from daskpipe.profiles.fx import segment_model
+    from daskpipe.profiles.fx import InputLayout, segment_model
 
     digest = hashlib.sha256()
-    digest.update(segment_model(module, example_input[:1]).traced.code.encode())
+    digest.update(segment_model(module, example_input).code.encode())
     digest.update(repr(module).encode())
     for name, tensor in module.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    digest.update(f"input:{tuple(example_input.shape[1:])}:{example_input.dtype}".encode())
+    if isinstance(example_input, torch.Tensor):
+        digest.update(f"input:{tuple(example_input.shape[1:])}:{example_input.dtype}".encode())
+    else:
+        inputs = InputLayout.of(example_input)
+        digest.update(f"input:{inputs.spec}:{inputs.shapes}:{inputs.dtypes}".encode())
     return digest.hexdigest()
 
 

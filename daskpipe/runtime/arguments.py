@@ -30,7 +30,16 @@ def check_module(what: str, value: Any) -> None:
 
 
 def check_example(what: str, value: Any) -> None:
-    """``value`` is a dense, batched tensor with values: it fixes the shape and dtype requests must have."""
+    """``value`` is a dense, batched tensor with values, or a tuple (positional arguments) or dict
+    (keyword arguments) of them: it fixes the form, shapes and dtypes requests must have."""
+    if isinstance(value, tuple) and value:
+        for index, item in enumerate(value):
+            check_example(f"{what}[{index}]", item)
+        return
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            check_example(f"{what}[{key!r}]", item)
+        return
     problem = None
     if not isinstance(value, torch.Tensor):
         problem = type(value).__name__

@@ -38,7 +38,7 @@ from daskpipe.runtime import messages
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.inputs import inline_input_bytes, wire_input
 from daskpipe.runtime.streams import ImmediateSend, open_comm
-from daskpipe.runtime.tensors import from_wire
+from daskpipe.runtime.tensors import unwire_output
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class ServedFuture(Future):
             if not state.wait_landed(timeout):
                 raise TimeoutError(f"timed out after {timeout} s.")
             if state.output_in_hand:
-                return from_wire(state.output)
+                return unwire_output(state.output)
         return super().result(timeout)
 
     @property
@@ -189,7 +189,7 @@ class ServedFuture(Future):
         assert state is not None, "a future made with its client is bound at construction"
         await state.wait()
         if isinstance(state, LandedState) and state.output_in_hand:
-            return from_wire(state.output)
+            return unwire_output(state.output)
         return await super()._result(raiseit)
 
 

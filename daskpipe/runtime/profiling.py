@@ -46,7 +46,9 @@ Kind = tuple[str, int]
 PROFILE_KEY_PREFIX = "daskpipe-profile-"
 """Every profiling task's key starts with this (then the model and the kind)."""
 CUT_REFERENCE_GPU = "L4"
-"""Blocks are cut by estimated cost on the cluster's first catalog GPU type, or this one (PPipe's SLO reference) on CPU-only clusters."""
+"""Blocks are cut by estimated cost on this GPU type (PPipe's SLO reference) on every cluster, whatever
+its GPU types and the order its workers registered in: the same model, example and block count give
+the same blocks everywhere, which the profile store's keys rely on."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class ProfilingOptions:
     """How ``deploy`` profiles the models it is not given profiles of; a bad field fails here, named.
 
     ``num_blocks``: most blocks a model is cut into (fewer where its graph has fewer segments).
+    ``leaf_modules``: submodules (qualified names such as ``roi_heads``, or class names) kept whole
+    inside a block, as those fx cannot trace are (docs/deploying.md, "What models can be served").
     ``batch_sizes``: the batch sizes timed; an int ``B`` means 1..B. ``store``: a folder of
     measured tables (docs/profiles.md): each kind found there is not profiled again, each kind
     measured is added; default: the Dask config key ``daskpipe.profile-store``; neither: nothing
@@ -65,9 +69,12 @@ class ProfilingOptions:
     batch_sizes: int | Sequence[int] = (1, 2, 4, 8)
     store: str | os.PathLike | None = None
     timeout_s: float | None = None
+    leaf_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_count("num_blocks", self.num_blocks)
+        if isinstance(self.leaf_modules, str) or not all(isinstance(name, str) for name in self.leaf_modules):
+            raise DeployError(f"leaf_modules must be a tuple of module names, got {self.leaf_modules!r}")
         sizes = [self.batch_sizes] if isinstance(self.batch_sizes, numbers.Integral) else self.batch_sizes
         if isinstance(self.batch_sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
             raise DeployError(f"batch_sizes must be an integer >= 1 or a sequence of them, got {self.batch_sizes!r}")
@@ -132,26 +139,28 @@ def profile_on_cluster(
     slots: list[WorkerSlot],
     name: str,
     module: nn.Module,
-    example: torch.Tensor,
+    example: Any,
     *,
     slo_us: float | None,
     num_blocks: int,
     batch_sizes: int | Sequence[int],
     store: ProfileStore | None = None,
     timeout_s: float | None = None,
+    leaf_modules: Sequence[str] = (),
 ) -> ClusterProfile:
     """``name``'s profile on every kind of ``slots``: measured (or read from ``store``) where a real
-    worker has the kind, estimated where none has; see the module docstring."""
+    worker has the kind, estimated where none has; see the module docstring. ``module`` itself is
+    not changed (:func:`~daskpipe.profiles.fx.served_copy`)."""
     from daskpipe.profiles.catalog import load_catalog
     from daskpipe.profiles.estimator import cut_by_estimate, estimate_kinds
-    from daskpipe.profiles.fx import segment_model
+    from daskpipe.profiles.fx import segment_model, served_copy
 
-    module = module.eval()
+    module = served_copy(module)
     catalog = load_catalog()
     probes = _probes(client, slots)
-    reference = next((g for g, _ in probes if g in catalog), next((s.gpu for s in slots if s.gpu in catalog), CUT_REFERENCE_GPU))
-    num_blocks = min(num_blocks, segment_model(module, example[:1]).num_segments)
-    blocked = cut_by_estimate(module, example[:1], num_blocks, catalog[reference])
+    segmented = segment_model(module, example, leaf_modules)
+    num_blocks = min(num_blocks, segmented.num_segments)
+    blocked = cut_by_estimate(module, example, num_blocks, catalog[CUT_REFERENCE_GPU], leaf_modules=leaf_modules)
     sizes = normalise_batch_sizes(batch_sizes)
     fingerprint = model_fingerprint(module, example) if store is not None else None
     keys: dict[Kind, MeasurementKey] = {}
@@ -239,7 +248,8 @@ def profile_on_cluster(
             "segment_boundaries": blocked.segment_boundaries,
             "batch_sizes": sizes,
             **({"fingerprint": fingerprint} if fingerprint else {}),
-            "cut": f"equal estimated batch-1 cost on {reference}",
+            "cut": f"equal estimated batch-1 cost on {CUT_REFERENCE_GPU}",
+            **({"leaf_modules": segmented.leaves} if segmented.leaves else {}),
             "tables": origin,
             "measurements": measurements,
             **({"calibration": calibration} if unmeasured else {}),

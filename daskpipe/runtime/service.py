@@ -23,7 +23,7 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -35,7 +35,7 @@ from torch import nn
 from daskpipe.config import ConfigError, check_settings
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
-from daskpipe.profiles.fx import SegmentationError
+from daskpipe.profiles.fx import BlockedModel, InputLayout, SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import configured_store
 from daskpipe.runtime.arguments import check_deploy_arguments
@@ -110,6 +110,41 @@ class InputSpec:
         if not self.allow_nonfinite and not _finite(x, values):
             raise InvalidRequest(f"input of model {model!r} holds NaN or Inf values; deploy with allow_nonfinite=True to serve such inputs")
         return int(x.shape[0]), values.tobytes() if values is not None else encode_input(x)
+
+
+@dataclass(frozen=True)
+class PackedInputSpec(InputSpec):
+    """What a request of a model with several arguments, or integer ones, must look like: the
+    example's form (:func:`~daskpipe.profiles.fx.call_arguments`), each argument as the example's;
+    it travels as one row of bytes per sample, which the model's first block unpacks."""
+
+    layout: InputLayout = field(kw_only=True)
+
+    def admit(self, model: str, x: Any) -> tuple[int, bytes]:
+        try:
+            leaves = self.layout.leaves(x)
+        except SegmentationError as exc:
+            raise InvalidRequest(f"input of model {model!r}: {exc}") from exc
+        rows = []
+        for index, (leaf, shape, dtype) in enumerate(zip(leaves, self.layout.shapes, self.layout.dtypes)):
+            try:
+                samples, raw = InputSpec(shape, dtype, self.max_samples, self.allow_nonfinite).admit(model, leaf)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"argument {index} of the request: {exc}") from exc
+            rows.append(np.frombuffer(raw, dtype=np.uint8).reshape(samples, -1))
+        if len({len(row) for row in rows}) != 1:
+            raise InvalidRequest(
+                f"the arguments of a request of model {model!r} must hold the same number of samples, got {[len(r) for r in rows]}"
+            )
+        return len(rows[0]), np.concatenate(rows, axis=1).tobytes()
+
+
+def request_spec(blocked: BlockedModel, profile: Profile, example: Any, max_samples: int, allow_nonfinite: bool) -> InputSpec:
+    """What the requests of the model ``blocked`` serves must look like (its ``example``'s form)."""
+    layout = blocked.inputs or InputLayout.of(example)
+    if layout.packed:
+        return PackedInputSpec(layout.wire_shape, layout.wire_dtype, max_samples, allow_nonfinite, layout=layout)
+    return InputSpec(tuple(profile.input_shape or layout.shapes[0]), layout.dtypes[0], max_samples, allow_nonfinite)
 
 
 def host_array(x: torch.Tensor) -> np.ndarray | None:
@@ -445,7 +480,7 @@ def deploy(
     for name in names:
         try:
             if name in profiles:
-                blocked[name] = cut_blocks(name, models[name], example_inputs[name], profiles[name])
+                blocked[name] = cut_blocks(name, models[name], example_inputs[name], profiles[name], profiling.leaf_modules)
             else:
                 slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
                 measured = profile_on_cluster(
@@ -459,6 +494,7 @@ def deploy(
                     batch_sizes=profiling.batch_sizes,
                     store=store,
                     timeout_s=profiling.timeout_s,
+                    leaf_modules=profiling.leaf_modules,
                 )
                 profiles[name], blocked[name] = measured.profile, measured.blocked
                 slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
@@ -492,8 +528,7 @@ def deploy(
             raise DeployError(
                 f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from"
             )
-        shape = profiles[name].input_shape or tuple(example_inputs[name].shape[1:])
-        specs[name] = InputSpec(tuple(shape), example_inputs[name].dtype, model_plan.max_batch, allow_nonfinite)
+        specs[name] = request_spec(blocked[name], profiles[name], example_inputs[name], model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
     launches = ppipe_launches(
         plan,
@@ -580,11 +615,11 @@ def inventory(client: Client) -> list[WorkerSlot]:
     return [WorkerSlot.from_msg(s) for s in listed]
 
 
-def cut_blocks(name: str, module: nn.Module, example: torch.Tensor, profile: Profile):
-    """``module`` cut into the blocks its profile was measured on (the boundaries it records)."""
+def cut_blocks(name: str, module: nn.Module, example: Any, profile: Profile, leaf_modules: Sequence[str] = ()) -> BlockedModel:
+    """``module`` cut into the blocks its profile was measured on (the boundaries and leaf modules it records)."""
     from daskpipe.profiles.fx import cut_model
 
     bounds = profile.meta.get("segment_boundaries")
     if not bounds:
         raise DeployError(f"profile of {name!r} has no meta.segment_boundaries, so its blocks cannot be rebuilt; profile it with daskpipe")
-    return cut_model(module, example, bounds)
+    return cut_model(module, example, bounds, [*leaf_modules, *profile.meta.get("leaf_modules", [])])

@@ -53,7 +53,7 @@ from daskpipe.runtime.fetch import InputFetches
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Streams
-from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, pack_tensor, wire_tensor
+from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, output_nbytes, pack_output, split_output, wire_output, wire_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ class Stage:
             )
             return
         outputs = dict(zip(batch["keys"], output))
-        nbytes = [t.nbytes for t in output]
+        nbytes = [output_nbytes(t) for t in output]
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
         done = {
@@ -367,7 +367,7 @@ class Stage:
         }
         wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
         told: list[str] = []
-        wired = [wire_tensor(t) for t in output]  # small ones packed, large ones frames of their own
+        wired = [wire_output(t) for t in output]  # small ones packed, large ones frames of their own
         keys = done["keys"]
         for client in wanted:  # the clients first: DONE follows in the same loop turn, and a client
             # takes a round trip to ask the scheduler about a key (a ``gather`` that wins that race
@@ -383,7 +383,7 @@ class Stage:
                 pass
         done["told"] = told
         if (len(told) < len(wanted) or not wanted) and sum(nbytes) <= INLINE_OUTPUT_BYTES:
-            done["outputs"] = [pack_tensor(t) for t in output]  # the scheduler tells the others, with the small outputs
+            done["outputs"] = [pack_output(t) for t in output]  # the scheduler tells the others, with the small outputs
         done["written_s"] = time.time() - ran[1]  # after the clients' writes: the control path's ``done_worker``
         slot.report(worker, done)
         if told and "outputs" not in done:  # every client holds its outputs
@@ -408,7 +408,7 @@ class Stage:
                 y = self._forward(x)
             if split is None:
                 return y.to(FEATURE_MAP_DTYPE).cpu()
-            return [chunk.clone() for chunk in torch.split(y.cpu(), list(split))]
+            return split_output(y, split)
 
     def _device_forward(self, max_batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """On the compute thread: the partition's forward on its device; on a real GPU replayed as

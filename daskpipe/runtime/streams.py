@@ -31,6 +31,7 @@ from distributed.comm import utils as comm_utils
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.tensors import packed_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def bulk_nbytes(messages: list[dict[str, Any]]) -> float:
         inputs: list[Any] = message.get("inputs") or []
         outputs: list[dict[str, Any]] = message.get("outputs") or []
         data = message.get("data")
-        total += sum(len(raw) for raw in inputs if isinstance(raw, bytes)) + sum(len(packed["bytes"]) for packed in outputs)
+        total += sum(len(raw) for raw in inputs if isinstance(raw, bytes)) + sum(packed_nbytes(packed) for packed in outputs)
         if isinstance(data, dict):
             total += len(data["bytes"])
     return total

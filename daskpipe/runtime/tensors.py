@@ -11,10 +11,11 @@ Request inputs are raw bytes, not tensors: :mod:`daskpipe.runtime.inputs`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from distributed.protocol import to_serialize
+from torch.utils._pytree import tree_leaves, tree_map
 
 from daskpipe.runtime.inputs import FRAME_BYTES
 
@@ -33,6 +34,79 @@ def unpack_tensor(packed: dict[str, Any]) -> torch.Tensor:
     if not packed["bytes"]:
         return torch.empty(packed["shape"], dtype=dtype)
     return torch.frombuffer(bytearray(packed["bytes"]), dtype=dtype).reshape(packed["shape"])
+
+
+def pack_output(output: Any) -> Any:
+    """A request's output (a tensor, or tuples, lists and dicts of them, as the model returns) as
+    msgpack-able values; :func:`unpack_output` rebuilds it. Containers are tagged, so that a dict
+    the model returns is never read as a packed tensor."""
+    if isinstance(output, torch.Tensor):
+        return pack_tensor(output)
+    if isinstance(output, (tuple, list)):
+        return {"tuple" if isinstance(output, tuple) else "list": [pack_output(item) for item in output]}
+    if isinstance(output, dict):
+        return {"dict": [[key, pack_output(value)] for key, value in output.items()]}
+    return {"value": output}
+
+
+def unpack_output(packed: dict[str, Any]) -> Any:
+    if "bytes" in packed:
+        return unpack_tensor(packed)
+    if "tuple" in packed:
+        return tuple(unpack_output(item) for item in packed["tuple"])
+    if "list" in packed:
+        return [unpack_output(item) for item in packed["list"]]
+    if "dict" in packed:
+        return {key: unpack_output(value) for key, value in packed["dict"]}
+    return packed["value"]
+
+
+def packed_nbytes(packed: dict[str, Any]) -> int:
+    """Bytes of the tensors in an output :func:`pack_output` packed."""
+    if "bytes" in packed:
+        return len(packed["bytes"])
+    items = packed.get("tuple") or packed.get("list") or [value for _, value in packed.get("dict", [])]
+    return sum(packed_nbytes(item) for item in items)
+
+
+def output_nbytes(output: Any) -> int:
+    """Bytes of the tensors in a request's output."""
+    if isinstance(output, torch.Tensor):  # the common case, on every request's way: no tree walk
+        return output.nbytes
+    return sum(t.nbytes for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+def split_output(output: Any, sizes: Sequence[int]) -> list[Any]:
+    """A batch's output as one output per request of ``sizes`` samples, each copied out of the
+    batch so that it frees alone, on the host: a tensor by rows; a list with one entry per sample
+    (as detection models return) by entries; any other tuple, list or dict by its tensors' rows."""
+    if isinstance(output, torch.Tensor):
+        return [chunk.clone() for chunk in torch.split(output.cpu(), list(sizes))]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    total = bounds[-1]
+    on_host = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, output)
+    if isinstance(output, list) and len(output) == total and not all(isinstance(item, torch.Tensor) for item in output):
+        return [on_host[a:b] for a, b in zip(bounds, bounds[1:])]
+    tensors = [t for t in tree_leaves(on_host) if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.dim() == 0 or t.shape[0] != total for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensors"
+        raise ValueError(
+            f"cannot split an output of {type(output).__name__} holding tensors {shapes} into requests of {list(sizes)} samples"
+        )
+    return [tree_map(lambda t: t[a:b].clone() if isinstance(t, torch.Tensor) else t, on_host) for a, b in zip(bounds, bounds[1:])]
+
+
+def wire_output(output: Any) -> Any:
+    """What to put in a message for a request's output: packed when its tensors are small
+    (:func:`pack_output`), else a Dask frame of its own, tagged; :func:`unwire_output` reads either."""
+    return pack_output(output) if output_nbytes(output) <= PACKED_BYTES else {"frame": to_serialize(output)}
+
+
+def unwire_output(value: dict[str, Any]) -> Any:
+    """The output :func:`wire_output` sent (Dask has already deserialized a frame)."""
+    return value["frame"] if "frame" in value else unpack_output(value)
 
 
 def wire_tensor(t: torch.Tensor) -> Any:

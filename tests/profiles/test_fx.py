@@ -12,6 +12,7 @@ from torch import nn
 
 from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles import SegmentationError, cut_model, segment_model
+from daskpipe.profiles.fx import ResumedModel, UncutModel, UncutWarning
 
 
 class TinyResidualNet(nn.Module):
@@ -138,27 +139,67 @@ class Branchy(nn.Module):
         return -x
 
 
-class TwoOutputs(nn.Module):
-    def forward(self, x: torch.Tensor):
-        return x, x
+class BranchyHead(nn.Module):
+    """A traceable body and a head that reads its input's values, as a detector's post-processing does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.head = Branchy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
 
 
-class TwoInputs(nn.Module):
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x + y
+class ShapeAtTheEnd(nn.Module):
+    """Reads its input's shape first and uses it last, as torchvision's segmentation models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, padding=1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        size = x.shape[-2:]
+        return {"out": nn.functional.interpolate(self.body(x), size=size)}
+
+
+def test_a_model_fx_cannot_trace_is_served_whole_and_says_why():
+    with pytest.warns(UncutWarning, match="Branchy is served whole.*torch.fx cannot trace it"):
+        segmented = segment_model(Branchy().eval(), torch.randn(1, 4))
+    assert isinstance(segmented, UncutModel) and segmented.num_segments == 1
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(segmented.cut([0, 1]).run(x), Branchy()(x))
+
+
+@pytest.mark.parametrize("leaf_modules", [(), ("head",), ("Branchy",)], ids=["found", "by-name", "by-class"])
+def test_an_untraceable_submodule_is_kept_whole_and_the_rest_is_cut(leaf_modules):
+    module = BranchyHead().eval()
+    segmented = segment_model(module, torch.randn(1, 4), leaf_modules)
+    assert segmented.leaves == ["head"] and segmented.num_segments == 5
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(segmented.segments().run(x, fp16_boundaries=False), module(x))
+
+
+def test_shapes_read_at_the_start_cross_cuts_as_constants():
+    module = ShapeAtTheEnd().eval()
+    segmented = segment_model(module, torch.randn(1, 3, 16, 16))
+    assert segmented.num_segments >= 3 and segmented.cut_shapes[-1] == (4 * 16 * 16,)
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(segmented.segments().run(x, fp16_boundaries=False), module(x))
 
 
 @pytest.mark.parametrize(
-    "module, message",
+    "example, message",
     [
-        (Branchy(), "torch.fx cannot trace Branchy"),
-        (TwoOutputs(), "must return a single tensor"),
-        (TwoInputs(), "takes 2 inputs"),
+        (torch.randn(1, 3, 8, 8, dtype=torch.float16), "should be the same"),
+        (torch.randn(1, 1, 8, 8), "expected input.* to have 3 channels, but got 1 channels"),
     ],
+    ids=["fp16-example", "one-channel-example"],
 )
-def test_clear_errors(module, message):
-    with pytest.raises(SegmentationError, match=message):
-        segment_model(module, torch.randn(1, 4))
+def test_a_wrong_example_fails_with_torchs_own_message_and_the_module(example, message):
+    with pytest.raises(SegmentationError, match=message) as failed:
+        segment_model(TinyResidualNet().eval(), example)
+    assert "module 'stem.0'" in str(failed.value) and str(tuple(example.shape)) in str(failed.value)
 
 
 def test_bad_boundaries():
@@ -167,5 +208,28 @@ def test_bad_boundaries():
         segmented.cut([0, 2])
     with pytest.raises(SegmentationError, match="strictly increasing"):
         segmented.cut([0, 2, 2, segmented.num_segments])
-    with pytest.raises(SegmentationError, match="batched tensor"):
+    with pytest.raises(SegmentationError, match="must be a batched tensor"):
         segment_model(TinyResidualNet(), torch.tensor(1.0))
+
+
+class LoopsOverItsInput(nn.Module):
+    """A backbone fx can trace, inside a forward it cannot (a loop over the batch), returning one dict per sample: a detector's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        widths = [row.shape[0] for row in x]
+        return [{"features": f.relu(), "width": torch.tensor(w)} for f, w in zip(self.backbone(x), widths)]
+
+
+def test_an_untraceable_forward_is_cut_inside_its_traceable_submodule():
+    module = LoopsOverItsInput().eval()
+    with pytest.warns(UncutWarning, match="cut inside its submodule 'backbone' only"):
+        segmented = segment_model(module, torch.randn(1, 4))
+    assert isinstance(segmented, ResumedModel) and segmented.num_segments >= 3
+    blocked = segmented.cut([0, 1, 2, segmented.num_segments])
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(pickle.loads(pickle.dumps(blocked)).run(x, fp16_boundaries=False), module(x))

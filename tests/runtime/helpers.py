@@ -82,14 +82,19 @@ def two_stage(
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta={"segment_boundaries": bounds},
     )
-    at_batch = per_block[:, batch - 1]
-    throughput = vgpus * batch / (at_batch.max() * 1e-6)
-    partitions = tuple(Partition(blocks=(i, i + 1), gpu=gpus[i], slices=1, vgpus=vgpus, latency_us=float(at_batch[i])) for i in range(2))
+    return profile, two_pool_plan(profile, 1, gpus, batch, vgpus)
+
+
+def two_pool_plan(profile: Profile, boundary: int, gpus: tuple[str, str] = ("L4", "T4"), batch: int = BATCH, vgpus: int = 1) -> Plan:
+    """One pipeline of ``profile``'s model at ``batch``: blocks [0, boundary) on ``vgpus`` ``gpus[0]``
+    slots, the rest on ``vgpus`` ``gpus[1]`` slots."""
+    spans = [(0, boundary), (boundary, profile.num_blocks)]
+    latency = [profile.latency(gpu, 1, batch, start, end) for gpu, (start, end) in zip(gpus, spans)]
+    throughput = vgpus * batch / (max(latency) * 1e-6)
+    partitions = tuple(Partition(blocks=span, gpu=gpu, slices=1, vgpus=vgpus, latency_us=us) for span, gpu, us in zip(spans, gpus, latency))
     pipeline = Pipeline(batch_size=batch, throughput=throughput, partitions=partitions)
-    plan = Plan(
-        objective=throughput, models=(ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),)
-    )
-    return profile, plan
+    model = ModelPlan(name=profile.model, slo_us=profile.slo_us, weight=1.0, throughput=throughput, pipelines=(pipeline,))
+    return Plan(objective=throughput, models=(model,))
 
 
 def with_test_dispatcher(client: Client, scheduler) -> None:

@@ -4,12 +4,24 @@ scheduler forwards as they came."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from distributed.protocol import to_serialize
 from distributed.protocol.core import dumps, loads
 
 from daskpipe.runtime.inputs import input_nbytes, wire_input
-from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, wire_tensor
+from daskpipe.runtime.tensors import (
+    PACKED_BYTES,
+    from_wire,
+    output_nbytes,
+    pack_output,
+    packed_nbytes,
+    split_output,
+    unpack_output,
+    unwire_output,
+    wire_output,
+    wire_tensor,
+)
 
 
 def through_the_scheduler(message: dict, compression: str | None = None) -> tuple[list, dict, dict]:
@@ -50,3 +62,29 @@ def test_tensors_travel_packed_up_to_the_limit_and_as_dask_frames_beyond():
     assert isinstance(wire_tensor(small), dict)
     for sent, received in zip((small, large), got["data"]):
         torch.testing.assert_close(from_wire(received), sent)
+
+
+def test_outputs_of_any_form_split_per_request_and_pack_as_they_were():
+    boxes = [torch.randn(k, 4) for k in (2, 0, 3)]
+    per_sample = [{"boxes": b, "labels": torch.arange(len(b))} for b in boxes]  # a detector's: one dict per sample
+    assert [len(part) for part in split_output(per_sample, [2, 1])] == [2, 1]
+    batched = {"out": torch.randn(3, 2), "aux": (torch.randn(3), None)}  # a segmentation model's: rows of the batch
+    first, second = split_output(batched, [1, 2])
+    torch.testing.assert_close(second["out"], batched["out"][1:])
+    assert second["aux"][1] is None and first["aux"][0].shape == (1,)
+    with pytest.raises(ValueError, match="cannot split"):
+        split_output({"total": torch.tensor(1.0)}, [1, 2])
+    for output in (per_sample, first, torch.randn(2, 3)):
+        packed = loads(dumps(pack_output(output)))  # msgpack gives lists back as tuples
+        torch.testing.assert_close(unpack_output(packed), output)
+        assert packed_nbytes(packed) == output_nbytes(output)
+
+
+def test_an_output_of_any_size_and_form_crosses_the_wire_and_reads_back_as_it_was():
+    small = {"out": torch.randn(2, 3), "aux": [torch.arange(4)]}
+    large = {"out": torch.randn(PACKED_BYTES // 4 + 1), "aux": (torch.zeros(2),)}
+    for output in (small, large, torch.randn(5)):
+        got = loads(dumps({"op": "daskpipe-resolved", "outputs": [wire_output(output)]}))["outputs"][0]
+        back = unwire_output(got)
+        torch.testing.assert_close(back, output)
+    assert "frame" in wire_output(large) and "frame" not in wire_output(small)
