@@ -276,7 +276,7 @@ def run_capacity(
             client.wait_for_workers(SLOTS, timeout=READY_S)
             svc = daskpipe.deploy(
                 client,
-                {MODEL: KeepEvery64th()},
+                {MODEL: KeepEvery64th().eval()},
                 example_inputs={MODEL: torch.zeros(1, *input_shape)},
                 plan=plan,
                 profiles={MODEL: profile},
