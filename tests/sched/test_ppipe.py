@@ -16,6 +16,9 @@ from tests.sched.helpers import BW_GBPS, MS, fig5, model, profile, req, split, w
 
 
 def dispatcher(plan: ModelPlan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> PPipeDispatcher:
+    """Batches wait as in the paper (``join_chance=None``) unless a test asks otherwise: these
+    tests build batches from requests submitted one at a time, with nothing else outstanding."""
+    settings.setdefault("join_chance", None)
     if placement is None:
         placement = place(Plan(0.0, (plan,)))["m"]
     return PPipeDispatcher(plan, placement, profile(slo_ms), bw_gbps=BW_GBPS, settings=PPipeSettings(**settings))
