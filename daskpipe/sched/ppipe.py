@@ -148,8 +148,8 @@ class PPipeSettings:
         takes its compute, not its SLO; under load the next request is all but sure to come, and
         batches wait as before. ``None`` (paper, artifact): a batch always waits.
     arrival_window_slos
-        The arrival rate is measured over the arrivals of the last this many SLOs: one SLO or
-        two of outstanding work is enough to forget a burst that has passed.
+        ``4.0``: the arrival rate is measured over the arrivals of the last this many SLOs, about
+        three arrivals at the rate where waiting starts to pay; a burst is forgotten as soon.
     """
 
     timeline: str = "gaps"
@@ -165,7 +165,7 @@ class PPipeSettings:
     lead_batches: float | None = 1.0
     keep_full: bool = False
     join_chance: float | None = 0.5
-    arrival_window_slos: float = 2.0
+    arrival_window_slos: float = 4.0
 
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:

@@ -8,7 +8,7 @@ import pytest
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.sched.api import Dispatch, Drop, Feedback, Placement, Request, Slot
-from daskpipe.sched.drive import drive, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.drive import drive, exact_feedback, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline
@@ -335,6 +335,66 @@ def test_with_execution_as_reserved_both_policies_decide_alike(load):
             ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
         )
     assert decided[0] == decided[1]
+
+
+# -- at low load, no waiting for nothing (join_chance) ----------------------------------------------------
+def test_lone_requests_on_an_idle_pipeline_go_at_once():
+    """Ten requests 1 s apart (SLO 200 ms): nothing was outstanding when any came, so none can
+    expect another to join it; each takes its compute (10 + 1 + 20 ms), not its SLO."""
+    plan, placement = fig5()
+    d = dispatcher(plan, placement, join_chance=0.5)
+    out = drive(d, [req(i, float(i)) for i in range(10)], record=True)
+    assert [len(batch.requests) for batch in out.dispatches] == [1] * 10
+    assert all(batch.finish - r.arrival == pytest.approx(31 * MS) for batch in out.dispatches for r in batch.requests)
+
+
+def test_a_client_that_sends_once_it_has_its_answer_is_not_kept_waiting():
+    """Each request comes just after the last one's work reported done, 32 ms apart: counted over
+    all time that is 31 req/s, but none ever came while another was outstanding."""
+    plan, placement = fig5()
+    d = dispatcher(plan, placement, join_chance=0.5)
+    t = 0.0
+    for i in range(10):
+        [batch] = d.submit(req(i, t), t)
+        assert batch.finish - t < 0.3 * 200 * MS
+        for fb in exact_feedback(batch):
+            assert d.feedback(fb, fb.end) == []
+        t = batch.finish + MS
+    assert d.next_wake() is None and d.queued == 0
+
+
+def test_a_request_that_comes_while_another_is_outstanding_waits_for_more():
+    d = dispatcher(model(whole("A")), join_chance=0.5)
+    [first] = d.submit(req(0, 0.0), 0.0)  # lone: at once
+    assert first.finish == pytest.approx(20 * MS)
+    assert d.submit(req(1, 1 * MS), 1 * MS) == []  # came while the first ran: the next may too
+    assert d.next_wake() == pytest.approx((1 + 200 - 30) * MS)  # its last moment for a batch of 2
+
+
+@pytest.mark.parametrize("load", [0.4, 0.9])
+def test_under_load_batches_wait_as_the_papers(load):
+    """The next request is all but sure to come before a batch's last moment: the batches are the
+    paper's but for the first ones of the run (3.63 / 3.61 and 3.69 / 3.69 samples a batch)."""
+    prof = synthetic_profile()
+    plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
+    m = plan.models[0]
+    requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=5))
+    outcomes = []
+    for join_chance in (0.5, None):
+        d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(join_chance=join_chance))
+        outcomes.append(drive(d, requests))
+    measured, paper = outcomes
+    assert measured.dropped == paper.dropped == {} and measured.late == paper.late == 0
+    assert measured.dispatched / measured.batches == pytest.approx(paper.dispatched / paper.batches, rel=0.02)
+
+
+def test_join_settings_are_checked():
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="join_chance"):
+            PPipeSettings(join_chance=bad)
+    with pytest.raises(ValueError, match="arrival_window_slos"):
+        PPipeSettings(arrival_window_slos=0.0)
+    assert PPipeSettings().join_chance == 0.5 and PPipeSettings.artifact().join_chance is None
 
 
 def test_slack_settings_are_checked():
