@@ -8,7 +8,9 @@ rate is the arrivals that find the model with work outstanding (a request queued
 finished) per second it had some: under open-loop arrivals (Poisson, which come whatever the model
 is doing) that is the arrival rate, for a closed-loop client it is 0. Both are taken over the
 arrivals of the last ``window_s`` seconds, so that a burst long past is forgotten, whatever the
-model did since.
+model did since, and as if the window began with ``prior_s`` seconds of outstanding work that no
+request joined: two requests that happen to come together (a client's pair, a chance meeting at
+low load) are not taken for a rate, and the first requests of a busy stream soon outweigh it.
 
 Pure and clock-injected: every call carries the dispatcher's ``now``.
 """
@@ -30,12 +32,15 @@ class OutstandingArrivals:
     done (``settled``, which ends the outstanding time early when execution beat the plan).
     """
 
-    __slots__ = ("window_s", "busy_until", "last_arrival", "recent", "joined", "busy_s")
+    __slots__ = ("window_s", "prior_s", "busy_until", "last_arrival", "recent", "joined", "busy_s")
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, prior_s: float) -> None:
         if not 0 < window_s < INF:
             raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
+        if not 0 < prior_s < INF:
+            raise ValueError(f"prior_s must be a positive number of seconds, got {prior_s!r}")
         self.window_s = window_s
+        self.prior_s = prior_s
         self.busy_until: Time = -INF  # work is outstanding until then, queued requests aside
         self.last_arrival: Time = -INF
         self.recent: deque[tuple[Time, float, bool]] = deque()  # (arrival, outstanding seconds since the one before, found work)
@@ -74,7 +79,5 @@ class OutstandingArrivals:
 
     @property
     def rate(self) -> float:
-        """Arrivals per second that a waiting batch could have taken (infinite for a burst at one instant)."""
-        if not self.joined:
-            return 0.0
-        return self.joined / self.busy_s if self.busy_s > 0 else INF
+        """Arrivals per second that a waiting batch could have taken."""
+        return self.joined / (self.busy_s + self.prior_s)

@@ -143,13 +143,16 @@ class PPipeSettings:
         ``0.5`` (default): a batch that is not full waits for its last moment only if the next
         request has at least this chance of arriving between its head's arrival and that moment
         (Poisson arrivals at the rate measured while the model had work outstanding,
-        :class:`~daskpipe.sched.arrivals.OutstandingArrivals`); else it goes at once, since
-        waiting would most likely grow it by nothing. A lone request on an idle pipeline then
-        takes its compute, not its SLO; under load the next request is all but sure to come, and
-        batches wait as before. ``None`` (paper, artifact): a batch always waits.
+        :class:`~daskpipe.sched.arrivals.OutstandingArrivals`); else it goes once the requests
+        that arrived at the same instant are in (a wake at once), since waiting would most
+        likely grow it by nothing. A lone request on an idle pipeline then takes its compute, not
+        its SLO; under load the next request is all but sure to come, and batches wait as
+        before. ``None`` (paper, artifact): a batch always waits.
     arrival_window_slos
-        ``4.0``: the arrival rate is measured over the arrivals of the last this many SLOs, about
-        three arrivals at the rate where waiting starts to pay; a burst is forgotten as soon.
+        ``4.0``: the arrival rate is measured over the arrivals of the last this many SLOs, as if
+        the window began with half of it outstanding and joined by none: at the rate where
+        waiting starts to pay that is about three arrivals, a pair of requests that meet by
+        chance is no rate, and a burst is forgotten as soon.
     """
 
     timeline: str = "gaps"
@@ -343,13 +346,14 @@ class PPipeDispatcher(Dispatcher):
         self._dispatch_ids = count()
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
-        self._lead_wake: Time | None = None  # when the head's batch, held back by ``lead_batches``, is to be sent
+        self._send_at: Time | None = None  # when the head's batch, held back (``lead_batches``, or to the end of an instant), is to be sent
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
         self._live: dict[
             int, tuple[tuple[Hop, ...], int, _Pipe, int]
         ] = {}  # dispatch id -> (hops, timeline corrections then, pipeline, samples), until feedback is complete
         self._live_order: deque[int] = deque()  # dispatch ids in dispatch order, to forget old records
-        self._arrivals = OutstandingArrivals(self.settings.arrival_window_slos * self.slo)
+        window_s = self.settings.arrival_window_slos * self.slo
+        self._arrivals = OutstandingArrivals(window_s, prior_s=window_s / 2)
         join_chance = self.settings.join_chance
         # arrivals a wait must expect for the next one to come with ``join_chance`` (Poisson: 1 - e^-x)
         self._expected_joins = None if join_chance is None else -math.log1p(-join_chance)
@@ -405,10 +409,14 @@ class PPipeDispatcher(Dispatcher):
         n = self._queued_samples = self._queued_samples + size
         waiting = self._waiting
         if waiting is None or waiting.epoch != self._epoch or request.deadline < waiting.deadline or self.settings.reevaluate_on_arrival:
-            return self._run(now)
-        if n < waiting.batch_size and self._worth_waiting(now, waiting.arrival, waiting.deadline - waiting.pipe.safe_work[n + 1]):
+            return self._run(now, arriving=True)
+        if (
+            n < waiting.batch_size
+            and now < (last_moment := waiting.deadline - waiting.pipe.safe_work[n + 1])
+            and self._worth_waiting(waiting.arrival, last_moment)
+        ):
             return []  # still short of the batch, and its last moment has not come
-        return self._run(now, held=waiting)
+        return self._run(now, held=waiting, arriving=True)
 
     def wake(self, now: Time) -> list[Action]:
         return self._run(now) if self._queue else []
@@ -416,7 +424,7 @@ class PPipeDispatcher(Dispatcher):
     def next_wake(self) -> Time | None:
         waiting = self._waiting
         if waiting is None:
-            return self._lead_wake if self._queue else None
+            return self._send_at if self._queue else None
         return waiting.deadline - waiting.pipe.safe_work[self._queued_samples + 1]
 
     def feedback(self, fb: Feedback, now: Time) -> list[Action]:
@@ -480,7 +488,7 @@ class PPipeDispatcher(Dispatcher):
         actions: list[Action] = []
         while self._queue:
             actions.append(self._drop(self._pop(), reason, "drained"))
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         return actions
 
     @property
@@ -571,7 +579,7 @@ class PPipeDispatcher(Dispatcher):
 
     def _after_capacity_change(self, now: Time, reason: DropReason) -> list[Action]:
         self._epoch += 1
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         actions: list[Action] = []
         if any(entry[2].size > self._max_batch for entry in self._queue):
             kept = []
@@ -707,11 +715,12 @@ class PPipeDispatcher(Dispatcher):
                 self._retail(stage.slots[i])
 
     # -- Algorithm 1 ---------------------------------------------------------------------------
-    def _run(self, now: Time, held: _Waiting | None = None) -> list[Action]:
+    def _run(self, now: Time, held: _Waiting | None = None, arriving: bool = False) -> list[Action]:
         """Algorithm 1 while requests are queued. ``held``: the head's pipeline and batch size
-        from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped."""
+        from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped.
+        ``arriving``: run on an arrival, which others may follow at the same instant."""
         actions: list[Action] = []
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         self.timeline.advance(now)
         self._arrivals.outstanding_until(now)  # a request is queued: work is outstanding until now, even if it is dropped below
         if self._live_order:
@@ -758,25 +767,26 @@ class PPipeDispatcher(Dispatcher):
                 actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
                 continue
             n = self._queued_samples
-            # short of the batch and worth waiting for; a batch past its deadline never waits
-            if n < bs and finish <= deadline and self._worth_waiting(now, head.arrival, deadline - pipe.safe_work[n + 1]):
-                self._waiting = _Waiting(pipe, bs, deadline, head.arrival, self._epoch)
-                break
+            if n < bs and finish <= deadline and now < (last_moment := deadline - pipe.safe_work[n + 1]):  # a late batch never waits
+                if self._worth_waiting(head.arrival, last_moment):
+                    self._waiting = _Waiting(pipe, bs, deadline, head.arrival, self._epoch)
+                    break
+                if arriving:  # the requests of a burst come one call each: the batch goes once all are in
+                    self._send_at = now
+                    break
             if settings.lead_batches is not None:  # not bound to a slot long before it is free
                 send_by = path[0][2] - settings.lead_batches * pipe.stages[0].compute[bs]
                 if send_by > now:
-                    self._lead_wake = send_by
+                    self._send_at = send_by
                     break
             actions.append(self._dispatch(pipe, bs, finish, path, now))
         return actions
 
-    def _worth_waiting(self, now: Time, head_arrival: Time, last_moment: Time) -> bool:
-        """Whether a batch short of its size waits: until its last moment, and with ``join_chance``
-        only if the next request is that likely to come between its head's arrival and then.
-        Counted from the arrival, not from ``now``, so that a batch that waits is not sent early
-        on a later look: under load the deferred batches are the paper's."""
-        if now >= last_moment:
-            return False
+    def _worth_waiting(self, head_arrival: Time, last_moment: Time) -> bool:
+        """Whether a batch short of its size waits for its last moment: always in the paper; with
+        ``join_chance``, if the next request is that likely to come between its head's arrival
+        and then. Counted from the arrival, not from now, so that a batch that waits is not sent
+        early on a later look: under load the deferred batches are the paper's."""
         expected = self._expected_joins
         return expected is None or self._arrivals.rate * (last_moment - head_arrival) >= expected
 

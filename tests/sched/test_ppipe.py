@@ -355,7 +355,8 @@ def test_a_client_that_sends_once_it_has_its_answer_is_not_kept_waiting():
     d = dispatcher(plan, placement, join_chance=0.5)
     t = 0.0
     for i in range(10):
-        [batch] = d.submit(req(i, t), t)
+        assert d.submit(req(i, t), t) == [] and d.next_wake() == t  # once any request of this instant is in
+        [batch] = d.wake(t)
         assert batch.finish - t < 0.3 * 200 * MS
         for fb in exact_feedback(batch):
             assert d.feedback(fb, fb.end) == []
@@ -363,12 +364,23 @@ def test_a_client_that_sends_once_it_has_its_answer_is_not_kept_waiting():
     assert d.next_wake() is None and d.queued == 0
 
 
-def test_a_request_that_comes_while_another_is_outstanding_waits_for_more():
+def test_requests_that_come_while_others_are_outstanding_make_a_batch_wait_for_more():
+    """One request that comes while another runs is a chance meeting; two in 2 ms are a rate."""
     d = dispatcher(model(whole("A")), join_chance=0.5)
-    [first] = d.submit(req(0, 0.0), 0.0)  # lone: at once
-    assert first.finish == pytest.approx(20 * MS)
-    assert d.submit(req(1, 1 * MS), 1 * MS) == []  # came while the first ran: the next may too
-    assert d.next_wake() == pytest.approx((1 + 200 - 30) * MS)  # its last moment for a batch of 2
+    for i in range(2):
+        assert d.submit(req(i, i * MS), i * MS) == []
+        [batch] = d.wake(i * MS)
+        assert batch.requests[0].id == i and batch.finish == pytest.approx((20 + 20 * i) * MS)
+    assert d.submit(req(2, 2 * MS), 2 * MS) == []
+    assert d.next_wake() == pytest.approx((2 + 200 - 30) * MS)  # its last moment for a batch of 2
+
+
+def test_a_burst_of_a_full_batch_at_one_instant_goes_as_one_batch():
+    d = dispatcher(model(whole("A")), join_chance=0.5)
+    for i in range(3):
+        assert d.submit(req(i, 0.0), 0.0) == []
+    [batch] = d.submit(req(3, 0.0), 0.0)
+    assert [r.id for r in batch.requests] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("load", [0.4, 0.9])

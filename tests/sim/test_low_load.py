@@ -39,12 +39,13 @@ def test_ten_lone_requests_on_an_idle_cluster_finish_in_their_compute(toy):
 @pytest.mark.parametrize("load", [0.5, 0.9])
 def test_under_load_the_deferred_batches_are_kept(load):
     """One stage at batch 8 on 2 GPUs, where a batch waits for its head's last moment at low load:
-    the same attainment and batches (a first batch or two go alone before the rate is measured)."""
+    the same attainment, and as few batches short of 8 once the rate is measured (the first three
+    or four requests of a run go alone: 4 of 140 batches at 0.5)."""
     plan, profiles = batching_plan()
     results = [
-        simulate(plan, profiles, SimulationConfig(duration=5.0, seed=1, settings=settings), load_factor=load).models["g"]
-        for settings in (None, PAPER)
+        simulate(plan, profiles, SimulationConfig(duration=5.0, seed=1, settings=settings), load_factor=load) for settings in (None, PAPER)
     ]
-    measured, paper = results
-    assert measured.attainment == pytest.approx(paper.attainment, abs=0.002)
-    assert measured.mean_batch_size == pytest.approx(paper.mean_batch_size, rel=0.01)
+    measured, paper = ([d.batch_size for at, d in result.runs["g"][1].dispatches if at > 0.1] for result in results)
+    assert results[0].models["g"].attainment == pytest.approx(results[1].models["g"].attainment, abs=0.002)
+    assert sum(size < 8 for size in measured) <= sum(size < 8 for size in paper) + 1
+    assert sum(measured) == pytest.approx(sum(paper), rel=0.01)
