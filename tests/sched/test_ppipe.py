@@ -8,7 +8,7 @@ import pytest
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.sched.api import Dispatch, Drop, Feedback, Placement, Request, Slot
-from daskpipe.sched.drive import drive, exact_feedback, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.drive import Outcome, drive, exact_feedback, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline
@@ -321,19 +321,24 @@ def test_last_moment_dispatch_ignores_the_measures():
     assert d.next_wake() == pytest.approx(30.0 + (200 - 30) * MS)
 
 
-@pytest.mark.parametrize("load", [0.4, 1.5])
-def test_with_execution_as_reserved_both_policies_decide_alike(load):
+def synthetic_outcomes(load: float, *variants: PPipeSettings, record: bool = False) -> list[Outcome]:
+    """The same 3000 Poisson requests at ``load`` times the synthetic plan's rate (3 L4, 8 P4), once per settings."""
     prof = synthetic_profile()
     plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
     m = plan.models[0]
     requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=5))
-    decided = []
-    for quantile in (0.95, None):
-        d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(slack_quantile=quantile))
-        out = drive(d, requests, record=True)
-        decided.append(
-            ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
-        )
+    return [
+        drive(PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=settings), requests, record=record)
+        for settings in variants
+    ]
+
+
+@pytest.mark.parametrize("load", [0.4, 1.5])
+def test_with_execution_as_reserved_both_policies_decide_alike(load):
+    decided = [
+        ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
+        for out in synthetic_outcomes(load, PPipeSettings(slack_quantile=0.95), PPipeSettings(slack_quantile=None), record=True)
+    ]
     assert decided[0] == decided[1]
 
 
@@ -386,16 +391,8 @@ def test_a_burst_of_a_full_batch_at_one_instant_goes_as_one_batch():
 @pytest.mark.parametrize("load", [0.4, 0.9])
 def test_under_load_batches_wait_as_the_papers(load):
     """The next request is all but sure to come before a batch's last moment: the batches are the
-    paper's but for the first ones of the run (3.63 / 3.61 and 3.69 / 3.69 samples a batch)."""
-    prof = synthetic_profile()
-    plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
-    m = plan.models[0]
-    requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=5))
-    outcomes = []
-    for join_chance in (0.5, None):
-        d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(join_chance=join_chance))
-        outcomes.append(drive(d, requests))
-    measured, paper = outcomes
+    paper's but for the first ones of the run."""
+    measured, paper = synthetic_outcomes(load, PPipeSettings(), PPipeSettings(join_chance=None))
     assert measured.dropped == paper.dropped == {} and measured.late == paper.late == 0
     assert measured.dispatched / measured.batches == pytest.approx(paper.dispatched / paper.batches, rel=0.02)
 
