@@ -11,7 +11,8 @@ wake, feedback that changed a table) it repeats Algorithm 1 while requests are q
 3. **Act**: none fits -> drop the head ("deadline"), unless the largest batch that finishes
    within the head's tolerance (:attr:`~daskpipe.sched.api.Request.tolerance`, 0 in the
    simulator) runs at once instead; fewer samples queued than the batch and the last moment not
-   come -> wait; else reserve the path and dispatch the head's batch.
+   come -> wait (with ``join_chance``, only if another request is likely to come by then); else
+   reserve the path and dispatch the head's batch.
 
 The last moment is when a batch of one more sample would still finish by the head's deadline on
 an idle pipeline. With ``slack_quantile`` (the default) that is at the quantile of the latency
@@ -44,6 +45,7 @@ left with an empty pool retire) and ``add_slot`` (a pool grows).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
@@ -68,6 +70,7 @@ from daskpipe.sched.api import (
     Stats,
     Time,
 )
+from daskpipe.sched.arrivals import OutstandingArrivals
 from daskpipe.sched.latency import MeasuredLatency
 from daskpipe.sched.timeline import NEVER, TIMELINE_MODES, Timeline, make_timeline
 
@@ -136,6 +139,20 @@ class PPipeSettings:
         much less than its samples alone (a GPU), shrinking near capacity lowers the throughput
         the backlog needs and makes it grow, and ``True`` keeps the plan served; where it does not
         (a CPU), the drops cost more than the shrinking (docs/dataplane.md).
+    join_chance
+        ``0.5`` (default): a batch that is not full waits for its last moment only if the next
+        request has at least this chance of arriving between its head's arrival and that moment
+        (Poisson arrivals at the rate measured while the model had work outstanding,
+        :class:`~daskpipe.sched.arrivals.OutstandingArrivals`); else it goes once the requests
+        that arrived at the same instant are in (a wake at once), since waiting would most
+        likely grow it by nothing. A lone request on an idle pipeline then takes its compute, not
+        its SLO; under load the next request is all but sure to come, and batches wait as
+        before. ``None`` (paper, artifact): a batch always waits.
+    arrival_window_slos
+        ``4.0``: the arrival rate is measured over the arrivals of the last this many SLOs, as if
+        the window began with half of it outstanding and joined by none: at the rate where
+        waiting starts to pay that is about three arrivals, a pair of requests that meet by
+        chance is no rate, and a burst is forgotten as soon.
     """
 
     timeline: str = "gaps"
@@ -150,6 +167,8 @@ class PPipeSettings:
     latency_min_samples: int = 20
     lead_batches: float | None = 1.0
     keep_full: bool = False
+    join_chance: float | None = 0.5
+    arrival_window_slos: float = 4.0
 
     def __post_init__(self) -> None:
         if self.timeline not in TIMELINE_MODES:
@@ -168,6 +187,10 @@ class PPipeSettings:
             raise ValueError(
                 f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and {self.latency_window!r}"
             )
+        if self.join_chance is not None and not 0 < self.join_chance < 1:
+            raise ValueError(f"PPipeSettings.join_chance must be None or in (0, 1), got {self.join_chance!r}")
+        if not 0 < self.arrival_window_slos < INF:
+            raise ValueError(f"PPipeSettings.arrival_window_slos must be a positive number, got {self.arrival_window_slos!r}")
 
     @classmethod
     def artifact(cls, **overrides: object) -> PPipeSettings:
@@ -181,6 +204,7 @@ class PPipeSettings:
             slack_quantile=None,
             lead_batches=None,
             keep_full=False,
+            join_chance=None,
         )
         choices.update(overrides)
         return cls(**choices)  # type: ignore[arg-type]
@@ -261,14 +285,16 @@ class _Pipe:
 
 
 class _Waiting:
-    """Held between runs while the queue waits: the batch chosen for the head and the table epoch."""
+    """Held between runs while the queue waits: the batch chosen for the head, the head's
+    deadline and arrival, and the table epoch."""
 
-    __slots__ = ("pipe", "batch_size", "deadline", "epoch")
+    __slots__ = ("pipe", "batch_size", "deadline", "arrival", "epoch")
 
-    def __init__(self, pipe: _Pipe, batch_size: int, deadline: Time, epoch: int):
+    def __init__(self, pipe: _Pipe, batch_size: int, deadline: Time, arrival: Time, epoch: int):
         self.pipe = pipe
         self.batch_size = batch_size
         self.deadline = deadline
+        self.arrival = arrival
         self.epoch = epoch
 
 
@@ -320,12 +346,17 @@ class PPipeDispatcher(Dispatcher):
         self._dispatch_ids = count()
         self._epoch = 0  # bumped whenever a table changes
         self._waiting: _Waiting | None = None
-        self._lead_wake: Time | None = None  # when the head's batch, held back by ``lead_batches``, is to be sent
+        self._send_at: Time | None = None  # when the head's batch, held back (``lead_batches``, or to the end of an instant), is to be sent
         self._looked_at: set[int] = set()  # queue seq numbers of heads already looked at (two-pass admission)
         self._live: dict[
             int, tuple[tuple[Hop, ...], int, _Pipe, int]
         ] = {}  # dispatch id -> (hops, timeline corrections then, pipeline, samples), until feedback is complete
         self._live_order: deque[int] = deque()  # dispatch ids in dispatch order, to forget old records
+        window_s = self.settings.arrival_window_slos * self.slo
+        self._arrivals = OutstandingArrivals(window_s, prior_s=window_s / 2)
+        join_chance = self.settings.join_chance
+        # arrivals a wait must expect for the next one to come with ``join_chance`` (Poisson: 1 - e^-x)
+        self._expected_joins = None if join_chance is None else -math.log1p(-join_chance)
 
     # -- construction --------------------------------------------------------------------------
     def _build_pipe(self, pi: int, pipeline: Pipeline, profile: Profile, bw_gbps: float) -> _Pipe:
@@ -373,14 +404,19 @@ class PPipeDispatcher(Dispatcher):
         queue = self._queue
         if self.settings.max_queued is not None and len(queue) >= self.settings.max_queued:
             return [self._drop(request, "overload", f"{len(queue)} requests queued (max_queued)")]
+        self._arrivals.arrive(now, bool(queue))
         heappush(queue, (request.deadline, next(self._seq), request))
         n = self._queued_samples = self._queued_samples + size
         waiting = self._waiting
         if waiting is None or waiting.epoch != self._epoch or request.deadline < waiting.deadline or self.settings.reevaluate_on_arrival:
-            return self._run(now)
-        if n < waiting.batch_size and now < waiting.deadline - waiting.pipe.safe_work[n + 1]:
+            return self._run(now, arriving=True)
+        if (
+            n < waiting.batch_size
+            and now < (last_moment := waiting.deadline - waiting.pipe.safe_work[n + 1])
+            and self._worth_waiting(waiting.arrival, last_moment)
+        ):
             return []  # still short of the batch, and its last moment has not come
-        return self._run(now, held=waiting)
+        return self._run(now, held=waiting, arriving=True)
 
     def wake(self, now: Time) -> list[Action]:
         return self._run(now) if self._queue else []
@@ -388,7 +424,7 @@ class PPipeDispatcher(Dispatcher):
     def next_wake(self) -> Time | None:
         waiting = self._waiting
         if waiting is None:
-            return self._lead_wake if self._queue else None
+            return self._send_at if self._queue else None
         return waiting.deadline - waiting.pipe.safe_work[self._queued_samples + 1]
 
     def feedback(self, fb: Feedback, now: Time) -> list[Action]:
@@ -410,6 +446,8 @@ class PPipeDispatcher(Dispatcher):
             changed |= self._correct(fb, hop, now)  # else on time, and no correction moved it since it was reserved
         if last:
             del self._live[fb.dispatch]
+            if not self._live and not self._queue:
+                self._arrivals.settled(now)
         if not changed:
             return []
         self._epoch += 1
@@ -450,7 +488,7 @@ class PPipeDispatcher(Dispatcher):
         actions: list[Action] = []
         while self._queue:
             actions.append(self._drop(self._pop(), reason, "drained"))
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         return actions
 
     @property
@@ -541,7 +579,7 @@ class PPipeDispatcher(Dispatcher):
 
     def _after_capacity_change(self, now: Time, reason: DropReason) -> list[Action]:
         self._epoch += 1
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         actions: list[Action] = []
         if any(entry[2].size > self._max_batch for entry in self._queue):
             kept = []
@@ -677,12 +715,14 @@ class PPipeDispatcher(Dispatcher):
                 self._retail(stage.slots[i])
 
     # -- Algorithm 1 ---------------------------------------------------------------------------
-    def _run(self, now: Time, held: _Waiting | None = None) -> list[Action]:
+    def _run(self, now: Time, held: _Waiting | None = None, arriving: bool = False) -> list[Action]:
         """Algorithm 1 while requests are queued. ``held``: the head's pipeline and batch size
-        from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped."""
+        from the previous run, still valid (same head, tables unchanged), so Step 1 is skipped.
+        ``arriving``: run on an arrival, which others may follow at the same instant."""
         actions: list[Action] = []
-        self._waiting = self._lead_wake = None
+        self._waiting = self._send_at = None
         self.timeline.advance(now)
+        self._arrivals.outstanding_until(now)  # a request is queued: work is outstanding until now, even if it is dropped below
         if self._live_order:
             self._forget_old(now)
         if now >= self._gaps_checked_at + self._shortest_batch:
@@ -727,16 +767,28 @@ class PPipeDispatcher(Dispatcher):
                 actions.append(self._drop(head, "deadline", f"no batch of {smallest}..{bs} samples on pipeline {pipe.index} meets it"))
                 continue
             n = self._queued_samples
-            if n < bs and finish <= deadline and now < deadline - pipe.safe_work[n + 1]:  # a batch past its deadline never waits
-                self._waiting = _Waiting(pipe, bs, deadline, self._epoch)
-                break
+            if n < bs and finish <= deadline and now < (last_moment := deadline - pipe.safe_work[n + 1]):  # a late batch never waits
+                if self._worth_waiting(head.arrival, last_moment):
+                    self._waiting = _Waiting(pipe, bs, deadline, head.arrival, self._epoch)
+                    break
+                if arriving:  # the requests of a burst come one call each: the batch goes once all are in
+                    self._send_at = now
+                    break
             if settings.lead_batches is not None:  # not bound to a slot long before it is free
                 send_by = path[0][2] - settings.lead_batches * pipe.stages[0].compute[bs]
                 if send_by > now:
-                    self._lead_wake = send_by
+                    self._send_at = send_by
                     break
             actions.append(self._dispatch(pipe, bs, finish, path, now))
         return actions
+
+    def _worth_waiting(self, head_arrival: Time, last_moment: Time) -> bool:
+        """Whether a batch short of its size waits for its last moment: always in the paper; with
+        ``join_chance``, if the next request is that likely to come between its head's arrival
+        and then. Counted from the arrival, not from now, so that a batch that waits is not sent
+        early on a later look: under load the deferred batches are the paper's."""
+        expected = self._expected_joins
+        return expected is None or self._arrivals.rate * (last_moment - head_arrival) >= expected
 
     def _choose(self, size: int, deadline: Time, now: Time) -> tuple[_Pipe, Time, list[tuple[int, Time, Time]]]:
         """Step 1: probe every pipeline that holds ``size`` samples at its planned batch size and
@@ -777,6 +829,7 @@ class PPipeDispatcher(Dispatcher):
         hops = self._hops(pipe, taken, path)
         self._reserve_hops(hops, dispatch_id)
         self._live[dispatch_id] = (hops, self.timeline.corrections, pipe, taken)
+        self._arrivals.outstanding_until(hops[-1].compute.end)
         self._live_order.append(dispatch_id)
         stats = self.stats
         stats.dispatched_batches += 1

@@ -18,6 +18,8 @@ from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.sched.api import Placement
+from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.registry import register
 from tests.helpers import paced, wait_until
 from tests.runtime.fifo import FifoDispatcher
@@ -97,11 +99,21 @@ def two_pool_plan(profile: Profile, boundary: int, gpus: tuple[str, str] = ("L4"
     return Plan(objective=throughput, models=(model,))
 
 
+PAPER_PPIPE = "ppipe-paper"
+"""PPipe whose batches short of their size always wait for their last moment (``join_chance=None``),
+as the paper's do: for tests that need requests to stay queued, or a lone one sent late."""
+
+
+def paper_ppipe(model_plan: ModelPlan, placement: Placement, profile: Profile, *, bw_gbps: float) -> PPipeDispatcher:
+    return PPipeDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=PPipeSettings(join_chance=None))
+
+
 def with_test_dispatcher(client: Client, scheduler) -> None:
-    """Install the plugin from the client, and register the tests' FIFO dispatcher as "fifo" (the
-    scheduler runs in this process)."""
+    """Install the plugin from the client, and register the tests' FIFO dispatcher as "fifo" and
+    the paper's PPipe as :data:`PAPER_PPIPE` (the scheduler runs in this process)."""
     client.register_plugin(DaskpipeSchedulerPlugin())
     register("fifo", FifoDispatcher)
+    register(PAPER_PPIPE, paper_ppipe)
 
 
 def tls_security(directory: Path):

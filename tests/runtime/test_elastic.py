@@ -18,13 +18,14 @@ from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.errors import RequestDropped
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.stage import slow_down
+from daskpipe.sched.registry import register
 from tests.helpers import wait_until
-from tests.runtime.helpers import counted, example, frames, reference, tiny_model, two_stage
+from tests.runtime.helpers import PAPER_PPIPE, counted, example, frames, paper_ppipe, reference, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def deploy_pooled(client, stage_ms: tuple[float, float], slo_ms: float, second_pool: int):
+def deploy_pooled(client, stage_ms: tuple[float, float], slo_ms: float, second_pool: int, dispatcher: str = "ppipe"):
     """The tests' two-stage model, with ``second_pool`` T4 slots serving partition 1; no re-plans."""
     profile, plan = two_stage(stage_ms=stage_ms, slo_ms=slo_ms)
     model = plan.models[0]
@@ -32,7 +33,13 @@ def deploy_pooled(client, stage_ms: tuple[float, float], slo_ms: float, second_p
     parts = (pipeline.partitions[0], replace(pipeline.partitions[1], vgpus=second_pool))
     plan = replace(plan, models=(replace(model, pipelines=(replace(pipeline, partitions=parts),)),))
     return daskpipe.deploy(
-        client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, elastic=None
+        client,
+        {"tiny": tiny_model()},
+        example_inputs={"tiny": example()},
+        plan=plan,
+        profiles={"tiny": profile},
+        elastic=None,
+        dispatcher=dispatcher,
     )
 
 
@@ -81,9 +88,10 @@ def test_a_worker_lost_mid_batch_has_its_requests_re_dispatched_to_the_rest_of_i
 
 def test_a_retry_that_cannot_meet_its_deadline_is_dropped_as_worker_lost(l4_and_three_t4):
     cluster, client = l4_and_three_t4
-    # one request alone: 100 ms per stage, dispatched at its last moment (~230 ms); the retry
-    # after a loss at ~380 ms would need 200 ms more, past its 430 ms deadline
-    svc = deploy_pooled(client, stage_ms=(100.0, 100.0), slo_ms=450.0, second_pool=1)
+    # one request alone: 100 ms per stage, dispatched at the paper's last moment (~230 ms); the
+    # retry after a loss at ~380 ms would need 200 ms more, past its 430 ms deadline
+    register(PAPER_PPIPE, paper_ppipe)
+    svc = deploy_pooled(client, stage_ms=(100.0, 100.0), slo_ms=450.0, second_pool=1, dispatcher=PAPER_PPIPE)
     plugin = plugin_of(cluster.scheduler)
     with svc:
         future = svc.submit("tiny", frames(1)[0])

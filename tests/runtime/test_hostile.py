@@ -30,7 +30,18 @@ from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped,
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.service import encode_input
 from tests.helpers import REPO, fresh_heap, paced, wait_until
-from tests.runtime.helpers import INPUT, LARGE_INPUT, counted, deploy_two_stage, example, frames, reference, tiny_model, two_stage
+from tests.runtime.helpers import (
+    INPUT,
+    LARGE_INPUT,
+    PAPER_PPIPE,
+    counted,
+    deploy_two_stage,
+    example,
+    frames,
+    reference,
+    tiny_model,
+    two_stage,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -239,7 +250,7 @@ def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_m
 
 def test_requests_released_while_queued_are_dropped_not_computed(emulated_inproc):
     cluster, client = emulated_inproc
-    with deploy_two_stage(client, slo_ms=20_000.0) as svc:  # a partial batch waits for its last moment
+    with deploy_two_stage(client, slo_ms=20_000.0, dispatcher=PAPER_PPIPE) as svc:  # the paper's partial batch waits for its last moment
         abandoned = svc.map("tiny", frames(3))
         wait_until(lambda: svc.status()["tiny"]["queued"] == 3, timeout=30, what="3 queued")
         client.cancel(abandoned)  # Dask's cancel-keys goes on the client's batched stream: the next submit could overtake it

@@ -10,15 +10,21 @@ import pytest
 import daskpipe
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.served import QUEUE_SLOS, queue_bound
-from tests.runtime.helpers import example, frames, tiny_model, two_stage
+from tests.runtime.helpers import PAPER_PPIPE, example, frames, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def deploy_bounded(client, max_queued):
-    profile, plan = two_stage(slo_ms=20_000.0)  # a partial batch waits for its last moment: requests stay queued
+    profile, plan = two_stage(slo_ms=20_000.0)  # the paper's partial batch waits for its last moment: requests stay queued
     return daskpipe.deploy(
-        client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}, max_queued=max_queued
+        client,
+        {"tiny": tiny_model()},
+        example_inputs={"tiny": example()},
+        plan=plan,
+        profiles={"tiny": profile},
+        max_queued=max_queued,
+        dispatcher=PAPER_PPIPE,
     )
 
 

@@ -26,7 +26,17 @@ from daskpipe.runtime.profiling import ProfilingOptions
 from daskpipe.runtime.service import open_stream
 from daskpipe.runtime.stage import reply_clients
 from tests.helpers import fresh_heap, paced, wait_until, wait_until_async
-from tests.runtime.helpers import INPUT, deploy_two_stage, example, frames, reference, serve_at_load_factor, tiny_model, two_stage
+from tests.runtime.helpers import (
+    INPUT,
+    PAPER_PPIPE,
+    deploy_two_stage,
+    example,
+    frames,
+    reference,
+    serve_at_load_factor,
+    tiny_model,
+    two_stage,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,7 +92,7 @@ def test_result_waits_and_hands_over_the_output_without_the_clients_event_loop(e
             patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went through the client's event loop"))
             for future, ref in zip(futures, reference(xs)):
                 torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
-            pending = svc.submit("tiny", xs[0])  # a lone request waits for its batch's last moment
+            pending = svc.submit("tiny", xs[0])  # not done in 1 ms: its two stages alone take 10
             with pytest.raises(TimeoutError):
                 pending.result(timeout=0.001)
             torch.testing.assert_close(pending.result(timeout=30), reference(xs[:1])[0], atol=1e-4, rtol=1e-4)
@@ -129,7 +139,7 @@ def test_the_services_as_completed_yields_each_future_once_as_it_ends_without_th
         assert len(list(svc.as_completed(later))) == len(later)
         assert time.monotonic() - began < 0.5
         with pytest.raises(TimeoutError, match="had not ended"):
-            next(svc.as_completed([svc.submit("tiny", xs[0])], timeout=0.001))  # a lone request waits for its batch's last moment
+            next(svc.as_completed([svc.submit("tiny", xs[0])], timeout=0.001))  # not done in 1 ms: its two stages alone take 10
         with pytest.raises(TypeError, match="distributed.as_completed"):
             svc.as_completed([client.submit(abs, -1)])
 
@@ -566,7 +576,7 @@ def test_drops_err_with_the_reason(emulated_inproc):
         assert svc.status()["tiny"]["dropped"] == {"deadline": len(dropped)}
         assert sum(f.status == "finished" for f in futures) == 12 - len(dropped)
 
-    svc = deploy_two_stage(client, slo_ms=20_000.0)  # the FIFO waits a quarter of the slack before a partial batch
+    svc = deploy_two_stage(client, slo_ms=20_000.0, dispatcher=PAPER_PPIPE)  # a partial batch waits for its last moment
     queued = svc.map("tiny", frames(2))
     svc.close()
     for future in queued:

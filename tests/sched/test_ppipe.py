@@ -8,7 +8,7 @@ import pytest
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.sched.api import Dispatch, Drop, Feedback, Placement, Request, Slot
-from daskpipe.sched.drive import drive, poisson_arrivals, synthetic_plan, synthetic_profile
+from daskpipe.sched.drive import Outcome, drive, exact_feedback, poisson_arrivals, synthetic_plan, synthetic_profile
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline
@@ -16,6 +16,9 @@ from tests.sched.helpers import BW_GBPS, MS, fig5, model, profile, req, split, w
 
 
 def dispatcher(plan: ModelPlan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> PPipeDispatcher:
+    """Batches wait as in the paper (``join_chance=None``) unless a test asks otherwise: these
+    tests build batches from requests submitted one at a time, with nothing else outstanding."""
+    settings.setdefault("join_chance", None)
     if placement is None:
         placement = place(Plan(0.0, (plan,)))["m"]
     return PPipeDispatcher(plan, placement, profile(slo_ms), bw_gbps=BW_GBPS, settings=PPipeSettings(**settings))
@@ -318,20 +321,89 @@ def test_last_moment_dispatch_ignores_the_measures():
     assert d.next_wake() == pytest.approx(30.0 + (200 - 30) * MS)
 
 
-@pytest.mark.parametrize("load", [0.4, 1.5])
-def test_with_execution_as_reserved_both_policies_decide_alike(load):
+def synthetic_outcomes(load: float, *variants: PPipeSettings, record: bool = False) -> list[Outcome]:
+    """The same 3000 Poisson requests at ``load`` times the synthetic plan's rate (3 L4, 8 P4), once per settings."""
     prof = synthetic_profile()
     plan = synthetic_plan(prof, high=3, low=8, gpus_per_server=2)
     m = plan.models[0]
     requests = list(poisson_arrivals(m.name, m.throughput * load, m.slo_us * 1e-6, 3000, seed=5))
-    decided = []
-    for quantile in (0.95, None):
-        d = PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=PPipeSettings(slack_quantile=quantile))
-        out = drive(d, requests, record=True)
-        decided.append(
-            ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
-        )
+    return [
+        drive(PPipeDispatcher(m, place(plan)[m.name], prof, bw_gbps=plan.cluster["bw_gbps"], settings=settings), requests, record=record)
+        for settings in variants
+    ]
+
+
+@pytest.mark.parametrize("load", [0.4, 1.5])
+def test_with_execution_as_reserved_both_policies_decide_alike(load):
+    decided = [
+        ([(b.id, b.hops, [r.id for r in b.requests]) for b in out.dispatches], [(x.request.id, x.reason) for x in out.drops])
+        for out in synthetic_outcomes(load, PPipeSettings(slack_quantile=0.95), PPipeSettings(slack_quantile=None), record=True)
+    ]
     assert decided[0] == decided[1]
+
+
+# -- at low load, no waiting for nothing (join_chance) ----------------------------------------------------
+def test_lone_requests_on_an_idle_pipeline_go_at_once():
+    """Ten requests 1 s apart (SLO 200 ms): nothing was outstanding when any came, so none can
+    expect another to join it; each takes its compute (10 + 1 + 20 ms), not its SLO."""
+    plan, placement = fig5()
+    d = dispatcher(plan, placement, join_chance=0.5)
+    out = drive(d, [req(i, float(i)) for i in range(10)], record=True)
+    assert [len(batch.requests) for batch in out.dispatches] == [1] * 10
+    assert all(batch.finish - r.arrival == pytest.approx(31 * MS) for batch in out.dispatches for r in batch.requests)
+
+
+def test_a_client_that_sends_once_it_has_its_answer_is_not_kept_waiting():
+    """Each request comes just after the last one's work reported done, 32 ms apart: counted over
+    all time that is 31 req/s, but none ever came while another was outstanding."""
+    plan, placement = fig5()
+    d = dispatcher(plan, placement, join_chance=0.5)
+    t = 0.0
+    for i in range(10):
+        assert d.submit(req(i, t), t) == [] and d.next_wake() == t  # once any request of this instant is in
+        [batch] = d.wake(t)
+        assert batch.finish - t < 0.3 * 200 * MS
+        for fb in exact_feedback(batch):
+            assert d.feedback(fb, fb.end) == []
+        t = batch.finish + MS
+    assert d.next_wake() is None and d.queued == 0
+
+
+def test_requests_that_come_while_others_are_outstanding_make_a_batch_wait_for_more():
+    """One request that comes while another runs is a chance meeting; two in 2 ms are a rate."""
+    d = dispatcher(model(whole("A")), join_chance=0.5)
+    for i in range(2):
+        assert d.submit(req(i, i * MS), i * MS) == []
+        [batch] = d.wake(i * MS)
+        assert batch.requests[0].id == i and batch.finish == pytest.approx((20 + 20 * i) * MS)
+    assert d.submit(req(2, 2 * MS), 2 * MS) == []
+    assert d.next_wake() == pytest.approx((2 + 200 - 30) * MS)  # its last moment for a batch of 2
+
+
+def test_a_burst_of_a_full_batch_at_one_instant_goes_as_one_batch():
+    d = dispatcher(model(whole("A")), join_chance=0.5)
+    for i in range(3):
+        assert d.submit(req(i, 0.0), 0.0) == []
+    [batch] = d.submit(req(3, 0.0), 0.0)
+    assert [r.id for r in batch.requests] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("load", [0.4, 0.9])
+def test_under_load_batches_wait_as_the_papers(load):
+    """The next request is all but sure to come before a batch's last moment: the batches are the
+    paper's but for the first ones of the run."""
+    measured, paper = synthetic_outcomes(load, PPipeSettings(), PPipeSettings(join_chance=None))
+    assert measured.dropped == paper.dropped == {} and measured.late == paper.late == 0
+    assert measured.dispatched / measured.batches == pytest.approx(paper.dispatched / paper.batches, rel=0.02)
+
+
+def test_join_settings_are_checked():
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="join_chance"):
+            PPipeSettings(join_chance=bad)
+    with pytest.raises(ValueError, match="arrival_window_slos"):
+        PPipeSettings(arrival_window_slos=0.0)
+    assert PPipeSettings().join_chance == 0.5 and PPipeSettings.artifact().join_chance is None
 
 
 def test_slack_settings_are_checked():
