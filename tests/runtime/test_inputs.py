@@ -28,7 +28,7 @@ from daskpipe.runtime.inputs import HeldInput
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.service import encode_input
 from tests.helpers import wait_until
-from tests.runtime.helpers import counted, deploy_two_stage, frames, reference, tiny_model, two_stage, with_test_dispatcher
+from tests.runtime.helpers import PAPER_PPIPE, counted, deploy_two_stage, frames, reference, tiny_model, two_stage, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -233,14 +233,14 @@ class WideOutput(torch.nn.Module):
 
 
 def test_a_client_killed_with_requests_queued_ends_them_as_client_gone_and_leaves_no_key(emulated_inproc):
-    """A sender in a process of its own submits requests that its deadline-bound dispatcher holds
+    """A sender in a process of its own submits requests that the paper's deferred dispatcher holds
     back (a long SLO, batches of 4 not yet full), then is killed: they end at once on the
     scheduler, dropped as "client-gone", and none of their keys is left; the service still serves."""
     cluster, client = emulated_inproc
     if cluster.scheduler_address.startswith("tls://"):
         pytest.skip("the sender process connects over TCP; TLS fetches are tested above")
     slo_s = 8.0
-    with deploy_two_stage(client, input_shape=FETCHED, slo_ms=slo_s * 1e3, dispatcher="ppipe") as svc:
+    with deploy_two_stage(client, input_shape=FETCHED, slo_ms=slo_s * 1e3, dispatcher=PAPER_PPIPE) as svc:
         script = (
             "import sys, time, torch\n"
             "from distributed import Client\n"
