@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from daskpipe.plan.configs import Budget, Config, enumerate_configs, resources_of
+from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
-from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError, relative_gap
 from daskpipe.profiles.model import Profile
 
 
@@ -58,13 +59,14 @@ def make_plan(
         )
         return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
-    rates = _batch_build_rates(spec) if options.batch_build_estimate else None
+    deadline = started + options.time_limit
+    rates = _batch_build_rates(spec, deadline) if options.batch_build_estimate else None
     if strategy == "np":
-        plan = _plan_np(spec, rates, drop_infeasible=False)
+        plan = _plan_np(spec, rates, drop_infeasible=False, deadline=deadline)
     elif strategy == "ppipe":
-        plan = _plan_ppipe(spec, rates)
+        plan = _plan_ppipe(spec, rates, deadline=deadline)
     else:
-        plan = _plan_dart_r(spec, rates)
+        plan = _plan_dart_r(spec, rates, deadline)
     settings = {
         "margin": options.margin,
         "max_parts": 1 if strategy == "np" else options.max_parts,
@@ -80,6 +82,7 @@ def make_plan(
         cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": options.bw_gbps},
         solver={**plan.solver, "seconds": time.perf_counter() - started},
         settings=settings,
+        bound=plan.bound,
     )
 
 
@@ -188,12 +191,13 @@ class _Solved:
     objective: float
     models: tuple[ModelPlan, ...]
     solver: Mapping[str, Any]
+    bound: float | None = None  # a proven upper bound on ``objective`` over the space it was solved in
 
 
 # -- strategies -----------------------------------------------------------------------------
 
 
-def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible: bool) -> _Solved:
+def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible: bool, deadline: float) -> _Solved:
     """Whole models on whole GPUs (PPipe's NP baseline: max one partition, no slices).
 
     With ``drop_infeasible`` a model that no GPU can serve in time gets an empty plan instead of an
@@ -207,26 +211,29 @@ def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible:
     solvable = {m: c for m, c in configs.items() if c}
     if not solvable:
         return _Solved(0.0, tuple(_model_plan(spec, m, []) for m in spec.profiles), {"name": "none", "status": "infeasible"})
-    solved = _size_pools(spec, solvable, spec.gpus)
-    return _Solved(solved.objective, tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles), solved.solver)
+    solved = _size_pools(spec, solvable, spec.gpus, deadline=deadline)
+    if len(solvable) < len(configs):  # a model without pools serves nothing: the max-min is 0
+        return _Solved(0.0, tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles), solved.solver, 0.0)
+    return solved
 
 
-def _batch_build_rates(spec: _Spec) -> dict[str, float] | None:
+def _batch_build_rates(spec: _Spec, deadline: float) -> dict[str, float] | None:
     """x_np per model: the throughput of the NP plan solved without the estimate, the arrival rate
     every strategy's batch-build estimate then assumes (the NP baseline's too, as in the artifact).
 
     A model the NP plan cannot serve gets no estimate, as in the artifact.
     """
-    np_plan = _plan_np(spec, None, drop_infeasible=True)
+    np_plan = _plan_np(spec, None, drop_infeasible=True, deadline=deadline)
     return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
 
 
-def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, parts: int | None = None) -> _Solved:
-    """Pooled pipelines of up to ``parts`` partitions.
+def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, *, deadline: float, parts: int | None = None) -> _Solved:
+    """Pooled pipelines of up to ``parts`` partitions, never worse than the NP plan.
 
-    Beyond two partitions the configurations multiply and the solver may stop at its time limit
-    with a weak plan, so the plan for one partition fewer is solved first, warm-starts this one,
-    and is returned if it stays better.
+    The NP plan (whole models on whole GPUs: configurations of this space too) is solved first and
+    starts the search. Beyond two partitions the configurations multiply, so the plan for one
+    partition fewer is solved first, in the first half of the time left, and starts this one; its
+    configurations are all in this space, so this solve's bound holds for both.
     """
     parts = spec.options.max_parts if parts is None else parts
     configs = {}
@@ -234,21 +241,21 @@ def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, parts: int | Non
         configs[m] = spec.configs(m, max_parts=parts, max_slices=None, rate=(rates or {}).get(m))
         if not configs[m]:
             raise spec.infeasible(m, max_slices=None)
-    fewer = _plan_ppipe(spec, rates, parts - 1) if parts > 2 else None
-    solved = _size_pools(spec, configs, spec.gpus, start=fewer)
-    if fewer is not None and fewer.objective > solved.objective:
-        return _Solved(fewer.objective, fewer.models, solved.solver)  # the status says this solve was cut short
-    return solved
+    if parts > 2:
+        start = _plan_ppipe(spec, rates, deadline=(time.perf_counter() + deadline) / 2, parts=parts - 1)
+    else:
+        start = _plan_np(spec, rates, drop_infeasible=True, deadline=(time.perf_counter() + deadline) / 2)
+    return _size_pools(spec, configs, spec.gpus, deadline=deadline, start=start)
 
 
-def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
+def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None, deadline: float) -> _Solved:
     """DART-r (PPipe §7.1): the NP plan splits the GPUs among the models, the GPUs it leaves idle are
     split evenly (the artifact leaves the remainder of that division idle, and so do we), then each
     model replicates DART's best plan for one GPU of each type over as many (type A, type B) pairs
     as it has, and runs the whole model on the GPUs left without a partner."""
     if len(spec.gpus) != 2:
         raise PlanError(f"dart-r pairs GPUs of two types; the cluster has {len(spec.gpus)} ({sorted(spec.gpus)})")
-    np_plan = _plan_np(spec, rates, drop_infeasible=True)
+    np_plan = _plan_np(spec, rates, drop_infeasible=True, deadline=deadline)
     used = {m.name: _physical_gpus(m) for m in np_plan.models}
     share = {m: dict(used[m]) for m in spec.profiles}
     for gpu, count in spec.gpus.items():
@@ -257,7 +264,7 @@ def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
             share[m][gpu] = share[m].get(gpu, 0) + idle // len(spec.profiles)
     models, statuses = [], []
     for m in spec.profiles:
-        pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m))
+        pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m), deadline)
         statuses.append(status)
         models.append(_model_plan(spec, m, pipelines))
     objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
@@ -265,7 +272,7 @@ def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
     return _Solved(objective, tuple(models), {"name": np_plan.solver.get("name", "none"), "status": worst})
 
 
-def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float | None) -> tuple[list[Pipeline], str]:
+def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float | None, deadline: float) -> tuple[list[Pipeline], str]:
     a, b = spec.gpus
     pairs = min(share.get(a, 0), share.get(b, 0)) if set(spec.model_gpus[model]) == {a, b} else 0
     pipelines: list[Pipeline] = []
@@ -273,7 +280,7 @@ def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float
     if pairs:
         pair_configs = spec.configs(model, max_parts=spec.options.max_parts, max_slices=1, rate=rate)
         if pair_configs:
-            pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1})
+            pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1}, deadline=deadline)
             status = pair.solver["status"]
             pipelines += [_scaled(p, pairs) for p in pair.models[0].pipelines]
     for gpu in spec.model_gpus[model]:
@@ -297,25 +304,57 @@ SPARE_CAPACITY_BONUS = 1e-3
 trade a visible share of the minimum for it, large enough for the solver to use GPUs left over."""
 
 
-def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], start: _Solved | None = None) -> _Solved:
-    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m."""
-    import mip
+SHORTLIST_SIZE = 12
+"""Configurations per model in the shortlist MILP: the cheapest at the LP's GPU prices."""
 
+SHORTLIST_SHARE = 0.6
+"""Share of the time left that the shortlist MILP may take; the full MILP gets the rest."""
+
+
+def _size_pools(
+    spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], *, deadline: float, start: _Solved | None = None
+) -> _Solved:
+    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m.
+
+    The only coupling between models is the GPU count per type, and on large fleets the MILP over
+    every configuration proves little in seconds. So: the LP relaxation gives the bound and, through
+    the duals of the GPU counts, a price per GPU type; a MILP over each model's cheapest
+    configurations at those prices (plus those of ``start``) finds a plan near the bound; the full
+    MILP, started from the best plan so far, uses the time left to improve it or its bound. Each
+    stage is skipped once the plan is proven within ``options.gap``; ``start`` is never bettered
+    by a worse plan.
+    """
+    tolerance = spec.options.gap
     full = _PoolSizing(spec, configs, gpus)
-    if start is not None:
-        full.model.start = full.start_from(start)
-    status = full.model.optimize(max_seconds=spec.options.time_limit)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        raise PlanError(
-            f"the solver found no plan within {spec.options.time_limit:g} s (status {status.name.lower()}); raise the time limit"
-        )
-    models = []
-    for m, cs in configs.items():
-        pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, full.sizes(m)) if min(sizes) > 0]
-        models.append(_model_plan(spec, m, pipelines))
-    objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
-    name = "HiGHS" if full.model.solver_name.lower() == "highs" else "CBC"
-    return _Solved(objective, tuple(models), {"name": name, "status": status.name.lower()})
+    bound = full.relaxation_bound()
+    best = start
+    if not _proven(best, bound, tolerance):
+        shortlist = full.shortlist(SHORTLIST_SIZE, keep=start)
+        if any(len(shortlist[m]) < len(configs[m]) for m in configs):
+            restricted = _PoolSizing(spec, shortlist, gpus)
+            seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
+            best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
+    if not _proven(best, bound, tolerance):
+        solved = full.solve(spec, deadline - time.perf_counter(), start=best, bounded=True)
+        if solved is not None and solved.bound is not None:
+            bound = min(bound, solved.bound)
+        best = _better(best, solved)
+    if best is None:
+        raise PlanError(f"the solver found no plan within {spec.options.time_limit:g} s; raise the time limit")
+    bound = max(bound, best.objective)
+    status = "optimal" if _proven(best, bound, tolerance) else "feasible"
+    return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
+
+
+def _proven(plan: _Solved | None, bound: float, tolerance: float) -> bool:
+    return plan is not None and (relative_gap(plan.objective, bound) or 0.0) <= tolerance + 1e-9
+
+
+def _better(a: _Solved | None, b: _Solved | None) -> _Solved | None:
+    """The plan with the higher objective; ``a`` on a tie."""
+    if a is None or (b is not None and b.objective > a.objective):
+        return b
+    return a
 
 
 class _PoolSizing:
@@ -332,6 +371,7 @@ class _PoolSizing:
 
         self.configs = configs
         self.model = model = _new_model(spec.options.solver)
+        self.solver_name = "HiGHS" if model.solver_name.lower() == "highs" else "CBC"
         model.verbose = 0
         if model.solver_name.lower() == "cbc":
             model.cuts = 0  # CBC's cut rounds cost more than they prune here: 2.7x less CPU on the 16 bench cases
@@ -343,11 +383,13 @@ class _PoolSizing:
         for m, cs in configs.items():
             self.flows[m], self.counts[m] = [], []
             routes: dict[tuple[str, ...], list[mip.Var]] = {}
+            shared = Counter(_route(c) for c in cs)
             for c in cs:
                 x = model.add_var(lb=0)
-                opened = model.add_var(var_type=mip.BINARY) if spec.options.one_pipeline_per_route else None
+                # a route that only one configuration takes needs no opening: it carries one pipeline anyway
+                opened = model.add_var(var_type=mip.BINARY) if spec.options.one_pipeline_per_route and shared[_route(c)] > 1 else None
                 if opened is not None:
-                    routes.setdefault(tuple(gpu for gpu, _ in c.resources), []).append(opened)
+                    routes.setdefault(_route(c), []).append(opened)
                     self.route_opening[c] = opened
                 # no pool needs more vGPUs than it takes to match the smallest pool the cluster allows
                 ceiling = min(gpus[gpu] * v * throughput for (gpu, v), throughput in zip(c.resources, c.vgpu_throughput))
@@ -369,32 +411,92 @@ class _PoolSizing:
         for (m, gpu, v), ns in usage.items():
             self.physical[(m, gpu, v)] = y = model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[gpu])
             model += mip.xsum(ns) <= v * y
-        for gpu, count in gpus.items():
-            model += mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count
+        self.gpu_rows = {
+            gpu: model.add_constr(mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count) for gpu, count in gpus.items()
+        }
         # max-min first; a tiny bonus on total weighted throughput then gives GPUs the max-min leaves
         # over to the models' pools, so a cluster's spare capacity becomes queueing slack, not idle
         spare = SPARE_CAPACITY_BONUS / len(configs)
-        model.objective = mip.maximize(self.z + mip.xsum(spare / spec.weights[m] * x for m, xs in self.flows.items() for x in xs))
+        self.objective = self.z + mip.xsum(spare / spec.weights[m] * x for m, xs in self.flows.items() for x in xs)
+        model.objective = mip.maximize(self.objective)
+        model.max_mip_gap = spec.options.gap / 2  # the solver's gap counts the spare bonus too: stop with room to spare
+        self.prices: dict[str, float] = {}
+
+    def relaxation_bound(self) -> float:
+        """The LP relaxation's max-min (an upper bound on every plan's objective); it also records
+        the duals of the GPU counts as :attr:`prices` for :meth:`shortlist`."""
+        import mip
+
+        self.model.objective = mip.maximize(self.z)
+        status = self.model.optimize(relax=True)
+        if status != mip.OptimizationStatus.OPTIMAL:
+            raise PlanError(f"the LP relaxation of the pool-sizing MILP ended {status.name.lower()}")
+        bound = float(self.model.objective_value)
+        self.prices = {gpu: max(float(row.pi or 0.0), 0.0) for gpu, row in self.gpu_rows.items()}
+        self.model.objective = mip.maximize(self.objective)
+        return bound
+
+    def shortlist(self, size: int, keep: _Solved | None) -> dict[str, list[Config]]:
+        """Per model, the ``size`` configurations that cost the fewest priced GPUs per req/s (the
+        LP's choices among them), plus those ``keep``'s pipelines run on."""
+        kept = {(mp.name, i) for mp in keep.models for _, i, _ in self._covered(mp)} if keep is not None else set()
+        out = {}
+        for m, cs in self.configs.items():
+            cost = [sum(self.prices[gpu] / (v * x) for (gpu, v), x in zip(c.resources, c.vgpu_throughput)) for c in cs]
+            cheapest = set(sorted(range(len(cs)), key=lambda i: (cost[i], cs[i].total_latency_us))[:size])
+            out[m] = [c for i, c in enumerate(cs) if i in cheapest or (m, i) in kept]
+        return out
+
+    def solve(self, spec: _Spec, seconds: float, *, start: _Solved | None, bounded: bool) -> _Solved | None:
+        """The MILP's best plan within ``seconds`` (``None`` if it found none); with ``bounded`` it
+        carries the solver's bound B on max-min + bonus, as a bound on the max-min: every model's
+        flow is at least w_m z, so the bonus is at least SPARE_CAPACITY_BONUS z, and z <= B / (1 + it)."""
+        import mip
+
+        if seconds <= 0:
+            return None
+        if start is not None:
+            self.model.start = self.start_from(start)
+        status = self.model.optimize(max_seconds=seconds)
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None
+        models = []
+        for m, cs in self.configs.items():
+            pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, self.sizes(m)) if min(sizes) > 0]
+            models.append(_model_plan(spec, m, pipelines))
+        objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
+        bound = float(self.model.objective_bound) / (1 + SPARE_CAPACITY_BONUS) if bounded else None
+        return _Solved(objective, tuple(models), {}, bound)
 
     def sizes(self, model: str) -> list[list[int]]:
         """vGPUs of every pool of every configuration of ``model``, as solved."""
         return [[round(n.x or 0) for n in ns] for ns in self.counts[model]]
 
+    def _covered(self, plan: ModelPlan) -> list[tuple[Pipeline, int, list[int]]]:
+        """(pipeline, index of a configuration that covers it, the pipeline's partition for each of
+        that configuration's pools) for each of ``plan``'s pipelines that one covers."""
+        out = []
+        for pipeline in plan.pipelines:
+            for i, c in enumerate(self.configs[plan.name]):
+                pairing = _pairing(c, pipeline)
+                if pairing is not None:
+                    out.append((pipeline, i, pairing))
+                    break
+        return out
+
     def start_from(self, plan: _Solved) -> list[tuple[Any, float]]:
         """``plan``'s pools as a MIP start: each of its pipelines on the configuration it used, or on
-        one that dominates it (pruning kept one with the same resources and no lower throughputs)."""
+        one that covers it (pruning kept one with the same resources and no lower throughputs)."""
         values: dict[Any, float] = {self.z: plan.objective}
         slices: dict[tuple[str, str, int], int] = {}
         for mp in plan.models:
             cs = self.configs[mp.name]
-            for pipeline in mp.pipelines:
-                resources = [(p.gpu, p.slices) for p in pipeline.partitions]
-                per_resource = {r: p.vgpus for r, p in zip(resources, pipeline.partitions)}
-                used = next(i for i, c in enumerate(cs) if set(c.resources) == set(resources) and _covers(c, pipeline))
+            for pipeline, used, pairing in self._covered(mp):
                 values[self.flows[mp.name][used]] = pipeline.throughput
-                for (gpu, v), n in zip(cs[used].resources, self.counts[mp.name][used]):
-                    values[n] = per_resource[(gpu, v)]
-                    slices[(mp.name, gpu, v)] = slices.get((mp.name, gpu, v), 0) + per_resource[(gpu, v)]
+                for (gpu, v), n, d in zip(cs[used].resources, self.counts[mp.name][used], pairing):
+                    vgpus = pipeline.partitions[d].vgpus
+                    values[n] = vgpus
+                    slices[(mp.name, gpu, v)] = slices.get((mp.name, gpu, v), 0) + vgpus
                 if cs[used] in self.route_opening:
                     values[self.route_opening[cs[used]]] = 1
         for key, n in slices.items():
@@ -402,10 +504,25 @@ class _PoolSizing:
         return list(values.items())
 
 
-def _covers(config: Config, pipeline: Pipeline) -> bool:
-    """Whether ``pipeline``'s pool sizes sustain its throughput on ``config``'s slices too."""
-    throughput = dict(zip(config.resources, config.vgpu_throughput))
-    return all(throughput[(p.gpu, p.slices)] * p.vgpus >= pipeline.throughput * (1 - 1e-9) for p in pipeline.partitions)
+def _route(config: Config) -> tuple[str, ...]:
+    """The GPU types a configuration's requests pass through, in order."""
+    return tuple(gpu for gpu, _ in config.resources)
+
+
+def _pairing(config: Config, pipeline: Pipeline) -> list[int] | None:
+    """For each pool of ``config``, the partition of ``pipeline`` it can take over with the same
+    vGPUs (same resource, at least its throughput); ``None`` if the resources differ or it is slower."""
+    mine = pool_order(config.resources, config.vgpu_throughput)
+    resources = [(p.gpu, p.slices) for p in pipeline.partitions]
+    theirs = pool_order(resources, [pipeline.throughput / p.vgpus for p in pipeline.partitions])
+    if [config.resources[d] for d in mine] != [resources[d] for d in theirs]:
+        return None
+    pairing = [0] * len(mine)
+    for d, e in zip(mine, theirs):
+        if config.vgpu_throughput[d] * pipeline.partitions[e].vgpus < pipeline.throughput * (1 - 1e-9):
+            return None
+        pairing[d] = e
+    return pairing
 
 
 def _new_model(choice: str) -> Any:

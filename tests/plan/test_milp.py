@@ -175,12 +175,42 @@ def test_golden_fcn_on_v100_and_p4(ppipe_dir):
     assert pooled.throughput == pytest.approx(1051, abs=1)  # 6 / 5.711 ms; the P4 pool could do 1082
 
 
-def test_three_parts_never_worse_than_two():
-    p = synthetic_profile("m", {("A", 1): [300, 1000, 300], ("B", 1): [400, 9000, 400], ("B", 2): [700, 16000, 700]})
-    two = make_plan({"m": p}, {"A": 2, "B": 5}, options=cbc(max_parts=2))
-    three = make_plan({"m": p}, {"A": 2, "B": 5}, options=cbc(max_parts=3))
+THREE_PART_CASES = [
+    # blocks on A, blocks on B (and B/2), inventory: A -> B -> A pipelines tempt the pruning
+    ({("A", 1): [300, 1000, 300], ("B", 1): [400, 9000, 400], ("B", 2): [700, 16000, 700]}, {"A": 2, "B": 5}),
+    ({("A", 1): [100, 1000, 100], ("B", 1): [1000, 100, 1000]}, {"A": 3, "B": 3}),
+    ({("A", 1): [100, 1000, 100], ("B", 1): [1000, 100, 1000]}, {"A": 7, "B": 2}),
+    ({("A", 1): [200, 200, 900, 100], ("B", 1): [250, 900, 300, 800]}, {"A": 4, "B": 6}),
+    ({("A", 1): [500, 100, 500], ("B", 1): [600, 900, 200], ("C", 1): [100, 700, 900]}, {"A": 2, "B": 2, "C": 2}),
+    ({("A", 1): [500, 100, 500], ("B", 1): [600, 900, 200], ("C", 1): [100, 700, 900]}, {"A": 5, "B": 1, "C": 3}),
+]
+
+
+@pytest.mark.parametrize("blocks, gpus", THREE_PART_CASES)
+def test_three_parts_contain_every_two_part_plan(blocks, gpus):
+    p = synthetic_profile("m", blocks)
+    q = synthetic_profile("n", {key: list(reversed(lat)) for key, lat in blocks.items()})
+    two = make_plan({"m": p, "n": q}, gpus, options=cbc(max_parts=2))
+    three = make_plan({"m": p, "n": q}, gpus, options=cbc(max_parts=3))
+    assert two.solver["status"] == three.solver["status"] == "optimal"
     assert three.objective >= two.objective - 1e-6
+    assert three.bound >= two.bound - 1e-6
     assert three.settings["max_parts"] == 3
+
+
+def test_a_plan_says_how_good_it_is(two_block):
+    plan = make_plan({"m": two_block}, {"A": 2, "B": 3}, options=cbc())
+    assert plan.bound >= plan.objective and plan.gap == pytest.approx((plan.bound - plan.objective) / plan.bound)
+    assert plan.gap <= 0.005 and plan.solver["status"] == "optimal"
+    again = Plan.from_dict(plan.to_dict())
+    assert (again.bound, again.gap) == (plan.bound, plan.gap)
+    assert "proven" in plan.quality() and "NOT" not in plan.quality()
+
+
+def test_a_plan_without_a_bound_says_it_is_not_proven(two_block):
+    plan = make_plan({"m": two_block}, {"A": 1, "B": 1}, options=cbc(strategy="dart-r"))
+    assert plan.bound is None and plan.gap is None and "not proven" in plan.quality()
+    assert "bound" not in plan.to_dict()
 
 
 def test_golden_fcn_with_routes_shared(ppipe_dir):
