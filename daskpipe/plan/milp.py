@@ -223,8 +223,18 @@ def _batch_build_rates(spec: _Spec, deadline: float) -> dict[str, float] | None:
 
     A model the NP plan cannot serve gets no estimate, as in the artifact.
     """
-    np_plan = _plan_np(spec, None, drop_infeasible=True, deadline=deadline)
+    np_plan = _plan_np(spec, None, drop_infeasible=True, deadline=_share_of(deadline, PRESOLVE_SHARE))
     return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
+
+
+PRESOLVE_SHARE = 0.15
+"""Share of the time left that an NP plan solved on the way (for x_np, or as a start) may take."""
+
+
+def _share_of(deadline: float, share: float) -> float:
+    """The deadline of a step that may take ``share`` of the time left before ``deadline``."""
+    now = time.perf_counter()
+    return now + share * max(deadline - now, 0.0)
 
 
 def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, *, deadline: float, parts: int | None = None) -> _Solved:
@@ -242,9 +252,9 @@ def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, *, deadline: flo
         if not configs[m]:
             raise spec.infeasible(m, max_slices=None)
     if parts > 2:
-        start = _plan_ppipe(spec, rates, deadline=(time.perf_counter() + deadline) / 2, parts=parts - 1)
+        start = _plan_ppipe(spec, rates, deadline=_share_of(deadline, 0.5), parts=parts - 1)
     else:
-        start = _plan_np(spec, rates, drop_infeasible=True, deadline=(time.perf_counter() + deadline) / 2)
+        start = _plan_np(spec, rates, drop_infeasible=True, deadline=_share_of(deadline, PRESOLVE_SHARE))
     return _size_pools(spec, configs, spec.gpus, deadline=deadline, start=start)
 
 
@@ -327,9 +337,9 @@ def _size_pools(
     tolerance = spec.options.gap
     full = _PoolSizing(spec, configs, gpus)
     bound = full.relaxation_bound()
-    best = start
+    best = _better(_water_fill(spec, full.cheapest(), gpus), start)
     if not _proven(best, bound, tolerance):
-        shortlist = full.shortlist(SHORTLIST_SIZE, keep=start)
+        shortlist = full.shortlist(SHORTLIST_SIZE, keep=best)
         if any(len(shortlist[m]) < len(configs[m]) for m in configs):
             restricted = _PoolSizing(spec, shortlist, gpus)
             seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
@@ -339,22 +349,45 @@ def _size_pools(
         if solved is not None and solved.bound is not None:
             bound = min(bound, solved.bound)
         best = _better(best, solved)
-    if best is None:
-        raise PlanError(f"the solver found no plan within {spec.options.time_limit:g} s; raise the time limit")
     bound = max(bound, best.objective)
     status = "optimal" if _proven(best, bound, tolerance) else "feasible"
     return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
 
 
-def _proven(plan: _Solved | None, bound: float, tolerance: float) -> bool:
-    return plan is not None and (relative_gap(plan.objective, bound) or 0.0) <= tolerance + 1e-9
+def _water_fill(spec: _Spec, chosen: Mapping[str, Config], gpus: Mapping[str, int]) -> _Solved:
+    """A quick plan: each model on its one cheapest configuration at the LP's prices; one vGPU at a
+    time goes to the slowest pool of the model furthest behind (min throughput / weight) while
+    GPUs of its type are left, so every model gets pools in proportion and few GPUs idle."""
+    free = dict(gpus)
+    pools = {m: [0] * c.num_parts for m, c in chosen.items()}
+    stuck: set[str] = set()
+
+    def throughput(m: str) -> float:
+        return min(n * x for n, x in zip(pools[m], chosen[m].vgpu_throughput))
+
+    while len(stuck) < len(chosen):
+        m = min((m for m in chosen if m not in stuck), key=lambda m: throughput(m) / spec.weights[m])
+        c = chosen[m]
+        d = min(range(c.num_parts), key=lambda d: pools[m][d] * c.vgpu_throughput[d])
+        gpu, v = c.resources[d]
+        on_resource = sum(n for n, r in zip(pools[m], c.resources) if r == (gpu, v))
+        if on_resource % v == 0:  # the next vGPU needs another physical GPU
+            if free[gpu] == 0:
+                stuck.add(m)
+                continue
+            free[gpu] -= 1
+        pools[m][d] += 1
+    models = tuple(_model_plan(spec, m, [_pipeline(c, pools[m])] if min(pools[m]) > 0 else []) for m, c in chosen.items())
+    return _Solved(min(mp.throughput / spec.weights[mp.name] for mp in models), models, {})
 
 
-def _better(a: _Solved | None, b: _Solved | None) -> _Solved | None:
+def _proven(plan: _Solved, bound: float, tolerance: float) -> bool:
+    return (relative_gap(plan.objective, bound) or 0.0) <= tolerance + 1e-9
+
+
+def _better(a: _Solved, b: _Solved | None) -> _Solved:
     """The plan with the higher objective; ``a`` on a tie."""
-    if a is None or (b is not None and b.objective > a.objective):
-        return b
-    return a
+    return b if b is not None and b.objective > a.objective else a
 
 
 class _PoolSizing:
@@ -436,14 +469,22 @@ class _PoolSizing:
         self.model.objective = mip.maximize(self.objective)
         return bound
 
+    def ranked(self, model: str) -> list[int]:
+        """``model``'s configurations, those that cost the fewest priced GPUs per req/s first."""
+        cs = self.configs[model]
+        cost = [sum(self.prices[gpu] / (v * x) for (gpu, v), x in zip(c.resources, c.vgpu_throughput)) for c in cs]
+        return sorted(range(len(cs)), key=lambda i: (cost[i], cs[i].total_latency_us))
+
+    def cheapest(self) -> dict[str, Config]:
+        return {m: cs[self.ranked(m)[0]] for m, cs in self.configs.items()}
+
     def shortlist(self, size: int, keep: _Solved | None) -> dict[str, list[Config]]:
-        """Per model, the ``size`` configurations that cost the fewest priced GPUs per req/s (the
-        LP's choices among them), plus those ``keep``'s pipelines run on."""
+        """Per model, the ``size`` cheapest configurations at the LP's prices (its choices among
+        them), plus those ``keep``'s pipelines run on."""
         kept = {(mp.name, i) for mp in keep.models for _, i, _ in self._covered(mp)} if keep is not None else set()
         out = {}
         for m, cs in self.configs.items():
-            cost = [sum(self.prices[gpu] / (v * x) for (gpu, v), x in zip(c.resources, c.vgpu_throughput)) for c in cs]
-            cheapest = set(sorted(range(len(cs)), key=lambda i: (cost[i], cs[i].total_latency_us))[:size])
+            cheapest = set(self.ranked(m)[:size])
             out[m] = [c for i, c in enumerate(cs) if i in cheapest or (m, i) in kept]
         return out
 
