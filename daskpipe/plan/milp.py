@@ -10,10 +10,13 @@ all alike, and a max-min objective over the models' weighted throughputs.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
@@ -317,8 +320,11 @@ trade a visible share of the minimum for it, large enough for the solver to use 
 SHORTLIST_SIZE = 12
 """Configurations per model in the shortlist MILP: the cheapest at the LP's GPU prices."""
 
-SHORTLIST_SHARE = 0.6
-"""Share of the time left that the shortlist MILP may take; the full MILP gets the rest."""
+SHORTLIST_SHARE = 0.3
+"""Share of the time left that the shortlist MILP may take; the search over levels and the full MILP get the rest."""
+
+LEVEL_SHARE = 0.7
+"""Share of the time left after the shortlist that the search over levels may take; the full MILP gets the rest."""
 
 
 def _size_pools(
@@ -327,12 +333,13 @@ def _size_pools(
     """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m.
 
     The only coupling between models is the GPU count per type, and on large fleets the MILP over
-    every configuration proves little in seconds. So: the LP relaxation gives the bound and, through
-    the duals of the GPU counts, a price per GPU type; a MILP over each model's cheapest
-    configurations at those prices (plus those of ``start``) finds a plan near the bound; the full
-    MILP, started from the best plan so far, uses the time left to improve it or its bound. Each
-    stage is skipped once the plan is proven within ``options.gap``; ``start`` is never bettered
-    by a worse plan.
+    every configuration proves little in seconds. So: the LP relaxation gives a bound and, through
+    the duals of the GPU counts, a price per GPU type; water-filling at those prices gives a first
+    plan, and a MILP over each model's cheapest configurations (plus those of ``start``) a better
+    one; :func:`_search_levels` then bisects on the max-min level with one small MILP per model,
+    tightening both the plan and the bound; the full MILP, started from the best plan so far, uses
+    the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
+    is never bettered by a worse plan.
     """
     tolerance = spec.options.gap
     full = _PoolSizing(spec, configs, gpus)
@@ -344,6 +351,8 @@ def _size_pools(
             restricted = _PoolSizing(spec, shortlist, gpus)
             seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
             best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
+    if not _proven(best, bound, tolerance) and len(configs) > 1:
+        best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, LEVEL_SHARE))
     if not _proven(best, bound, tolerance):
         solved = full.solve(spec, deadline - time.perf_counter(), start=best, bounded=True)
         if solved is not None and solved.bound is not None:
@@ -379,6 +388,105 @@ def _water_fill(spec: _Spec, chosen: Mapping[str, Config], gpus: Mapping[str, in
         pools[m][d] += 1
     models = tuple(_model_plan(spec, m, [_pipeline(c, pools[m])] if min(pools[m]) > 0 else []) for m, c in chosen.items())
     return _Solved(min(mp.throughput / spec.weights[mp.name] for mp in models), models, {})
+
+
+def _search_levels(
+    spec: _Spec,
+    configs: Mapping[str, Sequence[Config]],
+    gpus: Mapping[str, int],
+    prices: Mapping[str, float],
+    best: _Solved,
+    bound: float,
+    deadline: float,
+) -> tuple[_Solved, float]:
+    """Bisect on the max-min level z between the best plan and the bound (a Lagrangian bound on the
+    GPU counts, with the LP's prices mu).
+
+    At a level z every model m solves its own MILP: reach w_m z req/s with the fewest priced GPUs,
+    C_m(z) = min mu . a_m. Any plan at z has sum_m mu . a_m <= mu . N, so sum_m C_m(z) > mu . N
+    (with the MILPs' lower bounds for C_m) proves that no plan reaches z: z becomes the bound. Else
+    each model's cheapest allocation is a column, and a small MILP picks one column per model
+    within the GPU counts, a plan that may beat the best so far.
+    """
+    covers = _Covers(spec, configs, gpus, prices)
+    capacity = sum(prices[gpu] * count for gpu, count in gpus.items())
+    high = bound  # where the search looks below: the bound, or a level no plan of the columns reached
+    resolution = spec.options.gap * bound  # levels closer than this to the best plan are not worth a try
+    while high - best.objective > resolution and time.perf_counter() < deadline:
+        level = (best.objective + high) / 2
+        need = covers.least_cost(level, deadline)
+        if need is None:  # out of time before every model was priced
+            break
+        if need > capacity * (1 + 1e-6):
+            bound = high = level
+            continue
+        picked = covers.pick(deadline)
+        if picked is not None and picked.objective > best.objective:
+            best = picked
+        if picked is None or picked.objective < level:
+            high = level
+    return best, bound
+
+
+class _Covers:
+    """Per model, the MILP of :func:`_search_levels`: reach a level at the fewest priced GPUs; the
+    allocations they find are the columns that :meth:`pick` combines."""
+
+    def __init__(self, spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], prices: Mapping[str, float]):
+        import mip
+
+        self.spec, self.gpus = spec, gpus
+        self.sizings, self.levels = {}, {}
+        self.columns: dict[str, list[tuple[ModelPlan, dict[str, int]]]] = {m: [] for m in configs}
+        for m, cs in configs.items():
+            sizing = _PoolSizing(spec, {m: cs}, gpus)
+            sizing.model.objective = mip.minimize(mip.xsum(prices[g] * y for (_, g, _), y in sizing.physical.items()))
+            self.levels[m] = sizing.model.add_constr(sizing.z >= 0)
+            self.sizings[m] = sizing
+
+    def least_cost(self, level: float, deadline: float) -> float | None:
+        """A lower bound on sum_m C_m(level) (inf if a model cannot reach it); ``None`` past the deadline."""
+        import mip
+
+        total = 0.0
+        for i, (m, sizing) in enumerate(self.sizings.items()):
+            seconds = (deadline - time.perf_counter()) / (len(self.sizings) - i)
+            if seconds <= 0:
+                return None
+            self.levels[m].rhs = level
+            status = sizing.model.optimize(max_seconds=seconds)
+            if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+                return math.inf
+            total += float(sizing.model.objective_bound)
+            if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+                pipelines = [_pipeline(c, sizes) for c, sizes in zip(sizing.configs[m], sizing.sizes(m)) if min(sizes) > 0]
+                used: dict[str, int] = {}
+                for (_, gpu, _), y in sizing.physical.items():
+                    used[gpu] = used.get(gpu, 0) + round(y.x or 0)
+                self.columns[m].append((_model_plan(self.spec, m, pipelines), used))
+        return total
+
+    def pick(self, deadline: float) -> _Solved | None:
+        """One column per model, within the GPU counts, at the highest max-min (``None``: no such choice found)."""
+        import mip
+
+        if not all(self.columns.values()):
+            return None
+        model = _new_model(self.spec.options.solver)
+        model.verbose = 0
+        z = model.add_var(lb=0)
+        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cols] for m, cols in self.columns.items()}
+        for m, cols in self.columns.items():
+            model += mip.xsum(chosen[m]) == 1
+            model += self.spec.weights[m] * z <= mip.xsum(b * plan.throughput for b, (plan, _) in zip(chosen[m], cols))
+        for gpu, count in self.gpus.items():
+            model += mip.xsum(b * used.get(gpu, 0) for m, cols in self.columns.items() for b, (_, used) in zip(chosen[m], cols)) <= count
+        model.objective = mip.maximize(z)
+        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.1))
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None
+        models = tuple(next(plan for b, (plan, _) in zip(chosen[m], cols) if (b.x or 0) > 0.5) for m, cols in self.columns.items())
+        return _Solved(min(mp.throughput / self.spec.weights[mp.name] for mp in models), models, {})
 
 
 def _proven(plan: _Solved, bound: float, tolerance: float) -> bool:
@@ -461,7 +569,8 @@ class _PoolSizing:
         import mip
 
         self.model.objective = mip.maximize(self.z)
-        status = self.model.optimize(relax=True)
+        with _c_stdout_silenced() if self.solver_name == "CBC" else nullcontext():
+            status = self.model.optimize(relax=True)
         if status != mip.OptimizationStatus.OPTIMAL:
             raise PlanError(f"the LP relaxation of the pool-sizing MILP ended {status.name.lower()}")
         bound = float(self.model.objective_value)
@@ -543,6 +652,20 @@ class _PoolSizing:
         for key, n in slices.items():
             values[self.physical[key]] = math.ceil(n / key[2])
         return list(values.items())
+
+
+@contextmanager
+def _c_stdout_silenced() -> Iterator[None]:
+    """CBC's LP solves (Clp) print to the process's stdout whatever python-mip's ``verbose`` says."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _route(config: Config) -> tuple[str, ...]:
