@@ -230,7 +230,7 @@ def _batch_build_rates(spec: _Spec, deadline: float) -> dict[str, float] | None:
     return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
 
 
-PRESOLVE_SHARE = 0.15
+PRESOLVE_SHARE = 0.08
 """Share of the time left that an NP plan solved on the way (for x_np, or as a start) may take."""
 
 
@@ -428,6 +428,11 @@ def _search_levels(
     return best, bound
 
 
+COVER_GAP = 0.01
+"""Relative gap at which a model's MILP in :class:`_Covers` stops: its lower bound still counts, and
+proving a level out of reach rarely needs more than a percent on each model."""
+
+
 class _Covers:
     """Per model, the MILP of :func:`_search_levels`: reach a level at the fewest priced GPUs; the
     allocations they find are the columns that :meth:`pick` combines."""
@@ -441,6 +446,7 @@ class _Covers:
         for m, cs in configs.items():
             sizing = _PoolSizing(spec, {m: cs}, gpus)
             sizing.model.objective = mip.minimize(mip.xsum(prices[g] * y for (_, g, _), y in sizing.physical.items()))
+            sizing.model.max_mip_gap = COVER_GAP
             self.levels[m] = sizing.model.add_constr(sizing.z >= 0)
             self.sizings[m] = sizing
 
