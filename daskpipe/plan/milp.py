@@ -428,11 +428,6 @@ def _search_levels(
     return best, bound
 
 
-COVER_GAP = 0.01
-"""Relative gap at which a model's MILP in :class:`_Covers` stops: its lower bound still counts, and
-proving a level out of reach rarely needs more than a percent on each model."""
-
-
 class _Covers:
     """Per model, the MILP of :func:`_search_levels`: reach a level at the fewest priced GPUs; the
     allocations they find are the columns that :meth:`pick` combines."""
@@ -446,7 +441,7 @@ class _Covers:
         for m, cs in configs.items():
             sizing = _PoolSizing(spec, {m: cs}, gpus)
             sizing.model.objective = mip.minimize(mip.xsum(prices[g] * y for (_, g, _), y in sizing.physical.items()))
-            sizing.model.max_mip_gap = COVER_GAP
+            sizing.model.max_mip_gap = spec.options.gap / 4  # the models' lower bounds must sum to well within the plan's gap
             self.levels[m] = sizing.model.add_constr(sizing.z >= 0)
             self.sizings[m] = sizing
 
