@@ -216,7 +216,8 @@ def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible:
         return _Solved(0.0, tuple(_model_plan(spec, m, []) for m in spec.profiles), {"name": "none", "status": "infeasible"})
     solved = _size_pools(spec, solvable, spec.gpus, deadline=deadline)
     if len(solvable) < len(configs):  # a model without pools serves nothing: the max-min is 0
-        return _Solved(0.0, tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles), solved.solver, 0.0)
+        models = tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles)
+        return _Solved(0.0, models, {**solved.solver, "status": "optimal"}, 0.0)
     return solved
 
 
@@ -323,8 +324,11 @@ SHORTLIST_SIZE = 12
 SHORTLIST_SHARE = 0.3
 """Share of the time left that the shortlist MILP may take; the search over levels and the full MILP get the rest."""
 
+FULL_FIRST_SHARE = 0.25
+"""Share of the time left after the shortlist that the full MILP takes first: enough to prove a small one."""
+
 LEVEL_SHARE = 0.7
-"""Share of the time left after the shortlist that the search over levels may take; the full MILP gets the rest."""
+"""Share of the time left then that the search over levels may take; the full MILP gets the rest."""
 
 
 def _size_pools(
@@ -351,16 +355,23 @@ def _size_pools(
             restricted = _PoolSizing(spec, shortlist, gpus)
             seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
             best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
+    if not _proven(best, bound, tolerance):  # small MILPs (PPipe's clusters) are proven here
+        best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
     if not _proven(best, bound, tolerance) and len(configs) > 1:
         best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, LEVEL_SHARE))
     if not _proven(best, bound, tolerance):
-        solved = full.solve(spec, deadline - time.perf_counter(), start=best, bounded=True)
-        if solved is not None and solved.bound is not None:
-            bound = min(bound, solved.bound)
-        best = _better(best, solved)
+        best, bound = _solve_full(spec, full, best, bound, deadline)
     bound = max(bound, best.objective)
     status = "optimal" if _proven(best, bound, tolerance) else "feasible"
     return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
+
+
+def _solve_full(spec: _Spec, full: _PoolSizing, best: _Solved, bound: float, deadline: float) -> tuple[_Solved, float]:
+    """The full MILP from ``best`` until ``deadline``: the better plan, and the lower bound."""
+    solved = full.solve(spec, deadline - time.perf_counter(), start=best, bounded=True)
+    if solved is not None and solved.bound is not None:
+        bound = min(bound, solved.bound)
+    return _better(best, solved), bound
 
 
 def _water_fill(spec: _Spec, chosen: Mapping[str, Config], gpus: Mapping[str, int]) -> _Solved:
