@@ -324,8 +324,12 @@ SHORTLIST_SIZE = 12
 SHORTLIST_SHARE = 0.3
 """Share of the time left that the shortlist MILP may take; the search over levels and the full MILP get the rest."""
 
+SMALL_MILP = 400
+"""Configurations (all models together) up to which the full MILP is tried before the level search:
+PPipe's 3-model clusters of two GPU types have at most 200 (G1 on HC4), and CBC proves those in about a second."""
+
 FULL_FIRST_SHARE = 0.25
-"""Share of the time left after the shortlist that the full MILP takes first: enough to prove a small one."""
+"""Share of the time left after the shortlist that a small full MILP takes first."""
 
 LEVEL_SHARE = 0.7
 """Share of the time left then that the search over levels may take; the full MILP gets the rest."""
@@ -355,7 +359,7 @@ def _size_pools(
             restricted = _PoolSizing(spec, shortlist, gpus)
             seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
             best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
-    if not _proven(best, bound, tolerance):  # small MILPs (PPipe's clusters) are proven here
+    if not _proven(best, bound, tolerance) and sum(map(len, configs.values())) <= SMALL_MILP:
         best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
     if not _proven(best, bound, tolerance) and len(configs) > 1:
         best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, LEVEL_SHARE))
