@@ -62,7 +62,7 @@ def make_plan(
         )
         return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
-    deadline = started + options.time_limit
+    deadline = started + SOLVING_SHARE * options.time_limit
     rates = _batch_build_rates(spec, deadline) if options.batch_build_estimate else None
     if strategy == "np":
         plan = _plan_np(spec, rates, drop_infeasible=False, deadline=deadline)
@@ -87,6 +87,10 @@ def make_plan(
         settings=settings,
         bound=plan.bound,
     )
+
+
+SOLVING_SHARE = 0.95
+"""Share of the time limit the solves may take: the last solver stops a little late, and the plan is assembled after it."""
 
 
 def _with_table_origins(models: tuple[ModelPlan, ...], profiles: Mapping[str, Profile]) -> tuple[ModelPlan, ...]:
