@@ -12,6 +12,7 @@ from daskpipe.cli import LazyGroup
     cls=LazyGroup,
     lazy={
         "plan": "daskpipe.benchmarks.planning:bench_plan",
+        "planning": "daskpipe.benchmarks.planning_scale:bench_planning",
         "scheduler": "daskpipe.benchmarks.scheduling:bench_scheduler",
         "runtime": "daskpipe.benchmarks.runtime_overhead:bench_runtime",
         "colocation": "daskpipe.benchmarks.colocation:bench_colocation",

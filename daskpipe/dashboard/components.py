@@ -20,7 +20,7 @@ from itertools import cycle
 import numpy as np
 from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, DataTable, FactorRange, HoverTool, LayoutDOM, NumberFormatter, Range1d, TableColumn
+from bokeh.models import ColumnDataSource, DataTable, Div, FactorRange, HoverTool, LayoutDOM, NumberFormatter, Range1d, TableColumn
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from distributed.dashboard.components import DashboardComponent
@@ -259,12 +259,17 @@ class PlanView(DashboardComponent):
             sizing_mode="stretch_width",
             index_position=None,
         )
-        self.root = column(self.figure, self.table, sizing_mode="stretch_width")
+        self.quality = Div(text="")
+        self.root = column(self.quality, self.figure, self.table, sizing_mode="stretch_width")
 
     @without_property_validation
     @log_errors
     def update(self) -> None:
         metrics, _ = self.read()
+        qualities = sorted({model.plan_quality for model in metrics.models.values() if model.plan_quality} if metrics else ())
+        text = "; ".join(f"plan {q}" for q in qualities)
+        if self.quality.text != text:
+            self.quality.text = text
         rows: dict[str, list] = {k: [] for k in self.source.data}
         flow: dict[str, list] = {"x0": [], "x1": [], "y": []}
         factors = []

@@ -109,7 +109,8 @@ profiles_option = click.option(
     show_default=True,
     help="ppipe, np, dart-r; or a co-location policy sharing GPUs between models (docs/colocation.md).",
 )
-@click.option("--time-limit", type=float, default=60, show_default=True, help="Solver time limit, seconds.")
+@click.option("--time-limit", type=float, default=60, show_default=True, help="Time limit for the whole plan, seconds.")
+@click.option("--gap", type=float, default=0.005, show_default=True, help="Stop once the plan is proven within this relative gap.")
 @click.option("--solver", type=click.Choice(SOLVERS), default="auto", show_default=True)
 @click.option("--allow-missing-gpus", is_flag=True, help="Plan a model on the GPU types it has profiles for, ignoring the others.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write plan.json.")
@@ -125,6 +126,7 @@ def plan(
     max_parts,
     strategy,
     time_limit,
+    gap,
     solver,
     allow_missing_gpus,
     out,
@@ -147,6 +149,7 @@ def plan(
             margin=margin,
             max_parts=max_parts,
             time_limit=time_limit,
+            gap=gap,
             solver=solver,
             allow_missing_gpus=allow_missing_gpus,
         )
@@ -196,6 +199,7 @@ def _print_plan(result) -> None:
     console.print(
         f"GPUs used: {used or 'none'}; solver {result.solver['name']} {result.solver['status']} in {result.solver['seconds']:.2f} s"
     )
+    console.print(f"plan quality: {result.quality()}")
 
 
 def _where(part) -> str:

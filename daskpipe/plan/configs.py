@@ -131,17 +131,17 @@ def _config(
 def prune_dominated(configs: Sequence[Config]) -> list[Config]:
     """Drop configurations another one beats on every pool of the same resources.
 
-    A config's cost is only the vGPUs its pools need per req/s (1 / vGPU throughput per resource),
-    so among configs using the same set of resources, one whose per-resource throughputs are all
-    at least as high needs no more GPUs for any throughput; ties go to the lower latency.
+    A config's cost is only the vGPUs its pools need per req/s (1 / vGPU throughput per pool), so
+    among configs whose pools use the same resources (as a multiset: A -> B -> A has two pools on
+    A), one whose pools are each at least as fast as their counterparts needs no more GPUs for any
+    throughput; ties go to the lower latency. Pools on one resource are paired slowest with slowest.
     """
-    groups: dict[frozenset[Resource], list[Config]] = {}
+    groups: dict[tuple[Resource, ...], list[Config]] = {}
     for c in configs:
-        groups.setdefault(frozenset(c.resources), []).append(c)
+        groups.setdefault(tuple(sorted(c.resources)), []).append(c)
     kept: list[Config] = []
     for members in groups.values():
-        keys = sorted(members[0].resources)
-        vectors = [np.array([dict(zip(c.resources, c.vgpu_throughput))[r] for r in keys]) for c in members]
+        vectors = [np.array(pool_throughputs(c)) for c in members]
         order = sorted(range(len(members)), key=lambda i: (-float(vectors[i].sum()), members[i].total_latency_us))
         front: list[int] = []
         for i in order:
@@ -149,3 +149,14 @@ def prune_dominated(configs: Sequence[Config]) -> list[Config]:
                 front.append(i)
         kept.extend(members[i] for i in front)
     return kept
+
+
+def pool_order(resources: Sequence[Resource], throughputs: Sequence[float]) -> list[int]:
+    """Pool indices sorted by (resource, throughput): two pool lists on the same resources pair up
+    position by position, slowest with slowest on a resource they use twice."""
+    return sorted(range(len(resources)), key=lambda d: (resources[d], throughputs[d]))
+
+
+def pool_throughputs(config: Config) -> list[float]:
+    """Per-vGPU throughput of ``config``'s pools in :func:`pool_order`."""
+    return [config.vgpu_throughput[d] for d in pool_order(config.resources, config.vgpu_throughput)]

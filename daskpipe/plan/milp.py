@@ -10,13 +10,17 @@ all alike, and a max-min objective over the models' weighted throughputs.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from daskpipe.plan.configs import Budget, Config, enumerate_configs, resources_of
+from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
-from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError, relative_gap
 from daskpipe.profiles.model import Profile
 
 
@@ -58,13 +62,14 @@ def make_plan(
         )
         return replace(colocated, models=_with_table_origins(colocated.models, profiles))
     started = time.perf_counter()
-    rates = _batch_build_rates(spec) if options.batch_build_estimate else None
+    deadline = started + SOLVING_SHARE * options.time_limit
+    rates = _batch_build_rates(spec, deadline) if options.batch_build_estimate else None
     if strategy == "np":
-        plan = _plan_np(spec, rates, drop_infeasible=False)
+        plan = _plan_np(spec, rates, drop_infeasible=False, deadline=deadline)
     elif strategy == "ppipe":
-        plan = _plan_ppipe(spec, rates)
+        plan = _plan_ppipe(spec, rates, deadline=deadline)
     else:
-        plan = _plan_dart_r(spec, rates)
+        plan = _plan_dart_r(spec, rates, deadline)
     settings = {
         "margin": options.margin,
         "max_parts": 1 if strategy == "np" else options.max_parts,
@@ -80,7 +85,12 @@ def make_plan(
         cluster={"gpus": dict(spec.gpus), "gpus_per_server": dict(spec.gpus_per_server), "bw_gbps": options.bw_gbps},
         solver={**plan.solver, "seconds": time.perf_counter() - started},
         settings=settings,
+        bound=plan.bound,
     )
+
+
+SOLVING_SHARE = 0.95
+"""Share of the time limit the solves may take: the last solver stops a little late, and the plan is assembled after it."""
 
 
 def _with_table_origins(models: tuple[ModelPlan, ...], profiles: Mapping[str, Profile]) -> tuple[ModelPlan, ...]:
@@ -188,12 +198,13 @@ class _Solved:
     objective: float
     models: tuple[ModelPlan, ...]
     solver: Mapping[str, Any]
+    bound: float | None = None  # a proven upper bound on ``objective`` over the space it was solved in
 
 
 # -- strategies -----------------------------------------------------------------------------
 
 
-def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible: bool) -> _Solved:
+def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible: bool, deadline: float) -> _Solved:
     """Whole models on whole GPUs (PPipe's NP baseline: max one partition, no slices).
 
     With ``drop_infeasible`` a model that no GPU can serve in time gets an empty plan instead of an
@@ -207,26 +218,40 @@ def _plan_np(spec: _Spec, rates: Mapping[str, float] | None, *, drop_infeasible:
     solvable = {m: c for m, c in configs.items() if c}
     if not solvable:
         return _Solved(0.0, tuple(_model_plan(spec, m, []) for m in spec.profiles), {"name": "none", "status": "infeasible"})
-    solved = _size_pools(spec, solvable, spec.gpus)
-    return _Solved(solved.objective, tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles), solved.solver)
+    solved = _size_pools(spec, solvable, spec.gpus, deadline=deadline)
+    if len(solvable) < len(configs):  # a model without pools serves nothing: the max-min is 0
+        models = tuple(_find(solved.models, m) or _model_plan(spec, m, []) for m in spec.profiles)
+        return _Solved(0.0, models, {**solved.solver, "status": "optimal"}, 0.0)
+    return solved
 
 
-def _batch_build_rates(spec: _Spec) -> dict[str, float] | None:
+def _batch_build_rates(spec: _Spec, deadline: float) -> dict[str, float] | None:
     """x_np per model: the throughput of the NP plan solved without the estimate, the arrival rate
     every strategy's batch-build estimate then assumes (the NP baseline's too, as in the artifact).
 
     A model the NP plan cannot serve gets no estimate, as in the artifact.
     """
-    np_plan = _plan_np(spec, None, drop_infeasible=True)
+    np_plan = _plan_np(spec, None, drop_infeasible=True, deadline=_share_of(deadline, PRESOLVE_SHARE))
     return {m.name: m.throughput for m in np_plan.models if m.throughput > 0}
 
 
-def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, parts: int | None = None) -> _Solved:
-    """Pooled pipelines of up to ``parts`` partitions.
+PRESOLVE_SHARE = 0.08
+"""Share of the time left that an NP plan solved on the way (for x_np, or as a start) may take."""
 
-    Beyond two partitions the configurations multiply and the solver may stop at its time limit
-    with a weak plan, so the plan for one partition fewer is solved first, warm-starts this one,
-    and is returned if it stays better.
+
+def _share_of(deadline: float, share: float) -> float:
+    """The deadline of a step that may take ``share`` of the time left before ``deadline``."""
+    now = time.perf_counter()
+    return now + share * max(deadline - now, 0.0)
+
+
+def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, *, deadline: float, parts: int | None = None) -> _Solved:
+    """Pooled pipelines of up to ``parts`` partitions, never worse than the NP plan.
+
+    The NP plan (whole models on whole GPUs: configurations of this space too) is solved first and
+    starts the search. Beyond two partitions the configurations multiply, so the plan for one
+    partition fewer is solved first, in the first half of the time left, and starts this one; its
+    configurations are all in this space, so this solve's bound holds for both.
     """
     parts = spec.options.max_parts if parts is None else parts
     configs = {}
@@ -234,21 +259,21 @@ def _plan_ppipe(spec: _Spec, rates: Mapping[str, float] | None, parts: int | Non
         configs[m] = spec.configs(m, max_parts=parts, max_slices=None, rate=(rates or {}).get(m))
         if not configs[m]:
             raise spec.infeasible(m, max_slices=None)
-    fewer = _plan_ppipe(spec, rates, parts - 1) if parts > 2 else None
-    solved = _size_pools(spec, configs, spec.gpus, start=fewer)
-    if fewer is not None and fewer.objective > solved.objective:
-        return _Solved(fewer.objective, fewer.models, solved.solver)  # the status says this solve was cut short
-    return solved
+    if parts > 2:
+        start = _plan_ppipe(spec, rates, deadline=_share_of(deadline, 0.5), parts=parts - 1)
+    else:
+        start = _plan_np(spec, rates, drop_infeasible=True, deadline=_share_of(deadline, PRESOLVE_SHARE))
+    return _size_pools(spec, configs, spec.gpus, deadline=deadline, start=start)
 
 
-def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
+def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None, deadline: float) -> _Solved:
     """DART-r (PPipe §7.1): the NP plan splits the GPUs among the models, the GPUs it leaves idle are
     split evenly (the artifact leaves the remainder of that division idle, and so do we), then each
     model replicates DART's best plan for one GPU of each type over as many (type A, type B) pairs
     as it has, and runs the whole model on the GPUs left without a partner."""
     if len(spec.gpus) != 2:
         raise PlanError(f"dart-r pairs GPUs of two types; the cluster has {len(spec.gpus)} ({sorted(spec.gpus)})")
-    np_plan = _plan_np(spec, rates, drop_infeasible=True)
+    np_plan = _plan_np(spec, rates, drop_infeasible=True, deadline=deadline)
     used = {m.name: _physical_gpus(m) for m in np_plan.models}
     share = {m: dict(used[m]) for m in spec.profiles}
     for gpu, count in spec.gpus.items():
@@ -257,7 +282,7 @@ def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
             share[m][gpu] = share[m].get(gpu, 0) + idle // len(spec.profiles)
     models, statuses = [], []
     for m in spec.profiles:
-        pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m))
+        pipelines, status = _dart_r_model(spec, m, share[m], (rates or {}).get(m), deadline)
         statuses.append(status)
         models.append(_model_plan(spec, m, pipelines))
     objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
@@ -265,7 +290,7 @@ def _plan_dart_r(spec: _Spec, rates: Mapping[str, float] | None) -> _Solved:
     return _Solved(objective, tuple(models), {"name": np_plan.solver.get("name", "none"), "status": worst})
 
 
-def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float | None) -> tuple[list[Pipeline], str]:
+def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float | None, deadline: float) -> tuple[list[Pipeline], str]:
     a, b = spec.gpus
     pairs = min(share.get(a, 0), share.get(b, 0)) if set(spec.model_gpus[model]) == {a, b} else 0
     pipelines: list[Pipeline] = []
@@ -273,7 +298,7 @@ def _dart_r_model(spec: _Spec, model: str, share: Mapping[str, int], rate: float
     if pairs:
         pair_configs = spec.configs(model, max_parts=spec.options.max_parts, max_slices=1, rate=rate)
         if pair_configs:
-            pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1})
+            pair = _size_pools(spec, {model: pair_configs}, {a: 1, b: 1}, deadline=deadline)
             status = pair.solver["status"]
             pipelines += [_scaled(p, pairs) for p in pair.models[0].pipelines]
     for gpu in spec.model_gpus[model]:
@@ -297,25 +322,200 @@ SPARE_CAPACITY_BONUS = 1e-3
 trade a visible share of the minimum for it, large enough for the solver to use GPUs left over."""
 
 
-def _size_pools(spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], start: _Solved | None = None) -> _Solved:
-    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m."""
-    import mip
+SHORTLIST_SIZE = 12
+"""Configurations per model in the shortlist MILP: the cheapest at the LP's GPU prices."""
 
+SHORTLIST_SHARE = 0.3
+"""Share of the time left that the shortlist MILP may take; the search over levels and the full MILP get the rest."""
+
+SMALL_MILP = 400
+"""Configurations (all models together) up to which the full MILP is tried before the level search:
+PPipe's 3-model clusters of two GPU types have at most 200 (G1 on HC4), and CBC proves those in about a second."""
+
+FULL_FIRST_SHARE = 0.25
+"""Share of the time left after the shortlist that a small full MILP takes first."""
+
+LEVEL_SHARE = 0.7
+"""Share of the time left then that the search over levels may take; the full MILP gets the rest."""
+
+
+def _size_pools(
+    spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], *, deadline: float, start: _Solved | None = None
+) -> _Solved:
+    """Integer vGPUs per partition pool of every configuration, to maximise min_m throughput_m / w_m.
+
+    The only coupling between models is the GPU count per type, and on large fleets the MILP over
+    every configuration proves little in seconds. So: the LP relaxation gives a bound and, through
+    the duals of the GPU counts, a price per GPU type; water-filling at those prices gives a first
+    plan, and a MILP over each model's cheapest configurations (plus those of ``start``) a better
+    one; :func:`_search_levels` then bisects on the max-min level with one small MILP per model,
+    tightening both the plan and the bound; the full MILP, started from the best plan so far, uses
+    the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
+    is never bettered by a worse plan.
+    """
+    tolerance = spec.options.gap
     full = _PoolSizing(spec, configs, gpus)
-    if start is not None:
-        full.model.start = full.start_from(start)
-    status = full.model.optimize(max_seconds=spec.options.time_limit)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        raise PlanError(
-            f"the solver found no plan within {spec.options.time_limit:g} s (status {status.name.lower()}); raise the time limit"
-        )
-    models = []
-    for m, cs in configs.items():
-        pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, full.sizes(m)) if min(sizes) > 0]
-        models.append(_model_plan(spec, m, pipelines))
-    objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
-    name = "HiGHS" if full.model.solver_name.lower() == "highs" else "CBC"
-    return _Solved(objective, tuple(models), {"name": name, "status": status.name.lower()})
+    bound = full.relaxation_bound()
+    best = _better(_water_fill(spec, full.cheapest(), gpus), start)
+    if not _proven(best, bound, tolerance):
+        shortlist = full.shortlist(SHORTLIST_SIZE, keep=best)
+        if any(len(shortlist[m]) < len(configs[m]) for m in configs):
+            restricted = _PoolSizing(spec, shortlist, gpus)
+            seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
+            best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
+    if not _proven(best, bound, tolerance) and sum(map(len, configs.values())) <= SMALL_MILP:
+        best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
+    if not _proven(best, bound, tolerance) and len(configs) > 1:
+        best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, LEVEL_SHARE))
+    if not _proven(best, bound, tolerance):
+        best, bound = _solve_full(spec, full, best, bound, deadline)
+    bound = max(bound, best.objective)
+    status = "optimal" if _proven(best, bound, tolerance) else "feasible"
+    return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
+
+
+def _solve_full(spec: _Spec, full: _PoolSizing, best: _Solved, bound: float, deadline: float) -> tuple[_Solved, float]:
+    """The full MILP from ``best`` until ``deadline``: the better plan, and the lower bound."""
+    solved = full.solve(spec, deadline - time.perf_counter(), start=best, bounded=True)
+    if solved is not None and solved.bound is not None:
+        bound = min(bound, solved.bound)
+    return _better(best, solved), bound
+
+
+def _water_fill(spec: _Spec, chosen: Mapping[str, Config], gpus: Mapping[str, int]) -> _Solved:
+    """A quick plan: each model on its one cheapest configuration at the LP's prices; one vGPU at a
+    time goes to the slowest pool of the model furthest behind (min throughput / weight) while
+    GPUs of its type are left, so every model gets pools in proportion and few GPUs idle."""
+    free = dict(gpus)
+    pools = {m: [0] * c.num_parts for m, c in chosen.items()}
+    stuck: set[str] = set()
+
+    def throughput(m: str) -> float:
+        return min(n * x for n, x in zip(pools[m], chosen[m].vgpu_throughput))
+
+    while len(stuck) < len(chosen):
+        m = min((m for m in chosen if m not in stuck), key=lambda m: throughput(m) / spec.weights[m])
+        c = chosen[m]
+        d = min(range(c.num_parts), key=lambda d: pools[m][d] * c.vgpu_throughput[d])
+        gpu, v = c.resources[d]
+        on_resource = sum(n for n, r in zip(pools[m], c.resources) if r == (gpu, v))
+        if on_resource % v == 0:  # the next vGPU needs another physical GPU
+            if free[gpu] == 0:
+                stuck.add(m)
+                continue
+            free[gpu] -= 1
+        pools[m][d] += 1
+    models = tuple(_model_plan(spec, m, [_pipeline(c, pools[m])] if min(pools[m]) > 0 else []) for m, c in chosen.items())
+    return _Solved(min(mp.throughput / spec.weights[mp.name] for mp in models), models, {})
+
+
+def _search_levels(
+    spec: _Spec,
+    configs: Mapping[str, Sequence[Config]],
+    gpus: Mapping[str, int],
+    prices: Mapping[str, float],
+    best: _Solved,
+    bound: float,
+    deadline: float,
+) -> tuple[_Solved, float]:
+    """Bisect on the max-min level z between the best plan and the bound (a Lagrangian bound on the
+    GPU counts, with the LP's prices mu).
+
+    At a level z every model m solves its own MILP: reach w_m z req/s with the fewest priced GPUs,
+    C_m(z) = min mu . a_m. Any plan at z has sum_m mu . a_m <= mu . N, so sum_m C_m(z) > mu . N
+    (with the MILPs' lower bounds for C_m) proves that no plan reaches z: z becomes the bound. Else
+    each model's cheapest allocation is a column, and a small MILP picks one column per model
+    within the GPU counts, a plan that may beat the best so far.
+    """
+    covers = _Covers(spec, configs, gpus, prices)
+    capacity = sum(prices[gpu] * count for gpu, count in gpus.items())
+    high = bound  # where the search looks below: the bound, or a level no plan of the columns reached
+    resolution = spec.options.gap * bound  # levels closer than this to the best plan are not worth a try
+    while high - best.objective > resolution and time.perf_counter() < deadline:
+        level = (best.objective + high) / 2
+        need = covers.least_cost(level, deadline)
+        if need is None:  # out of time before every model was priced
+            break
+        if need > capacity * (1 + 1e-6):
+            bound = high = level
+            continue
+        picked = covers.pick(deadline)
+        if picked is not None and picked.objective > best.objective:
+            best = picked
+        if picked is None or picked.objective < level:
+            high = level
+    return best, bound
+
+
+class _Covers:
+    """Per model, the MILP of :func:`_search_levels`: reach a level at the fewest priced GPUs; the
+    allocations they find are the columns that :meth:`pick` combines."""
+
+    def __init__(self, spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], prices: Mapping[str, float]):
+        import mip
+
+        self.spec, self.gpus = spec, gpus
+        self.sizings, self.levels = {}, {}
+        self.columns: dict[str, list[tuple[ModelPlan, dict[str, int]]]] = {m: [] for m in configs}
+        for m, cs in configs.items():
+            sizing = _PoolSizing(spec, {m: cs}, gpus)
+            sizing.model.objective = mip.minimize(mip.xsum(prices[g] * y for (_, g, _), y in sizing.physical.items()))
+            sizing.model.max_mip_gap = spec.options.gap / 4  # the models' lower bounds must sum to well within the plan's gap
+            self.levels[m] = sizing.model.add_constr(sizing.z >= 0)
+            self.sizings[m] = sizing
+
+    def least_cost(self, level: float, deadline: float) -> float | None:
+        """A lower bound on sum_m C_m(level) (inf if a model cannot reach it); ``None`` past the deadline."""
+        import mip
+
+        total = 0.0
+        for i, (m, sizing) in enumerate(self.sizings.items()):
+            seconds = (deadline - time.perf_counter()) / (len(self.sizings) - i)
+            if seconds <= 0:
+                return None
+            self.levels[m].rhs = level
+            status = sizing.model.optimize(max_seconds=seconds)
+            if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+                return math.inf
+            total += float(sizing.model.objective_bound)
+            if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+                pipelines = [_pipeline(c, sizes) for c, sizes in zip(sizing.configs[m], sizing.sizes(m)) if min(sizes) > 0]
+                used: dict[str, int] = {}
+                for (_, gpu, _), y in sizing.physical.items():
+                    used[gpu] = used.get(gpu, 0) + round(y.x or 0)
+                self.columns[m].append((_model_plan(self.spec, m, pipelines), used))
+        return total
+
+    def pick(self, deadline: float) -> _Solved | None:
+        """One column per model, within the GPU counts, at the highest max-min (``None``: no such choice found)."""
+        import mip
+
+        if not all(self.columns.values()):
+            return None
+        model = _new_model(self.spec.options.solver)
+        model.verbose = 0
+        z = model.add_var(lb=0)
+        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cols] for m, cols in self.columns.items()}
+        for m, cols in self.columns.items():
+            model += mip.xsum(chosen[m]) == 1
+            model += self.spec.weights[m] * z <= mip.xsum(b * plan.throughput for b, (plan, _) in zip(chosen[m], cols))
+        for gpu, count in self.gpus.items():
+            model += mip.xsum(b * used.get(gpu, 0) for m, cols in self.columns.items() for b, (_, used) in zip(chosen[m], cols)) <= count
+        model.objective = mip.maximize(z)
+        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.1))
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None
+        models = tuple(next(plan for b, (plan, _) in zip(chosen[m], cols) if (b.x or 0) > 0.5) for m, cols in self.columns.items())
+        return _Solved(min(mp.throughput / self.spec.weights[mp.name] for mp in models), models, {})
+
+
+def _proven(plan: _Solved, bound: float, tolerance: float) -> bool:
+    return (relative_gap(plan.objective, bound) or 0.0) <= tolerance + 1e-9
+
+
+def _better(a: _Solved, b: _Solved | None) -> _Solved:
+    """The plan with the higher objective; ``a`` on a tie."""
+    return b if b is not None and b.objective > a.objective else a
 
 
 class _PoolSizing:
@@ -332,6 +532,7 @@ class _PoolSizing:
 
         self.configs = configs
         self.model = model = _new_model(spec.options.solver)
+        self.solver_name = "HiGHS" if model.solver_name.lower() == "highs" else "CBC"
         model.verbose = 0
         if model.solver_name.lower() == "cbc":
             model.cuts = 0  # CBC's cut rounds cost more than they prune here: 2.7x less CPU on the 16 bench cases
@@ -343,11 +544,13 @@ class _PoolSizing:
         for m, cs in configs.items():
             self.flows[m], self.counts[m] = [], []
             routes: dict[tuple[str, ...], list[mip.Var]] = {}
+            shared = Counter(_route(c) for c in cs)
             for c in cs:
                 x = model.add_var(lb=0)
-                opened = model.add_var(var_type=mip.BINARY) if spec.options.one_pipeline_per_route else None
+                # a route that only one configuration takes needs no opening: it carries one pipeline anyway
+                opened = model.add_var(var_type=mip.BINARY) if spec.options.one_pipeline_per_route and shared[_route(c)] > 1 else None
                 if opened is not None:
-                    routes.setdefault(tuple(gpu for gpu, _ in c.resources), []).append(opened)
+                    routes.setdefault(_route(c), []).append(opened)
                     self.route_opening[c] = opened
                 # no pool needs more vGPUs than it takes to match the smallest pool the cluster allows
                 ceiling = min(gpus[gpu] * v * throughput for (gpu, v), throughput in zip(c.resources, c.vgpu_throughput))
@@ -369,32 +572,101 @@ class _PoolSizing:
         for (m, gpu, v), ns in usage.items():
             self.physical[(m, gpu, v)] = y = model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[gpu])
             model += mip.xsum(ns) <= v * y
-        for gpu, count in gpus.items():
-            model += mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count
+        self.gpu_rows = {
+            gpu: model.add_constr(mip.xsum(y for (_, g, _), y in self.physical.items() if g == gpu) <= count) for gpu, count in gpus.items()
+        }
         # max-min first; a tiny bonus on total weighted throughput then gives GPUs the max-min leaves
         # over to the models' pools, so a cluster's spare capacity becomes queueing slack, not idle
         spare = SPARE_CAPACITY_BONUS / len(configs)
-        model.objective = mip.maximize(self.z + mip.xsum(spare / spec.weights[m] * x for m, xs in self.flows.items() for x in xs))
+        self.objective = self.z + mip.xsum(spare / spec.weights[m] * x for m, xs in self.flows.items() for x in xs)
+        model.objective = mip.maximize(self.objective)
+        model.max_mip_gap = spec.options.gap / 2  # the solver's gap counts the spare bonus too: stop with room to spare
+        self.prices: dict[str, float] = {}
+
+    def relaxation_bound(self) -> float:
+        """The LP relaxation's max-min (an upper bound on every plan's objective); it also records
+        the duals of the GPU counts as :attr:`prices` for :meth:`shortlist`."""
+        import mip
+
+        self.model.objective = mip.maximize(self.z)
+        with _c_stdout_silenced() if self.solver_name == "CBC" else nullcontext():
+            status = self.model.optimize(relax=True)
+        if status != mip.OptimizationStatus.OPTIMAL:
+            raise PlanError(f"the LP relaxation of the pool-sizing MILP ended {status.name.lower()}")
+        bound = float(self.model.objective_value)
+        self.prices = {gpu: max(float(row.pi or 0.0), 0.0) for gpu, row in self.gpu_rows.items()}
+        self.model.objective = mip.maximize(self.objective)
+        return bound
+
+    def ranked(self, model: str) -> list[int]:
+        """``model``'s configurations, those that cost the fewest priced GPUs per req/s first."""
+        cs = self.configs[model]
+        cost = [sum(self.prices[gpu] / (v * x) for (gpu, v), x in zip(c.resources, c.vgpu_throughput)) for c in cs]
+        return sorted(range(len(cs)), key=lambda i: (cost[i], cs[i].total_latency_us))
+
+    def cheapest(self) -> dict[str, Config]:
+        return {m: cs[self.ranked(m)[0]] for m, cs in self.configs.items()}
+
+    def shortlist(self, size: int, keep: _Solved | None) -> dict[str, list[Config]]:
+        """Per model, the ``size`` cheapest configurations at the LP's prices (its choices among
+        them), plus those ``keep``'s pipelines run on."""
+        kept = {(mp.name, i) for mp in keep.models for _, i, _ in self._covered(mp)} if keep is not None else set()
+        out = {}
+        for m, cs in self.configs.items():
+            cheapest = set(self.ranked(m)[:size])
+            out[m] = [c for i, c in enumerate(cs) if i in cheapest or (m, i) in kept]
+        return out
+
+    def solve(self, spec: _Spec, seconds: float, *, start: _Solved | None, bounded: bool) -> _Solved | None:
+        """The MILP's best plan within ``seconds`` (``None`` if it found none); with ``bounded`` it
+        carries the solver's bound B on max-min + bonus, as a bound on the max-min: every model's
+        flow is at least w_m z, so the bonus is at least SPARE_CAPACITY_BONUS z, and z <= B / (1 + it)."""
+        import mip
+
+        if seconds <= 0:
+            return None
+        if start is not None:
+            self.model.start = self.start_from(start)
+        status = self.model.optimize(max_seconds=seconds)
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None
+        models = []
+        for m, cs in self.configs.items():
+            pipelines = [_pipeline(c, sizes) for c, sizes in zip(cs, self.sizes(m)) if min(sizes) > 0]
+            models.append(_model_plan(spec, m, pipelines))
+        objective = min(mp.throughput / spec.weights[mp.name] for mp in models)
+        bound = float(self.model.objective_bound) / (1 + SPARE_CAPACITY_BONUS) if bounded else None
+        return _Solved(objective, tuple(models), {}, bound)
 
     def sizes(self, model: str) -> list[list[int]]:
         """vGPUs of every pool of every configuration of ``model``, as solved."""
         return [[round(n.x or 0) for n in ns] for ns in self.counts[model]]
 
+    def _covered(self, plan: ModelPlan) -> list[tuple[Pipeline, int, list[int]]]:
+        """(pipeline, index of a configuration that covers it, the pipeline's partition for each of
+        that configuration's pools) for each of ``plan``'s pipelines that one covers."""
+        out = []
+        for pipeline in plan.pipelines:
+            for i, c in enumerate(self.configs[plan.name]):
+                pairing = _pairing(c, pipeline)
+                if pairing is not None:
+                    out.append((pipeline, i, pairing))
+                    break
+        return out
+
     def start_from(self, plan: _Solved) -> list[tuple[Any, float]]:
         """``plan``'s pools as a MIP start: each of its pipelines on the configuration it used, or on
-        one that dominates it (pruning kept one with the same resources and no lower throughputs)."""
+        one that covers it (pruning kept one with the same resources and no lower throughputs)."""
         values: dict[Any, float] = {self.z: plan.objective}
         slices: dict[tuple[str, str, int], int] = {}
         for mp in plan.models:
             cs = self.configs[mp.name]
-            for pipeline in mp.pipelines:
-                resources = [(p.gpu, p.slices) for p in pipeline.partitions]
-                per_resource = {r: p.vgpus for r, p in zip(resources, pipeline.partitions)}
-                used = next(i for i, c in enumerate(cs) if set(c.resources) == set(resources) and _covers(c, pipeline))
+            for pipeline, used, pairing in self._covered(mp):
                 values[self.flows[mp.name][used]] = pipeline.throughput
-                for (gpu, v), n in zip(cs[used].resources, self.counts[mp.name][used]):
-                    values[n] = per_resource[(gpu, v)]
-                    slices[(mp.name, gpu, v)] = slices.get((mp.name, gpu, v), 0) + per_resource[(gpu, v)]
+                for (gpu, v), n, d in zip(cs[used].resources, self.counts[mp.name][used], pairing):
+                    vgpus = pipeline.partitions[d].vgpus
+                    values[n] = vgpus
+                    slices[(mp.name, gpu, v)] = slices.get((mp.name, gpu, v), 0) + vgpus
                 if cs[used] in self.route_opening:
                     values[self.route_opening[cs[used]]] = 1
         for key, n in slices.items():
@@ -402,10 +674,39 @@ class _PoolSizing:
         return list(values.items())
 
 
-def _covers(config: Config, pipeline: Pipeline) -> bool:
-    """Whether ``pipeline``'s pool sizes sustain its throughput on ``config``'s slices too."""
-    throughput = dict(zip(config.resources, config.vgpu_throughput))
-    return all(throughput[(p.gpu, p.slices)] * p.vgpus >= pipeline.throughput * (1 - 1e-9) for p in pipeline.partitions)
+@contextmanager
+def _c_stdout_silenced() -> Iterator[None]:
+    """CBC's LP solves (Clp) print to the process's stdout whatever python-mip's ``verbose`` says."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _route(config: Config) -> tuple[str, ...]:
+    """The GPU types a configuration's requests pass through, in order."""
+    return tuple(gpu for gpu, _ in config.resources)
+
+
+def _pairing(config: Config, pipeline: Pipeline) -> list[int] | None:
+    """For each pool of ``config``, the partition of ``pipeline`` it can take over with the same
+    vGPUs (same resource, at least its throughput); ``None`` if the resources differ or it is slower."""
+    mine = pool_order(config.resources, config.vgpu_throughput)
+    resources = [(p.gpu, p.slices) for p in pipeline.partitions]
+    theirs = pool_order(resources, [pipeline.throughput / p.vgpus for p in pipeline.partitions])
+    if [config.resources[d] for d in mine] != [resources[d] for d in theirs]:
+        return None
+    pairing = [0] * len(mine)
+    for d, e in zip(mine, theirs):
+        if config.vgpu_throughput[d] * pipeline.partitions[e].vgpus < pipeline.throughput * (1 - 1e-9):
+            return None
+        pairing[d] = e
+    return pairing
 
 
 def _new_model(choice: str) -> Any:

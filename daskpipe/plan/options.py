@@ -35,15 +35,18 @@ class PlannerOptions:
     batch-build estimate do not apply there). Pipelines must fit ``(1 - margin)`` of the SLO.
     ``allow_missing_gpus`` lets a model plan on the cluster's GPU types its profile has, instead of
     failing on the ones it lacks. ``one_pipeline_per_route`` keeps PPipe's formulation, where each
-    sequence of GPU types (a route) carries at most one pipeline.
+    sequence of GPU types (a route) carries at most one pipeline. ``time_limit`` bounds the whole
+    plan (every solve of it together); planning stops once the plan is proven within ``gap`` of the
+    optimum (a relative gap: 0.005 = 0.5%).
     """
 
     strategy: str = "ppipe"
     bw_gbps: float = 10.0  # effective network bandwidth per server
     margin: float = 0.4  # share of the SLO the plan keeps free
     max_parts: int = 2
-    time_limit: float = 60  # solver seconds
+    time_limit: float = 60  # seconds for the whole plan
     solver: str = "auto"
+    gap: float = 0.005
     batch_build_estimate: bool = True
     allow_missing_gpus: bool = False
     one_pipeline_per_route: bool = True
@@ -57,6 +60,8 @@ class PlannerOptions:
         check_positive(self.time_limit, "time_limit")
         if isinstance(self.margin, bool) or not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 1):
             raise PlanError(f"margin must be in [0, 1) (the share of the SLO kept free), got {self.margin!r}")
+        if isinstance(self.gap, bool) or not (isinstance(self.gap, (int, float)) and 0 <= self.gap < 1):
+            raise PlanError(f"gap must be in [0, 1) (the relative gap at which planning stops), got {self.gap!r}")
         if isinstance(self.max_parts, bool) or not isinstance(self.max_parts, int) or self.max_parts < 1:
             raise PlanError(f"max_parts must be an integer >= 1, got {self.max_parts!r}")
         for name in ("batch_build_estimate", "allow_missing_gpus", "one_pipeline_per_route"):

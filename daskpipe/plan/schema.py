@@ -22,6 +22,13 @@ class PlanError(ValueError):
     """A plan file is malformed, or a plan cannot be made; the message says what to change."""
 
 
+def relative_gap(objective: float, bound: float | None) -> float | None:
+    """How far ``objective`` may lie below the optimum, as a share of ``bound``; 0 when the bound is met."""
+    if bound is None:
+        return None
+    return max(0.0, (bound - objective) / bound) if bound > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Partition:
     """Blocks ``[start, end)`` of a model served by a pool of ``vgpus`` slices of 1/``slices`` of a ``gpu``."""
@@ -82,7 +89,11 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """A solved plan; ``cluster`` records the inventory it was made for."""
+    """A solved plan; ``cluster`` records the inventory it was made for.
+
+    ``bound`` is the best upper bound on the objective that planning proved (``None``: no bound,
+    as for heuristic strategies); the plan is at most ``gap`` below the optimum.
+    """
 
     objective: float
     models: tuple[ModelPlan, ...]
@@ -91,6 +102,19 @@ class Plan:
     solver: Mapping[str, Any] = field(default_factory=dict)  # name, status, seconds
     settings: Mapping[str, Any] = field(default_factory=dict)  # margin, max_parts, ...
     interference: Mapping[str, Any] = field(default_factory=dict)  # co-location: InterferenceModel.to_dict()
+    bound: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """(bound - objective) / bound: how far below the optimum the plan may be; ``None`` without a bound."""
+        return relative_gap(self.objective, self.bound)
+
+    def quality(self) -> str:
+        """One line for people: the objective, the bound and the gap, or that there is no bound."""
+        if self.gap is None:
+            return f"objective {self.objective:.1f}, not proven (no bound)"
+        proven = "proven" if self.solver.get("status") == "optimal" else "NOT proven"
+        return f"objective {self.objective:.1f}, bound {self.bound:.1f}, gap {100 * self.gap:.2f}% ({proven})"
 
     def model(self, name: str) -> ModelPlan:
         for m in self.models:
@@ -122,6 +146,7 @@ class Plan:
             "format": FORMAT,
             "strategy": self.strategy,
             "objective": self.objective,
+            **({"bound": self.bound, "gap": self.gap} if self.bound is not None else {}),
             "models": [
                 {
                     "name": m.name,
@@ -258,6 +283,7 @@ class Plan:
             solver=obj(data.get("solver", {}), "solver"),
             settings=obj(data.get("settings", {}), "settings"),
             interference=dict(data.get("interference", {})),
+            bound=None if data.get("bound") is None else num(data["bound"], "bound"),
         )
 
     def save(self, path: str | Path) -> None:

@@ -309,7 +309,14 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         # worker's backlog): the new one numbers its batches past every id sent before
         served.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
         self.served[model] = served
-        self.metrics.serve(model, served.model, placement, control=control.summary, suspects=functools.partial(self.watch.suspects, model))
+        self.metrics.serve(
+            model,
+            served.model,
+            placement,
+            control=control.summary,
+            suspects=functools.partial(self.watch.suspects, model),
+            plan_quality=Plan.from_dict(plan).quality(),
+        )
         logger.info(
             "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
             model,

@@ -200,6 +200,7 @@ class ModelMetrics:
 
     slo_s: float = 0.0
     plan: ModelPlan | None = None
+    plan_quality: str = ""  # the whole plan's objective, bound and gap (Plan.quality), where the server knows it
     placement: Placement | None = None
     offered: RateSeries = field(default_factory=RateSeries)
     completed: RateSeries = field(default_factory=RateSeries)
@@ -249,11 +250,14 @@ class ServiceMetrics:
         placement: Placement,
         control: Callable[[], dict[str, float]] | None = None,
         suspects: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        plan_quality: str = "",
     ) -> None:
         """``model`` is served by ``plan`` on ``placement`` from now on; ``control`` reads its
         measured control path (``daskpipe.runtime.control.ControlPath.summary``), ``suspects``
-        its suspect slots (``daskpipe.runtime.gray.Suspect.summary`` by address)."""
+        its suspect slots (``daskpipe.runtime.gray.Suspect.summary`` by address), ``plan_quality``
+        says how good the whole plan is (``Plan.quality``)."""
         metrics = self.model(model)
+        metrics.plan_quality = plan_quality
         metrics.plan, metrics.placement, metrics.slo_s, metrics.control, metrics.suspects = (
             plan,
             placement,

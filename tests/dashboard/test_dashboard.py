@@ -85,6 +85,7 @@ def test_each_view_holds_data_from_the_service(serving):
     assert plan.source.data["gpu"] == ["L4", "T4"]
     assert plan.source.data["table"] == ["not recorded"] * 2, "a hand-made plan says where its tables came from: nowhere"
     assert list(plan.figure.y_range.factors) and plan.flow.data["x1"] == [1]
+    assert "not proven (no bound)" in plan.quality.text, "a hand-made plan has no bound: the page says it is not proven"
     slos = SLOView(read)
     slos.update()
     assert sum(slos.rates.column("tiny offered")) == 48 and sum(slos.rates.column("tiny goodput")) == 48

@@ -55,6 +55,7 @@ def test_plan_writes_json_and_prints_a_summary(profile_dir, tmp_path):
     assert data["models"][0]["slo_us"] == 100000
     assert Plan.load(out).objective == pytest.approx(data["objective"])
     assert "objective" in result.output and "two-block" in result.output
+    assert data["bound"] >= data["objective"] and f"gap {100 * data['gap']:.2f}%" in result.output
 
 
 @pytest.mark.parametrize(

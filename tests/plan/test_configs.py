@@ -64,3 +64,11 @@ def test_free_boundaries_cost_nothing():
     p = synthetic_profile("m", {("A", 1): [100, 100], ("B", 1): [100, 100]}, boundary_bytes=[0.0])
     split = [c for c in enumerate_configs(p, resources_of(p, ["A", "B"]), budget(), max_parts=2) if c.num_parts == 2]
     assert split and all(c.transfer_us == (0.0, 0.0) and c.vgpu_throughput == pytest.approx((1e4, 1e4)) for c in split)
+
+
+def test_a_pool_used_twice_keeps_the_pipeline_without_it():
+    """A -> B -> A has two pools on A: it must not pass for a faster A -> B and prune it."""
+    p = synthetic_profile("m", {("A", 1): [100, 1000, 100], ("B", 1): [1000, 100, 1000]})
+    configs = enumerate_configs(p, resources_of(p, ["A", "B"]), budget(), max_parts=3)
+    routes = {tuple(g for g, _ in c.resources) for c in configs}
+    assert {("A", "B"), ("A", "B", "A")} <= routes
