@@ -53,7 +53,8 @@ def main() -> None:
     result = simulate(plan, profiles, SimulationConfig(duration=args.duration), load_factor=args.load)
     for name, model in result.models.items():
         print(
-            f"simulated {name} at load {args.load:g}: {model.submitted} requests, SLO attainment {model.attainment:.4f}, p99 {model.p99_ms:.1f} ms, dropped {model.dropped_total}"
+            f"simulated {name} at load {args.load:g}: {model.submitted} requests, SLO attainment {model.attainment:.4f}, p99 "
+            f"{model.p99_ms:.1f} ms, dropped {model.dropped_total}"
         )
 
 

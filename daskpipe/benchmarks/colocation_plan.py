@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import click
 
-from daskpipe.plan.cli import FloatList, NameList, Pairs, profiles_dir_or_default, profiles_option, echo_json
+from daskpipe.plan.cli import FloatList, NameList, Pairs, echo_json, profiles_dir_or_default, profiles_option
 from daskpipe.plan.milp import make_plan
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions
 from daskpipe.plan.schema import Plan, PlanError

@@ -31,8 +31,8 @@ import click
 import psutil
 import torch
 
-from daskpipe.dashboard.server import PAGES
 from daskpipe.benchmarks.runtime_overhead import BATCH, profile_and_plan, trivial_model
+from daskpipe.dashboard.server import PAGES
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -246,7 +246,8 @@ def run(
             svc.close()
     medians = {side: {key: statistics.median(r[key] for r in results) for key in results[0]} for side, results in sides.items()}
     return {
-        "cluster": f"LocalCluster, 2 CPU workers, {'processes' if processes else 'in-process (threads)'}, protocol tcp, dashboard on; {psutil.cpu_count()} CPUs",
+        "cluster": f"LocalCluster, 2 CPU workers, {'processes' if processes else 'in-process (threads)'}, protocol tcp, dashboard on; "
+        f"{psutil.cpu_count()} CPUs",
         "viewer": viewer,
         "requests_per_round": requests,
         "rounds_per_side": rounds,

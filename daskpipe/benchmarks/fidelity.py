@@ -78,8 +78,14 @@ LEAD_S = 0.2  # from the start of a trial to its time zero: the client is ready 
 DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand counts as lost
 WARM_UP_S, WARM_UP_LOAD = 1.0, 0.5  # each deployment's first batches (fresh streams) are slow, and not counted
 
-SEARCH = f"bisection on the grid of `step` up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise with load; the simulator's is daskpipe.sim.find_max_load on the same grid"
-TIMING = "a request is on time when its output is in the client's hands (the service's as_completed, then result(), in a client thread) within the SLO of its scheduled Poisson send time"
+SEARCH = (
+    f"bisection on the grid of `step` up to {MAX_LOAD:g} (the top first, then halving the bracket), assuming attainment does not rise "
+    "with load; the simulator's is daskpipe.sim.find_max_load on the same grid"
+)
+TIMING = (
+    "a request is on time when its output is in the client's hands (the service's as_completed, then result(), in a client thread) "
+    "within the SLO of its scheduled Poisson send time"
+)
 
 
 class BenchOptionError(ValueError):
@@ -224,13 +230,15 @@ def prepare(
         if mixed:
             raise BenchOptionError(
                 "--gpus",
-                f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all GPUs of a type alike: pick other --gpus",
+                f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all "
+                f"GPUs of a type alike: pick other --gpus",
             )
         on = {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
         if plan.model(name).throughput > max_rate:
             raise BenchOptionError(
                 "--gpus",
-                f"the plan of {name} on {dict(gpus)} serves {plan.model(name).throughput:.0f} req/s, over --max-rate {max_rate:g}: this machine could not send it open-loop; pick fewer or slower GPUs",
+                f"the plan of {name} on {dict(gpus)} serves {plan.model(name).throughput:.0f} req/s, over --max-rate {max_rate:g}: this "
+                f"machine could not send it open-loop; pick fewer or slower GPUs",
             )
         for kind in inputs:
             variant = stand_in(profiles[name], real_input_shape(name) if kind == "real" else None)
@@ -505,7 +513,8 @@ def run_fidelity(
         "search": SEARCH,
         "attainment_timing": TIMING,
         "ratio_definition": "runtime_max_load_factor / sim_max_load_factor (null when the simulator's is 0)",
-        "inputs": "per model, `real`: requests of the model's own input size (REAL_INPUT_SHAPES), `small`: of 16 floats; runtime_real_over_small compares their runtime max load factors",
+        "inputs": "per model, `real`: requests of the model's own input size (REAL_INPUT_SHAPES), `small`: of 16 floats; "
+        "runtime_real_over_small compares their runtime max load factors",
         "models": results,
         "wall_s": time.perf_counter() - started,
     }

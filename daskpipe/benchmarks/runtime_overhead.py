@@ -317,7 +317,7 @@ def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: A
         futures, sent_at, done_at = [], [], {}
         flowing.set()
         started = due = time.perf_counter()
-        for i, gap in enumerate(np.random.default_rng(0).exponential(1 / rate, size=10**7)):
+        for gap in np.random.default_rng(0).exponential(1 / rate, size=10**7):
             due += gap
             time.sleep(max(0.0, due - time.perf_counter()))
             if stop.is_set():
@@ -438,7 +438,8 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
     "--input-shape",
     default=",".join(map(str, INPUT_SHAPE)),
     show_default=True,
-    help="Shape of a request's float32 sample, e.g. 3,224,224 (602 KB images, which travel as frames of their own); the loaded run's background load stays at 1600 requests/s, more than 2 cores move at that size.",
+    help="Shape of a request's float32 sample, e.g. 3,224,224 (602 KB images, which travel as frames of their own); the loaded run's "
+    "background load stays at 1600 requests/s, more than 2 cores move at that size.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, input_shape: str, json_path: str | None) -> None:

@@ -293,7 +293,8 @@ def run_serve(
         "time_dilation": time_dilation,
         "senders": senders,
         "seconds": seconds,
-        "timing": "a request is on time when its output is in its sender's hands within the SLO (times the dilation) of its scheduled Poisson send time",
+        "timing": "a request is on time when its output is in its sender's hands within the SLO (times the dilation) of its scheduled "
+        "Poisson send time",
     }
     on_time_ms = slo_ms * time_dilation
     with Client(address) as client:

@@ -15,11 +15,11 @@ import time
 from dataclasses import replace
 from typing import Any, Mapping
 
-from daskpipe.colocation.latency import ColocationError, Colocated, GpuSpec, InterferenceModel
+from daskpipe.colocation.latency import Colocated, ColocationError, GpuSpec, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPolicy, Workload, make_policy
 from daskpipe.colocation.profiles import model_from_profiles, to_plan
-from daskpipe.profiles.catalog import gpu_specs
 from daskpipe.plan.schema import Plan, PlanError
+from daskpipe.profiles.catalog import gpu_specs
 from daskpipe.profiles.model import Profile
 
 RELATIVE_PRECISION = 0.01  # the bisection stops when the scale is known to 1%

@@ -49,7 +49,8 @@ class DaskpipeCollector(PrometheusCollector):
         name = self.build_name
         outcomes = CounterMetricFamily(
             name("requests"),
-            "Requests by outcome: submitted = completed + failed + invalid + dropped (by reason, in requests_dropped) + not ended yet; on_time = goodput",
+            "Requests by outcome: submitted = completed + failed + invalid + dropped (by reason, in requests_dropped) + not ended yet; "
+            "on_time = goodput",
             labels=["model", "outcome"],
         )
         dropped = CounterMetricFamily(name("requests_dropped"), "Requests dropped, by reason", labels=["model", "reason"])
@@ -57,7 +58,8 @@ class DaskpipeCollector(PrometheusCollector):
         latency = HistogramMetricFamily(name("request_latency_seconds"), "End-to-end latency of completed requests", labels=["model"])
         phases = HistogramMetricFamily(
             name("request_phase_seconds"),
-            "Completed requests' latency by phase: queue (waiting for a batch), compute, transfer (NICs), other (messages, waits between stages)",
+            "Completed requests' latency by phase: queue (waiting for a batch), compute, transfer (NICs), other (messages, waits between "
+            "stages)",
             labels=["model", "phase"],
         )
         batches = CounterMetricFamily(
@@ -93,12 +95,14 @@ class DaskpipeCollector(PrometheusCollector):
         )
         control = GaugeMetricFamily(
             name("control_delay_seconds"),
-            "Measured control-path delays: send (a request's submit to the scheduler, beyond its client's fastest), and of recent batches dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
+            "Measured control-path delays: send (a request's submit to the scheduler, beyond its client's fastest), and of recent batches "
+            "dispatch (to the first stage's start), hop (between stages), done (last stage to the scheduler), total",
             labels=["model", "kind", "quantile"],
         )
         late = GaugeMetricFamily(
             name("late_leg_seconds"),
-            "Over the batches whose requests ended after their deadline: how far each leg ran past its plan, mean and max (docs/runtime.md)",
+            "Over the batches whose requests ended after their deadline: how far each leg ran past its plan, mean and max "
+            "(docs/runtime.md)",
             labels=["model", "leg", "stat"],
         )
         suspects = GaugeMetricFamily(

@@ -23,10 +23,10 @@ from daskpipe.graft.planner import (
     GraftPlan,
     GroupPlan,
     Level,
-    serve_alone,
     check_fragments,
     merge,
     realign,
+    serve_alone,
 )
 
 MAX_EXHAUSTIVE_FRAGMENTS = 12

@@ -133,10 +133,10 @@ def plan(
 ) -> None:
     """Solve a serving plan and write it as JSON."""
     from daskpipe.plan.milp import make_plan
-    from daskpipe.progress import progress_bar
     from daskpipe.plan.schema import PlanError
     from daskpipe.profiles.loader import load_profiles
     from daskpipe.profiles.model import ProfileError
+    from daskpipe.progress import progress_bar
 
     if weights is not None and len(weights) != len(models):
         raise click.BadParameter(

@@ -226,7 +226,8 @@ class Plan:
                     share = num(q.get("share", 0.0), f"{qw}share")
                     if device and not (0 < share <= 1 and q.get("vgpus", 1) == 1):
                         raise PlanError(
-                            f"{source}: co-located partition {qw[:-1]} (device {device!r}) needs 0 < share <= 1 and vgpus 1, got share {share!r}, vgpus {q.get('vgpus')!r}"
+                            f"{source}: co-located partition {qw[:-1]} (device {device!r}) needs 0 < share <= 1 and vgpus 1, got share "
+                            f"{share!r}, vgpus {q.get('vgpus')!r}"
                         )
                     vgpus = q.get("vgpus")
                     if vgpus is None:  # accept plans that only give physical GPUs

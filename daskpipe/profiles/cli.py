@@ -274,5 +274,6 @@ def colocation_command(
         )
     out.write_text(json.dumps({"interference": fitted.to_dict(), "fit": report.to_dict()}, indent=1))
     click.echo(
-        f"wrote {out}: {len(fitted.coefficients)} (model, GPU) fits, error on the runs mean {report.mean_error_pct:.2f}%, max {report.max_error_pct:.2f}%"
+        f"wrote {out}: {len(fitted.coefficients)} (model, GPU) fits, error on the runs mean {report.mean_error_pct:.2f}%, max "
+        f"{report.max_error_pct:.2f}%"
     )

@@ -29,10 +29,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.catalog import GPUSpec, load_catalog
 from daskpipe.profiles.fx import BlockedModel, example_batch, segment_model
 from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.profiler import SLO_FACTOR, normalise_batch_sizes
 
 Precision = Literal["tf32", "fp32", "fp16"]
@@ -166,9 +166,12 @@ def op_costs(block: nn.Module, input_shape: Sequence[int], batches: Iterable[int
             return _record_costs(block.eval(), input_shape, batches, precision, device)
         except Exception as exc:
             raise ProfileError(
-                f"the estimator runs the model on the meta device (shapes, no values), and its forward failed there ({type(on_meta).__name__}: {on_meta}), "
-                f"then on a random input ({type(exc).__name__}: {exc}). This is data-dependent control flow: the forward reads a tensor's values "
-                "(torch._assert or an if on a tensor, .item(), .tolist()). Move such checks out of forward (check inputs before submitting them), "
+                f"the estimator runs the model on the meta device (shapes, no values), and its forward failed there "
+                f"({type(on_meta).__name__}: {on_meta}), "
+                f"then on a random input ({type(exc).__name__}: {exc}). This is data-dependent control flow: the forward reads a tensor's "
+                f"values "
+                "(torch._assert or an if on a tensor, .item(), .tolist()). Move such checks out of forward (check inputs before "
+                "submitting them), "
                 "or measure the profile on the real GPU type instead of estimating it"
             ) from exc
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from daskpipe.jsonfile import read_json_object
-
 import numpy as np
+
+from daskpipe.jsonfile import read_json_object
 
 FORMAT = "daskpipe-profile/1"
 MEASURED, ESTIMATED = "measured", "estimated"

@@ -64,7 +64,8 @@ def ilp_blocks(segment_latency_us: Mapping[str, np.ndarray], segment_bytes: np.n
     cut_bytes = np.asarray(segment_bytes, dtype=float)
     if cut_bytes.shape != (n - 1,):
         raise ProfileError(
-            f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), got {cut_bytes.shape[0] if cut_bytes.ndim else 0}"
+            f"segment_bytes must have one entry per boundary between the {n} segments ({n - 1}), "
+            f"got {cut_bytes.shape[0] if cut_bytes.ndim else 0}"
         )
     if not 1 <= num_blocks <= n:
         raise ProfileError(f"cannot cut {n} segments into {num_blocks} blocks; ask for 1 to {n} blocks")

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from daskpipe.profiles.graphs import device_runner
-from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles.fx import BlockedModel, segment_model
+from daskpipe.profiles.graphs import device_runner
 from daskpipe.profiles.model import Profile
+from daskpipe.profiles.prepartition import greedy_blocks
 
 if TYPE_CHECKING:
     from daskpipe.colocation.fit import FitReport, Measurement, ModelInfo
@@ -425,14 +425,16 @@ def timing_summary(timings: Sequence[Timing], chain_ratios: dict[int, float] | N
             )
     if busy:
         summary["warning"] = (
-            f"the machine was busy while profiling: in {busy} of {len(timings)} timings the profiling thread was on a CPU under {BUSY_CPU_SHARE:.0%} of the time "
+            f"the machine was busy while profiling: in {busy} of {len(timings)} timings the profiling thread was on a CPU under "
+            f"{BUSY_CPU_SHARE:.0%} of the time "
             f"(at least {min(shares):.0%}) after {BUSY_RETRIES} retries; the table is inflated; profile again on a quiet machine"
         )
     return summary
 
 
 def _input(blocked: BlockedModel, block: int, batch: int, device: torch.device, *, host: bool = False) -> torch.Tensor:
-    """An input of ``block`` at ``batch`` (:meth:`BlockedModel.example`); on the host if ``host`` (a stage's first block takes it from there)."""
+    """An input of ``block`` at ``batch`` (:meth:`BlockedModel.example`); on the host if ``host`` (a
+    stage's first block takes it from there)."""
     return blocked.example(block, batch, "cpu" if host else device)
 
 

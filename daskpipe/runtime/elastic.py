@@ -155,7 +155,8 @@ class Elastic:
             blocks, shapes = list(spec["blocks"]), [tuple(int(x) for x in s) for s in spec["input_shapes"]]
             if len(blocks) != profile.num_blocks or len(shapes) != profile.num_blocks:
                 raise DeployError(
-                    f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were given"
+                    f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were "
+                    f"given"
                 )
             specs[name] = ModelSpec(blocks, shapes, tuple(int(x) for x in spec["output_shape"]), str(spec["input_dtype"]), profile)
         if settings is not None:

@@ -28,14 +28,14 @@ from daskpipe.graft.execute import entry_shape
 from daskpipe.graft.fragments import Fragment
 from daskpipe.graft.planner import ServingPlan
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
-from daskpipe.profiles.model import Profile
 from daskpipe.profiles.fx import SegmentationError
+from daskpipe.profiles.model import Profile
 from daskpipe.runtime.arguments import check_example, check_module, check_profile
 from daskpipe.runtime.deployment import StageLaunch, pickle_blocks, release, start_stages
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.placement import FreeSlots
-from daskpipe.runtime.service import Service, cut_blocks, InputSpec, awaitable_with_asynchronous_client, inventory
+from daskpipe.runtime.service import InputSpec, Service, awaitable_with_asynchronous_client, cut_blocks, inventory
 from daskpipe.runtime.stage import FEATURE_MAP_DTYPE, Stage, decode_inputs, keep_running
 
 RECENT_CALLS = 256
@@ -82,7 +82,8 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
     offered = sorted(set(offered_slices) & set(profile.slices(serving.gpu)))
     if not offered:
         raise DeployError(
-            f"the cluster offers {serving.gpu} slots with v={sorted(set(offered_slices))}; the profile of {profile.model!r} has tables for v={profile.slices(serving.gpu)}"
+            f"the cluster offers {serving.gpu} slots with v={sorted(set(offered_slices))}; the profile of {profile.model!r} has tables "
+            f"for v={profile.slices(serving.gpu)}"
         )
     slices = {i: slice_for(stage.share, offered) for i, stage in enumerate(serving.stages)}
     devices: dict[tuple[int, ...], list[tuple[float, float]]] = defaultdict(list)  # route -> (budget ms, rate) per device
@@ -93,7 +94,8 @@ def hybrid_plan(serving: ServingPlan, fragments: Sequence[Fragment], profile: Pr
                 raise DeployError(f"the plan for {serving.model!r} has no route for device {member!r}")
             if serving.stages[route[0]].start != fragment.start_block:
                 raise DeployError(
-                    f"device {member!r} enters at block {fragment.start_block} but its route starts at block {serving.stages[route[0]].start}"
+                    f"device {member!r} enters at block {fragment.start_block} but its route starts at block "
+                    f"{serving.stages[route[0]].start}"
                 )
             devices[route].append((fragment.budget_ms, fragment.rate_rps / len(fragment.members)))
     if not devices:

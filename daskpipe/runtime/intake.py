@@ -20,9 +20,9 @@ from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.keys import Refusal, make_keys, refuse
 from daskpipe.runtime.gray import GrayPolicy
 from daskpipe.runtime.inputs import HeldInput, held_count
+from daskpipe.runtime.keys import Refusal, make_keys, refuse
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.served import Served, queue_bound
 from daskpipe.runtime.streams import ImmediateSend

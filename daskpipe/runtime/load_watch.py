@@ -137,7 +137,7 @@ class LoadWatch:
             if slot is not None:
                 by_type.setdefault(slot.gpu, []).append(address)
         surplus: set[str] = set()
-        for gpu, addresses in by_type.items():
+        for addresses in by_type.values():
             utilisation = sum(busy.get(a, 0.0) for a in addresses) / (window * len(addresses))
             extra = len(addresses) - max(1, math.ceil(len(addresses) * utilisation / self.settings.target_utilisation))
             if extra > 0:

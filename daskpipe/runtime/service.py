@@ -39,12 +39,12 @@ from daskpipe.profiles.fx import BlockedModel, InputLayout, SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import configured_store
 from daskpipe.runtime.arguments import check_deploy_arguments
-from daskpipe.runtime.errors import DeployError, InvalidRequest
-from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
-from daskpipe.runtime.futures import ClientStream, LandedFutures, ServedFuture
-from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.deployment import pickle_blocks, ppipe_launches, release, start_stages
 from daskpipe.runtime.elastic_state import ElasticSettings
+from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.futures import ClientStream, LandedFutures, ServedFuture
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
+from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, queue_bound
 from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
@@ -255,7 +255,8 @@ class Service:
         asynchronous one awaits its futures, or uses ``distributed.as_completed``."""
         if self.client.asynchronous:
             raise RuntimeError(
-                "Service.as_completed blocks its caller's thread; with an asynchronous client await the futures or use distributed.as_completed"
+                "Service.as_completed blocks its caller's thread; with an asynchronous client await the futures or use "
+                "distributed.as_completed"
             )
         return LandedFutures(futures, timeout)
 
@@ -526,7 +527,8 @@ def deploy(
         deepest = max(part.blocks[1] for pipeline in model_plan.pipelines for part in pipeline.partitions)
         if deepest > profiles[name].num_blocks:
             raise DeployError(
-                f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the profiles the plan was made from"
+                f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the "
+                f"profiles the plan was made from"
             )
         specs[name] = request_spec(blocked[name], profiles[name], example_inputs[name], model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts

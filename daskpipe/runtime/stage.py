@@ -47,8 +47,8 @@ from torch import nn
 from daskpipe.config import setting
 from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime import messages
-from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.environ import compute_thread_setup, shorten_switch_interval
+from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.fetch import InputFetches
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.gpu import gpu_backend
@@ -171,11 +171,12 @@ class Stage:
     ``modules`` is the pickled list of the partition's torch.fx blocks, or a sequence of such
     pickles, concatenated (every deployment sends its blocks pickled one by one,
     ``deployment.pickle_blocks``), loaded on the worker when the actor is created: a partition
-    that does not fit fails the deploy with the cause, not the first requests. ``input_shape`` is the per-sample shape the partition takes; ``input_dtype``
-    (a torch dtype name) is what the partition receives: the requests' dtype, with which the first
-    partition rebuilds a batch from the requests' raw bytes (``service.encode_input``), or
-    :data:`FEATURE_MAP_DTYPE`. ``max_batch``: the largest batch it is sent (a real GPU's stage
-    captures a CUDA graph for each size up to it).
+    that does not fit fails the deploy with the cause, not the first requests. ``input_shape`` is
+    the per-sample shape the partition takes; ``input_dtype`` (a torch dtype name) is what the
+    partition receives: the requests' dtype, with which the first partition rebuilds a batch from
+    the requests' raw bytes (``service.encode_input``), or :data:`FEATURE_MAP_DTYPE`.
+    ``max_batch``: the largest batch it is sent (a real GPU's stage captures a CUDA graph for each
+    size up to it).
     """
 
     def __init__(

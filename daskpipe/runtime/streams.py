@@ -31,7 +31,6 @@ from distributed.comm import utils as comm_utils
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.tensors import packed_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +130,14 @@ async def _step_on(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
 
 _PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 """Values msgpack writes as they are; a message Dask read has tuples where it was sent lists."""
+
+
+def packed_nbytes(packed: dict[str, Any]) -> int:
+    """Bytes of the tensors in an output :func:`~daskpipe.runtime.tensors.pack_output` packed."""
+    if "bytes" in packed:
+        return len(packed["bytes"])
+    items = packed.get("tuple") or packed.get("list") or [value for _, value in packed.get("dict", [])]
+    return sum(packed_nbytes(item) for item in items)
 
 
 def bulk_nbytes(messages: list[dict[str, Any]]) -> float:

@@ -61,14 +61,6 @@ def unpack_output(packed: dict[str, Any]) -> Any:
     return packed["value"]
 
 
-def packed_nbytes(packed: dict[str, Any]) -> int:
-    """Bytes of the tensors in an output :func:`pack_output` packed."""
-    if "bytes" in packed:
-        return len(packed["bytes"])
-    items = packed.get("tuple") or packed.get("list") or [value for _, value in packed.get("dict", [])]
-    return sum(packed_nbytes(item) for item in items)
-
-
 def output_nbytes(output: Any) -> int:
     """Bytes of the tensors in a request's output."""
     if isinstance(output, torch.Tensor):  # the common case, on every request's way: no tree walk

@@ -3,7 +3,8 @@ describes them (stalled and slow slots, late limits, poison isolation).
 
 :class:`GrayWatch` keeps one watchlist and one timer for every model: when each hop must have
 reported (two strikes) and when each batch's requests reach their late limit. The per-model state
-(suspects, slow streaks, abandoned batches) lives on :class:`~daskpipe.runtime.served.Served`. The watch acts on the plugin only through :class:`ServingPlugin`.
+(suspects, slow streaks, abandoned batches) lives on :class:`~daskpipe.runtime.served.Served`.
+The watch acts on the plugin only through :class:`ServingPlugin`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 from daskpipe.runtime import messages
 from daskpipe.runtime.errors import guarded
-from daskpipe.runtime.gray import isolation_split, Suspect, Watchlist
+from daskpipe.runtime.gray import Suspect, Watchlist, isolation_split
 from daskpipe.runtime.messages import WorkerSlot
 from daskpipe.runtime.served import Flight, Served
 from daskpipe.sched.api import DropReason, Request, Slot
@@ -123,7 +124,10 @@ class GrayWatch:
                     )
                     continue
                 partition = flight.planned[index][0]
-                detail = f"missed its reservation for stage {partition} of batch {dispatch} twice over ({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
+                detail = (
+                    f"missed its reservation for stage {partition} of batch {dispatch} twice over "
+                    f"({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
+                )
                 self.suspect(served, model, flight.route[index]["address"], detail, now)
         self._arm()
         self.plugin.arm()
@@ -202,7 +206,8 @@ class GrayWatch:
             served,
             model,
             address,
-            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
+            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the "
+            f"last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
             now,
         )
 

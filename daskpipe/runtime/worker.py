@@ -292,8 +292,8 @@ class DaskpipeWorker:
     ):
         from distributed import Nanny
 
-        from daskpipe.runtime.protocols import resolve_protocol
         from daskpipe.runtime.environ import stage_worker_environ
+        from daskpipe.runtime.protocols import resolve_protocol
 
         self.slots = worker_specs(slices=slices, emulate=emulate, server=server)
         positive_int(nthreads, "nthreads")

@@ -14,7 +14,7 @@ import math
 from typing import Callable, Mapping, Sequence
 
 from daskpipe.sched.api import Slot, Time
-from daskpipe.sched.symphony import DeferredDispatcher, DeferredSettings, Route, ModelQueue
+from daskpipe.sched.symphony import DeferredDispatcher, DeferredSettings, ModelQueue, Route
 
 
 class TimeoutDispatcher(DeferredDispatcher):

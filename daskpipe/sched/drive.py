@@ -19,7 +19,6 @@ from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Feedback, Request, Time
 
-
 # -- a synthetic model and a 100-GPU plan ------------------------------------------------------------
 _BLOCK_MS = (1.0, 1.0, 1.5, 1.5)  # L4, whole GPU, batch 1
 _SLOWDOWN = {"L4": (1.0, 1.0, 1.0, 1.0), "P4": (1.7, 2.5, 6.0, 8.0)}  # early blocks suit the P4 (paper Fig. 3)

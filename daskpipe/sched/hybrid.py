@@ -99,7 +99,8 @@ class FragmentDispatcher(Dispatcher):
     def submit(self, request: Request, now: Time) -> list[Action]:
         if request.start_block not in self.entry_blocks:
             raise ValueError(
-                f"request {request.id!r} enters {self.model.name!r} at block {request.start_block}; the plan has entries {self.entry_blocks}"
+                f"request {request.id!r} enters {self.model.name!r} at block {request.start_block}; the plan has entries "
+                f"{self.entry_blocks}"
             )
         index = self.entry_blocks.index(request.start_block)
         request.start_block = 0  # its entry's sub-plan starts there, as PPipe expects; restored on the way out

@@ -185,7 +185,8 @@ class PPipeSettings:
             raise ValueError(f"PPipeSettings.slack_quantile must be None or in [0.5, 1), got {self.slack_quantile!r}")
         if not 1 <= self.latency_min_samples <= self.latency_window:
             raise ValueError(
-                f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and {self.latency_window!r}"
+                f"PPipeSettings needs 1 <= latency_min_samples <= latency_window, got {self.latency_min_samples!r} and "
+                f"{self.latency_window!r}"
             )
         if self.join_chance is not None and not 0 < self.join_chance < 1:
             raise ValueError(f"PPipeSettings.join_chance must be None or in (0, 1), got {self.join_chance!r}")
@@ -544,7 +545,8 @@ class PPipeDispatcher(Dispatcher):
         part = self.model.pipelines[pipeline].partitions[partition]
         if slot.gpu != part.gpu or slot.slices != part.slices:
             raise ValueError(
-                f"slot {slot.id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}"
+                f"slot {slot.id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs "
+                f"{part.gpu}/v{part.slices}"
             )
         stage = self._pipes[pipeline].stages[partition]
         if any(s is stage for s, _ in self._slot_entries.get(slot.id, ())):
@@ -876,7 +878,8 @@ def pool_slots(placement: Placement, pipeline: int, partition: int, part: Partit
             )
         if slot.gpu != part.gpu or slot.slices != part.slices:
             raise ValueError(
-                f"slot {slot_id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs {part.gpu}/v{part.slices}"
+                f"slot {slot_id!r} is {slot.gpu}/v{slot.slices} but pool (pipeline {pipeline}, partition {partition}) needs "
+                f"{part.gpu}/v{part.slices}"
             )
         slots.append(slot)
     return slots

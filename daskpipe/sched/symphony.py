@@ -193,7 +193,7 @@ class ModelQueue:
     def max_batch(self) -> int:
         return len(self.latency)
 
-    def l(self, batch: int) -> float:
+    def l(self, batch: int) -> float:  # noqa: E743 - the paper's l(b)
         """Latency of a batch; +inf beyond the largest profiled batch (such a batch cannot exist)."""
         return self.latency[batch - 1] if batch <= len(self.latency) else math.inf
 
@@ -310,7 +310,8 @@ class DeferredDispatcher(Dispatcher):
         model = self._models.get(request.model)
         if model is None:
             raise ValueError(
-                f"request {request.id!r} is for model {request.model!r}, which this dispatcher does not serve (serves {sorted(self._models)})"
+                f"request {request.id!r} is for model {request.model!r}, which this dispatcher does not serve (serves "
+                f"{sorted(self._models)})"
             )
         if not (isinstance(request.size, int) and request.size >= 1):
             raise ValueError(f"request {request.id!r}: size must be an integer >= 1, got {request.size!r}")

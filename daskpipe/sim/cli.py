@@ -70,8 +70,8 @@ def parse_quantile(ctx: click.Context, param: click.Parameter, value: str | None
 
 def write_report(plan: Any, result: SimResult, path: str) -> None:
     """The live dashboard's pages, filled from the simulated run of each model."""
-    from daskpipe.sched.metrics import ServiceMetrics
     from daskpipe.dashboard.report import record_trace, save_report
+    from daskpipe.sched.metrics import ServiceMetrics
 
     metrics = ServiceMetrics()
     for model_plan in plan.models:
@@ -222,7 +222,8 @@ def simulate_command(
     for name, entry in out["models"].items():
         extra = f"  max LF {entry['max_load_factor']:.2f}" if "max_load_factor" in entry else ""
         click.echo(
-            f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}"
+            f"{name}: attainment {entry['attainment']:.4f}  dropped {entry['dropped']}  late {entry['late']}  "
+            f"p99 {entry['p99_ms'] or 0:.1f} ms  batch {entry['mean_batch_size'] or 0:.2f}{extra}"
         )
     click.echo("utilization: " + ", ".join(f"{gpu} {u:.1%}" for gpu, u in out["utilization"].items()))
 

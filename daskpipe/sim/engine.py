@@ -342,7 +342,8 @@ class Engine:
             previous = compute
             if hop.partition > last_partition:
                 raise ValueError(
-                    f"dispatch {dispatch.id} runs partition {hop.partition}; pipeline {dispatch.pipeline} of {dispatch.model!r} has {last_partition + 1}"
+                    f"dispatch {dispatch.id} runs partition {hop.partition}; pipeline {dispatch.pipeline} of {dispatch.model!r} has "
+                    f"{last_partition + 1}"
                 )
         for request in dispatch.requests:
             self._last_compute[request.id] = previous

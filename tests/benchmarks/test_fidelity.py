@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from daskpipe.benchmarks.fidelity import real_input_shape, bisect_grid, stand_in
+from daskpipe.benchmarks.fidelity import bisect_grid, real_input_shape, stand_in
 from daskpipe.cli import main
 from daskpipe.profiles.fx import cut_model, segment_model
 from daskpipe.profiles.model import Profile

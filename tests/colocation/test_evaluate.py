@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 import pytest
 
 from daskpipe.colocation.defaults import inss_testbed

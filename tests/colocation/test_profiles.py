@@ -35,9 +35,9 @@ def test_model_from_published_profiles_fits_their_tables(ppipe_dir):
 
 
 def test_model_from_profiles_needs_two_slice_counts():
-    from daskpipe.profiles.model import Profile
-
     import numpy as np
+
+    from daskpipe.profiles.model import Profile
 
     single = Profile(model="m", slo_us=1e4, num_blocks=1, latency_us={("T4", 1): np.array([[1000.0, 1800.0]])}, boundary_bytes=())
     with pytest.raises(ColocationError, match=">= 2 slice counts"):

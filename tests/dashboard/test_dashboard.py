@@ -17,10 +17,10 @@ from distributed import Client, LocalCluster, wait
 
 import daskpipe
 from daskpipe.dashboard.components import VIEWS, BatchView, GPUView, PlanView, SLOView
-from daskpipe.sched.metrics import BUCKET_S
 from daskpipe.dashboard.report import save_report
 from daskpipe.dashboard.server import PAGES, live_reader
 from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.sched.metrics import BUCKET_S
 from tests.runtime.helpers import example, tiny_model, two_stage
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,7 +151,7 @@ def test_pages_in_headless_chromium_show_the_service(serving, tmp_path_factory):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(base_url(cluster) + "/status")
             assert page.locator('a[href="daskpipe-plan"]').count() == 1  # in Dask's navigation bar
-            for url, title in PAGES:
+            for url, _ in PAGES:
                 page.goto(f"{base_url(cluster)}/{url}")
                 page.wait_for_function(f"({sizes_js})() !== null")
                 page.wait_for_timeout(1200)  # one periodic update, so the page shows the pushed data

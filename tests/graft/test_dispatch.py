@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.graft import Fragment
-from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.hybrid import hybrid_plan
 from daskpipe.sched.api import Dispatch, Feedback, Placement, Request, Slot
+from daskpipe.sched.hybrid import FragmentDispatcher
 from tests.graft.helpers import BUDGET_MS, serving_plan
 
 

@@ -110,7 +110,8 @@ def test_graft_planner_output_serves_every_entry(model_and_profile) -> None:
         ({"profile": {}}, "profile must be a daskpipe Profile (Profile.load reads a profile file), got dict"),
         (
             {"example_input": torch.empty(1, 3, 16, 16, device="meta")},
-            "example_input must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)",
+            "example_input must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it "
+            "holds no values)",
         ),
         ({"time_dilation": "2"}, "time_dilation must be a number, got '2' (str)"),
         ({"bw_gbps": 0}, "bw_gbps must be a finite number > 0 Gbit/s, got 0 Gbit/s"),

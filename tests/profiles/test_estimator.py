@@ -160,6 +160,7 @@ class _RefusesRandomInputs(_AssertsOnValues):
 def test_a_forward_that_fails_on_random_values_too_is_reported_as_data_dependent_control_flow():
     with pytest.raises(
         ProfileError,
-        match=r"Tensor.item\(\) cannot be called on meta tensors\), then on a random input \(AssertionError: expects zeros\). This is data-dependent control flow: .*torch._assert.*measure the profile on the real GPU type",
+        match=r"Tensor.item\(\) cannot be called on meta tensors\), then on a random input \(AssertionError: expects zeros\). This is "
+        r"data-dependent control flow: .*torch._assert.*measure the profile on the real GPU type",
     ):
         estimate_profile(_RefusesRandomInputs(), name="asserts", gpus=["T4"], example_input=torch.zeros(1, 3, 8, 8), num_blocks=1)

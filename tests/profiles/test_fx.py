@@ -10,9 +10,9 @@ import torch
 import torchvision
 from torch import nn
 
-from daskpipe.profiles.prepartition import greedy_blocks
 from daskpipe.profiles import SegmentationError, cut_model, segment_model
 from daskpipe.profiles.fx import ResumedModel, UncutModel, UncutWarning
+from daskpipe.profiles.prepartition import greedy_blocks
 
 
 class TinyResidualNet(nn.Module):

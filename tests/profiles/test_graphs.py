@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from daskpipe.profiles.graphs import capture
-from daskpipe.profiles.profiler import CHAIN_TOLERANCE, chain_disagreement, chain_sums, timing_summary, Timing
+from daskpipe.profiles.profiler import CHAIN_TOLERANCE, Timing, chain_disagreement, chain_sums, timing_summary
 
 
 class HostSync(nn.Module):

@@ -116,8 +116,8 @@ def test_a_retry_that_finds_its_pool_empty_is_dropped_saying_so_not_blaming_the_
         message = str(info.value)
         assert info.value.reason == "worker-lost" and "deadline" not in message, message
         assert (
-            f"worker {victim} died while its batch ran; the retry was dropped (no-capacity): no pipeline of this model has slots in every pool"
-            in message
+            f"worker {victim} died while its batch ran; the retry was dropped (no-capacity): no pipeline of this model has slots in every "
+            f"pool" in message
         )
         later = svc.submit("tiny", frames(1)[0])  # while the pool is empty
         with pytest.raises(RequestDropped) as info:

@@ -283,7 +283,9 @@ import daskpipe
 from tests.runtime.helpers import example, tiny_model, two_stage
 client = Client(sys.argv[1])
 profile, plan = two_stage("vanishing", slo_ms=60_000.0, gpus=("cpu", "cpu"))
-svc = daskpipe.deploy(client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile})
+svc = daskpipe.deploy(
+    client, {"vanishing": tiny_model()}, example_inputs={"vanishing": example()}, plan=plan, profiles={"vanishing": profile}
+)
 futures = svc.map("vanishing", [example() for _ in range(3)])  # a partial batch: it waits a minute
 print("submitted", flush=True)
 time.sleep(120)

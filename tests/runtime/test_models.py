@@ -4,7 +4,6 @@ unpartitioned model in eval mode: several inputs, tuple and dict outputs, token 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torchvision
@@ -22,7 +21,9 @@ from tests.runtime.helpers import two_pool_plan, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(300)
 REQUESTS = 5
-SLO_US = 5e6  # the emulated stages compute for real on a shared CPU: no request may be dropped as late (the test dispatcher waits a quarter of it for a full batch)
+SLO_US = 5e6
+"""The emulated stages compute for real on a shared CPU: no request may be dropped as late (the test
+dispatcher waits a quarter of it for a full batch)."""
 
 
 @pytest.fixture(scope="module")

@@ -420,15 +420,18 @@ def test_any_input_ends_as_a_future_and_map_sends_all_of_its_inputs_or_none(emul
         ),
         (
             {"example_inputs": {"tiny": torch.empty(1, *INPUT, device="meta")}},
-            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor (it holds no values)",
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a meta tensor "
+            "(it holds no values)",
         ),
         (
             {"example_inputs": {"tiny": torch.randn(1, *INPUT).to_sparse()}},
-            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of layout torch.sparse_coo",
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of "
+            "layout torch.sparse_coo",
         ),
         (
             {"example_inputs": {"tiny": torch.tensor(1.0)}},
-            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of shape ()",
+            "example_inputs['tiny'] must be a dense batched torch.Tensor with values, e.g. torch.randn(1, 3, 224, 224), got a tensor of "
+            "shape ()",
         ),
         ({"slo_ms": {"tiny": "500"}}, "slo_ms['tiny'] must be a number of ms, got '500' (str)"),
         ({"slo_ms": {"tiny": -5}}, "slo_ms['tiny'] must be a finite number > 0 ms, got -5 ms"),
@@ -493,7 +496,8 @@ def test_deploy_reports_data_dependent_control_flow_and_failed_deploys_release_w
     for _ in range(3):
         with pytest.raises(
             DeployError,
-            match=r"^model 'zeros' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors.*expects zeros.*This is data-dependent control flow: .*Move such checks out of forward",
+            match=r"^model 'zeros' cannot be profiled: .*Tensor.item\(\) cannot be called on meta tensors.*expects zeros.*This is "
+            r"data-dependent control flow: .*Move such checks out of forward",
         ):
             daskpipe.deploy(
                 client,
@@ -589,8 +593,9 @@ def test_drops_err_with_the_reason(emulated_inproc):
 def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
     """No time dilation: 4 + 6 ms stages (17.5 ms at the planned batch of 4) under a 50 ms SLO, the
     control path measured and planned for, at half the plan's capacity."""
-    from daskpipe.runtime.cluster import EmulatedCluster
     from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
 
     with fresh_heap(), EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
         with deploy_two_stage(client, slo_ms=50.0) as svc:

@@ -10,12 +10,12 @@ from distributed.protocol import to_serialize
 from distributed.protocol.core import dumps, loads
 
 from daskpipe.runtime.inputs import input_nbytes, wire_input
+from daskpipe.runtime.streams import packed_nbytes
 from daskpipe.runtime.tensors import (
     PACKED_BYTES,
     from_wire,
     output_nbytes,
     pack_output,
-    packed_nbytes,
     split_output,
     unpack_output,
     unwire_output,

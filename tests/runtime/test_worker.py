@@ -236,7 +236,8 @@ def test_cli_worker_rejects_bad_emulate():
     [
         (
             ["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "banana"],
-            "Invalid value for '--memory-limit': memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or 'auto', got 'banana'",
+            "Invalid value for '--memory-limit': memory_limit must be bytes, a size like 4GB, a fraction of the machine's memory or "
+            "'auto', got 'banana'",
         ),
         (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--memory-limit", "-5"], "Invalid value for '--memory-limit'"),
         (["worker", "tcp://127.0.0.1:1", "--emulate", "L4:1", "--nthreads", "0"], "Invalid value for '--nthreads'"),

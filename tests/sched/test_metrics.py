@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from daskpipe.dashboard.components import SERIES_BUCKETS, GPUView, SLOView
-from daskpipe.sched.metrics import BUCKET_S, LATENCY_BOUNDS_S, LatencySeries, RateSeries, ServiceMetrics
 from daskpipe.dashboard.report import record_trace, save_report
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
 from daskpipe.sched.api import Dispatch, Feedback, Hop, Placement, Request, Reservation, Slot
+from daskpipe.sched.metrics import BUCKET_S, LATENCY_BOUNDS_S, LatencySeries, RateSeries, ServiceMetrics
 from daskpipe.sim.engine import RequestRecord, Trace
 
 PLAN = ModelPlan(
