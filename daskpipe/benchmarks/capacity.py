@@ -315,7 +315,7 @@ def run_capacity(
 @click.option("--dispatcher", default="eager", show_default=True, help="The data plane (deploy's dispatcher=).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_capacity(
-    input_shapes: list[tuple[int, ...]], senders: list[int], start_rate: float, seconds: float, json_path: str | None
+    input_shapes: list[tuple[int, ...]], senders: list[int], start_rate: float, seconds: float, dispatcher: str, json_path: str | None
 ) -> None:
     """What one scheduler carries: its bytes and CPU per request, and the highest rate at 99% within the SLO."""
     if any(k < 1 for k in senders):
