@@ -394,10 +394,11 @@ class ClientStream:
     def refuse(self, model: str, refused: list) -> None:
         """Err the futures of requests the scheduler refused on arrival; they never became keys there."""
         futures = self.client.futures
-        for key, kind, text, reason in refused:
-            state = futures.get(key)
-            if state is not None:
-                state.set_error(refusal_error(kind, text, reason, model, key), None)
+        for kind, text, reason, keys in refused:
+            for key in keys:
+                state = futures.get(key)
+                if state is not None:
+                    state.set_error(refusal_error(kind, text, reason, model, key), None)
 
     def resolve(self, keys: list[str], outputs: list[Any] | None) -> None:
         """Finish the futures of ``keys`` (their outputs are in memory on a worker), keeping the
