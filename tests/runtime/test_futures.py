@@ -9,6 +9,7 @@ import gc
 import pytest
 
 from daskpipe.runtime.futures import ClientStream, LandedState
+from tests.helpers import LoopTurns
 
 
 def events_held(state: LandedState) -> int:
@@ -70,24 +71,17 @@ def test_a_client_stream_writes_its_first_message_at_once_and_the_rest_one_a_loo
             self.loop = LoopOf(loop)
 
     async def main() -> list[tuple[int, int]]:
-        turns = 0
-
-        async def count_turns() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        counting = asyncio.ensure_future(count_turns())
+        turns = LoopTurns()
+        turns.start()
         stream = ClientStream(ClientOf(asyncio.get_running_loop()))
         written: list[tuple[int, int]] = []
-        stream._out.send = lambda message: written.append((turns, message["n"]))  # type: ignore[method-assign]
+        stream._out.send = lambda message: written.append((turns.count, message["n"]))  # type: ignore[method-assign]
         await asyncio.sleep(0)
-        sent_at = turns
+        sent_at = turns.count
         for n in range(4):
             stream.send({"n": n})
         await asyncio.sleep(0.05)
-        counting.cancel()
+        turns.stop()
         return [(turn - sent_at, n) for turn, n in written]
 
     written = asyncio.run(main())
