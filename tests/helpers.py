@@ -64,6 +64,27 @@ def paced(
     return out
 
 
+class LoopTurns:
+    """Counts the turns of the running event loop from :meth:`start`: ``count`` is how many it
+    has taken, so a check can tell what ran in one turn from what spread over several."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._count())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _count(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+
 @contextmanager
 def fresh_heap() -> Iterator[None]:
     """Run a real-time check with this process's heap as a fresh scheduler's would be: the

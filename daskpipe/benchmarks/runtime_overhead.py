@@ -92,6 +92,8 @@ def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US, 
 class LoopLag:
     """How late the scheduler's event loop runs a timer, sampled every ``interval_s``: what every
     handler, stream and timer on that loop waits for (D5: the lag must stay bounded at peak rate).
+    ``held_cpu_s``: the CPU the loop's thread spent between a sample's sleep and its wake-up, what
+    the loop itself held it for, without the time a busy machine gave the thread no core.
 
     Started and stopped on the loop it measures (``cluster.sync``, or :func:`start_loop_lag` on the scheduler).
     """
@@ -99,10 +101,11 @@ class LoopLag:
     def __init__(self, interval_s: float = 0.005):
         self.interval_s = interval_s
         self.lags_s: list[float] = []
+        self.held_cpu_s: list[float] = []
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.lags_s = []
+        self.lags_s, self.held_cpu_s = [], []
         self._task = asyncio.ensure_future(self._sample())
 
     async def stop(self) -> list[float]:
@@ -114,9 +117,10 @@ class LoopLag:
     async def _sample(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            asked = loop.time() + self.interval_s
+            asked, cpu = loop.time() + self.interval_s, time.thread_time()
             await asyncio.sleep(self.interval_s)
             self.lags_s.append(loop.time() - asked)
+            self.held_cpu_s.append(time.thread_time() - cpu)
 
 
 def run_bench(

@@ -141,7 +141,7 @@ async def start_stages(
             scattered[name] = await client.scatter(blocks[name])
         futures = [launch.submit(client, scattered[launch.model]) for launch in launches]
         try:
-            await wait(futures, timeout=timeout)
+            await wait_through(client, futures, timeout)
         except TimeoutError:
             late = [launch.describe() for launch, future in zip(launches, futures) if not future.done()]
             raise DeployError(f"{len(late)} stage actors did not start within {timeout:g}s: {'; '.join(late)}") from None
@@ -175,6 +175,15 @@ async def connect_stage(key: str, peers: list[str], dask_worker: Any) -> None:
     ``get_client`` finds in the scheduler's process (a handle released later would release the
     stage with it)."""
     await dask_worker.state.actors[key].connect(peers)
+
+
+def wait_through(client: Client, futures: Sequence[Future], timeout: float | None) -> Any:
+    """``distributed.wait`` on ``client``'s own event loop (an awaitable there, as in
+    :func:`start_stages`). Dask's ``wait`` waits through the process's newest client: with a
+    second one in the process (a monitoring client, say) it blocked the caller's loop on the
+    other client's, and these futures, resolved by the blocked loop, never finished in time."""
+    with client.as_current():
+        return wait(futures, timeout=timeout)
 
 
 def release(futures: Iterable[Future]) -> None:

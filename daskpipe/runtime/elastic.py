@@ -328,12 +328,18 @@ class Elastic:
         )
 
     async def _get_client(self) -> Client:
+        """The scheduler's own client, for the stages of a re-plan; never the process's default,
+        which in-process clusters share with the user's code (its ``wait`` and ``get_client``)."""
         if self._client is None:
             from distributed import Client
 
             scheduler = self.plugin.scheduler
             self._client = await Client(
-                scheduler.address, asynchronous=True, security=client_security(scheduler.security), name="daskpipe-elastic"
+                scheduler.address,
+                asynchronous=True,
+                security=client_security(scheduler.security),
+                name="daskpipe-elastic",
+                set_as_default=False,
             )
         return self._client
 

@@ -20,6 +20,7 @@ works as for any future: the outputs are in the last worker's memory under the r
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import queue
@@ -265,6 +266,8 @@ class ClientStream:
         self.inline_bytes = inline_input_bytes()  # inputs up to this size ride the submission
         self._held_since_sweep = 0
         self._out = ImmediateSend()
+        self._queued: collections.deque[dict] = collections.deque()  # sent, not yet written (see send)
+        self._sending: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self._replies: dict[str, asyncio.Task] = {}  # worker address -> the task reading its stream
         self._reply_comms: dict[str, Any] = {}
@@ -319,11 +322,32 @@ class ClientStream:
         self._reader = asyncio.ensure_future(self._read(comm))
 
     def send(self, message: dict) -> None:
+        """Queue ``message`` for the scheduler. The client's loop writes the first at once and
+        the rest one a loop turn, so that a ``map``'s chunks reach the scheduler as payloads of
+        their own, each read in a loop turn of its own there: sent together, 100k requests'
+        chunks were one 4 MB payload, 90-170 ms to decode on the scheduler's loop."""
         loop = self.client.loop
         assert loop is not None, "an open stream's client runs a loop"
-        loop.add_callback(self._out.send, message)
+        self._queued.append(message)
+        loop.add_callback(self._send_queued)
+
+    def _send_queued(self) -> None:
+        if self._queued and (self._sending is None or self._sending.done()):
+            self._out.send(self._queued.popleft())
+            if self._queued:
+                self._sending = asyncio.ensure_future(self._send_one_a_turn())
+
+    async def _send_one_a_turn(self) -> None:
+        while self._queued:
+            await asyncio.sleep(0)
+            try:
+                self._out.send(self._queued.popleft())
+            except CommClosedError:  # the stream is closing: nothing more goes out on it
+                self._queued.clear()
 
     async def close(self) -> None:
+        if self._sending is not None:
+            await self._sending
         if self._out.comm is not None:
             await self._out.close()
         for comm in self._reply_comms.values():
@@ -403,10 +427,11 @@ class ClientStream:
     def refuse(self, model: str, refused: list) -> None:
         """Err the futures of requests the scheduler refused on arrival; they never became keys there."""
         futures = self.client.futures
-        for key, kind, text, reason in refused:
-            state = futures.get(key)
-            if state is not None:
-                state.set_error(refusal_error(kind, text, reason, model, key), None)
+        for kind, text, reason, keys in refused:
+            for key in keys:
+                state = futures.get(key)
+                if state is not None:
+                    state.set_error(refusal_error(kind, text, reason, model, key), None)
 
     def resolve(self, keys: list[str], outputs: list[Any] | None) -> None:
         """Finish the futures of ``keys`` (their outputs are in memory on a worker), keeping the

@@ -37,6 +37,10 @@ SUBMIT_SLICE = 64
 """Requests of one submit message handled between two event-loop turns (a few milliseconds at
 most): a message of any size never holds the loop (timers, other clients, workers' streams) for
 more than one slice."""
+REFUSAL_SLICE = 4096
+"""Keys of a submission refused whole (malformed, or for a model nobody serves) answered between
+two event-loop turns: about a millisecond, where each slice of :data:`SUBMIT_SLICE` cost a loop
+turn and a write of its own (100k keys: 1563 of them)."""
 
 LOOP_TURN_S = 0.005
 """How long a run of released keys may hold the scheduler's loop before it lets the loop turn."""
@@ -269,7 +273,7 @@ class Submitting(Protocol):
 
     def act(self, served: Served, model: str, actions: list) -> None: ...
 
-    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None: ...
+    def count_drop(self, served: Served, model: str, reason: str, detail: str, count: int = 1) -> None: ...
 
     def arm(self) -> None: ...
 
@@ -301,8 +305,9 @@ class Intake:
         ``sent_at``: the client's wall clock when the caller handed the requests over; their
         deadlines count from then (:class:`SendClocks`), else from the scheduler reading them.
         The message is checked whole before any key is made, so a malformed one errs every one of
-        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time, the event
-        loop running whatever waits between two slices, whatever the message's size."""
+        its futures at once; then it is taken :data:`SUBMIT_SLICE` requests at a time (a message
+        refused whole :data:`REFUSAL_SLICE` keys at a time), the event loop running whatever
+        waits between two slices, whatever the message's size."""
         try:
             if not isinstance(keys, (list, tuple)):
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
@@ -319,43 +324,34 @@ class Intake:
                 delay = self.send_clocks.delay(client, sent_at, read_at)
                 served.control.record_send(delay, len(keys))
                 arrival -= delay
-            for first in range(0, len(keys), SUBMIT_SLICE):
+            first = 0
+            while first < len(keys):
                 if first:
                     await asyncio.sleep(0)
                     served = self.plugin.served.get(model) if problem is None else None  # it may have closed meanwhile
-                stop = first + SUBMIT_SLICE
-                self._submit_slice(
-                    client,
-                    model,
-                    served,
-                    keys[first:stop],
-                    problem,
-                    inputs[first:stop] if problem is None else (),
-                    sizes[first:stop] if problem is None else (),
-                    start_block,
-                    arrival,
-                )
+                if problem is None and served is not None and not served.closing:
+                    stop = first + SUBMIT_SLICE
+                    self._submit_slice(client, model, served, keys[first:stop], inputs[first:stop], sizes[first:stop], start_block, arrival)
+                else:
+                    stop = first + REFUSAL_SLICE
+                    refusal = (
+                        ("invalid", f"malformed submission to model {model!r}: {problem}", "")
+                        if problem is not None
+                        else ("dropped", "" if served else "no service serves this model", "shutdown")
+                    )
+                    sliced = keys[first:stop]
+                    usable = [sliced[i] for i in self._usable(client, model, sliced)]
+                    refuse(self.plugin.scheduler, self.plugin.client_streams, client, model, [(*refusal, usable)])
+                first = stop
             self.plugin.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
-    def _submit_slice(
-        self,
-        client: str,
-        model: Any,
-        served: Served | None,
-        keys: Sequence,
-        problem: str | None,
-        inputs: Any,
-        sizes: Any,
-        start_block: int,
-        arrival: float,
-    ) -> None:
-        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
-        make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
-        plugin = self.plugin
-        tasks = plugin.scheduler.tasks
-        usable = [k for k in keys if is_key(k) and k not in tasks]
+    def _usable(self, client: str, model: Any, keys: Sequence) -> list[int]:
+        """The indices of those of ``keys`` that can name a new request: keys, and not in use (a
+        warning for the others)."""
+        tasks = self.plugin.scheduler.tasks
+        usable = [i for i, k in enumerate(keys) if is_key(k) and k not in tasks]
         if len(usable) < len(keys):
             logger.warning(
                 "daskpipe: %d request keys of %r from client %s are already in use or not keys; ignored",
@@ -363,46 +359,43 @@ class Intake:
                 model,
                 client,
             )
-        if problem is not None:
-            refuse(
-                plugin.scheduler,
-                plugin.client_streams,
-                client,
-                model,
-                [(k, "invalid", f"malformed submission to model {model!r}: {problem}", "") for k in usable],
-            )
-            return
-        if served is None or served.closing:
-            refuse(
-                plugin.scheduler,
-                plugin.client_streams,
-                client,
-                model,
-                [(k, "dropped", "" if served else "no service serves this model", "shutdown") for k in usable],
-            )
-            return
+        return usable
+
+    def _submit_slice(
+        self, client: str, model: str, served: Served, keys: Sequence, inputs: Any, sizes: Any, start_block: int, arrival: float
+    ) -> None:
+        """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.keys.refuse`);
+        make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
+        plugin = self.plugin
         now = time.monotonic()
-        refused: list[Refusal] = []
+        invalid: dict[str, list] = {}  # why -> the keys refused for it: a flood of one mistake is one refusal
+        overload = f"{served.max_queued} requests queued (max_queued)"
+        overloaded: list = []
         accepted: list[tuple[Any, Any, int]] = []
         room = served.max_queued - len(served.inputs)
         holding = False
-        for key, payload, size in zip(keys, inputs, sizes):
+        for i in self._usable(client, model, keys):
+            key, payload, size = keys[i], inputs[i], sizes[i]
             if held_count(payload):  # the client keeps the input; the first stage will fetch it
                 payload, holding = HeldInput(client, payload), True
-            if key not in tasks and is_key(key):
-                served.counts["submitted"] += 1
-                refusal = served.refusal(payload, size, start_block)
-                if refusal is not None:
-                    served.counts["invalid"] += 1
-                    plugin.metrics.refuse(model, 1, now)
-                    refused.append((key, "invalid", f"request {key!r} of model {model!r} refused by the scheduler: {refusal}", ""))
-                elif len(accepted) >= room:
-                    detail = f"{served.max_queued} requests queued (max_queued)"
-                    plugin.count_drop(served, model, "overload", detail)
-                    refused.append((key, "dropped", detail, "overload"))
-                else:
-                    accepted.append((key, payload, size))
-        refuse(plugin.scheduler, plugin.client_streams, client, model, refused)
+            refusal = served.refusal(payload, size, start_block)
+            if refusal is not None:
+                invalid.setdefault(refusal, []).append(key)
+            elif len(accepted) >= room:
+                overloaded.append(key)
+            else:
+                accepted.append((key, payload, size))
+        refused = sum(map(len, invalid.values()))
+        served.counts["submitted"] += refused + len(overloaded) + len(accepted)
+        served.counts["invalid"] += refused
+        if refused:
+            plugin.metrics.refuse(model, refused, now)
+        if overloaded:
+            plugin.count_drop(served, model, "overload", overload, len(overloaded))
+        refusals: list[Refusal] = [
+            ("invalid", f"a request of model {model!r} refused by the scheduler: {why}", "", alike) for why, alike in invalid.items()
+        ]
+        refuse(plugin.scheduler, plugin.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
         if holding and accepted:  # its streams to the stages' workers open before the first fetch
             plugin.reach(client, sorted({address for _, _, address in served.stages}))
         make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
@@ -415,4 +408,4 @@ class Intake:
                 id=key, model=model, arrival=arrival, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance
             )
             plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
-        plugin.metrics.submit(model, len(accepted) + len(refused), now, len(served.inputs))
+        plugin.metrics.submit(model, len(accepted) + refused + len(overloaded), now, len(served.inputs))

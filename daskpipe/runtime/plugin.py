@@ -454,9 +454,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.count_drop(served, model, reason, detail)
         self.err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
 
-    def count_drop(self, served: Served, model: str, reason: str, detail: str) -> None:
-        served.dropped[reason] = served.dropped.get(reason, 0) + 1
-        self.metrics.drop(model, reason, 1, time.monotonic(), detail)
+    def count_drop(self, served: Served, model: str, reason: str, detail: str, count: int = 1) -> None:
+        served.dropped[reason] = served.dropped.get(reason, 0) + count
+        self.metrics.drop(model, reason, count, time.monotonic(), detail)
 
     def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
         """End ``keys`` with ``error(key)``; a worker holding their parked data discards it."""

@@ -339,9 +339,8 @@ def _measure(
     timeout_s: float | None,
 ) -> tuple[dict[Kind, Profile], dict[Kind, str]]:
     """One task per kind on each worker it is timed on; per physical device one after another, devices at once."""
-    from distributed import wait
-
     from daskpipe.progress import progress_rows
+    from daskpipe.runtime.deployment import wait_through
 
     chains: dict[str, list[Kind]] = {}
     for kind, probe in sorted(probes.items()):
@@ -381,7 +380,7 @@ def _measure(
                 for i, address in enumerate(probe.together)
             ]
             try:
-                wait(futures, timeout=left)
+                wait_through(client, futures, left)
                 measured[kind] = median_profile(client.gather(futures), kind)
                 update(label, "measured", True)
             except (TimeoutError, FutureTimeout):

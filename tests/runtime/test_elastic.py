@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from distributed import Client, wait
+from distributed import Client, default_client, wait
 
 import daskpipe
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
@@ -152,6 +153,8 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
                     new = add_emulated_gpus(cluster, {"A10": 2})
                 time.sleep(0.02)
             wait_until(lambda: plugin.elastic.history, timeout=60, interval=0.1, what="a re-plan")
+            with ThreadPoolExecutor(1) as elsewhere:  # code outside `with client`: the process's default client
+                assert elsewhere.submit(default_client).result() is client, "the scheduler's own client became the default"
             wait(futures, timeout=60)
             assert [f.status for f in futures] == ["finished"] * len(xs), [f.exception() for f in futures if f.status != "finished"]
             status = counted(svc, "cnn", len(xs))

@@ -1,4 +1,5 @@
-"""The state of a served future: Dask's state changes, seen by waiting threads and coroutines alike."""
+"""The state of a served future: Dask's state changes, seen by waiting threads and coroutines alike;
+and how a client's stream hands its messages to the wire."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import gc
 
 import pytest
 
-from daskpipe.runtime.futures import LandedState
+from daskpipe.runtime.futures import ClientStream, LandedState
+from tests.helpers import LoopTurns
 
 
 def events_held(state: LandedState) -> int:
@@ -54,3 +56,34 @@ def test_a_coroutine_waits_for_the_end_whether_it_came_before_or_after_it_asked(
             await state.wait(timeout=0.01)
 
     asyncio.run(main())
+
+
+def test_a_client_stream_writes_its_first_message_at_once_and_the_rest_one_a_loop_turn():
+    """A ``map``'s chunks then reach the scheduler as payloads of their own, each decoded in a
+    loop turn of its own there, not as one payload of them all."""
+
+    class LoopOf:
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.add_callback = loop.call_soon_threadsafe
+
+    class ClientOf:  # what a ClientStream asks of its client before it opens
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = LoopOf(loop)
+
+    async def main() -> list[tuple[int, int]]:
+        turns = LoopTurns()
+        turns.start()
+        stream = ClientStream(ClientOf(asyncio.get_running_loop()))
+        written: list[tuple[int, int]] = []
+        stream._out.send = lambda message: written.append((turns.count, message["n"]))  # type: ignore[method-assign]
+        await asyncio.sleep(0)
+        sent_at = turns.count
+        for n in range(4):
+            stream.send({"n": n})
+        await asyncio.sleep(0.05)
+        turns.stop()
+        return [(turn - sent_at, n) for turn, n in written]
+
+    written = asyncio.run(main())
+    assert [n for _, n in written] == [0, 1, 2, 3]
+    assert written[0][0] <= 1 and len({turn for turn, _ in written}) == 4, written

@@ -161,15 +161,30 @@ def test_a_submission_with_a_malformed_field_errs_every_one_of_its_futures_at_on
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == (1, 10)  # the stream still serves
 
 
-def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100ms_slo():
+FLOODS = {
+    "nope": (RequestDropped, "no service serves this model"),  # refused whole
+    "tiny": (InvalidRequest, "refused by the scheduler: 1 samples take"),  # refused request by request: no input
+}
+
+
+@pytest.mark.parametrize("flooded", list(FLOODS))
+def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100ms_slo(flooded):
+    """The bar of #43: the other client's requests >= 99% on time at a 100 ms SLO, and the
+    scheduler's loop never held over 50 ms of its thread's CPU (its wall-clock lag on a busy
+    machine is mostly the time the thread waited for a core). The flooder runs a loop of its own,
+    as a client in another process does: one that shares the scheduler's (``Client(cluster)``)
+    encodes the message there, 12-22 ms, which the watcher may see together with Dask's decoding
+    of it, 20-25 ms, in the next turn."""
+    from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.cluster import EmulatedCluster
     from daskpipe.runtime.futures import ClientStream
 
+    error, message = FLOODS[flooded]
     with (
         fresh_heap(),
         EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster,
         Client(cluster) as client,
-        Client(cluster) as flooder,
+        Client(cluster.scheduler_address) as flooder,
     ):
         with deploy_two_stage(client, slo_ms=100.0) as svc:  # real time: 4 + 6 ms stages, no dilation
             wait(svc.map("tiny", frames(40, seed=2)), timeout=60)  # the control path measured
@@ -178,23 +193,27 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
             keys = [f"flood-{i}" for i in range(100_000)]
             first, last = Future(keys[0], flooder), Future(keys[-1], flooder)
             before = counted(svc, "tiny", 40)
+            lag = LoopLag(interval_s=0.001)
+            cluster.sync(lag.start)
             valid, flood_seen = [], []
             for i, x in enumerate(frames(200)):  # 200 requests a second for a second, the flood sent in their midst
                 if i == 50:
                     stream.send(
-                        {"op": "daskpipe-submit", "model": "nope", "keys": keys, "inputs": [b""] * len(keys), "sizes": [1] * len(keys)}
+                        {"op": "daskpipe-submit", "model": flooded, "keys": keys, "inputs": [b""] * len(keys), "sizes": [1] * len(keys)}
                     )
                 valid.append(svc.submit("tiny", x))
                 flood_seen.append((first.done(), last.done()))
                 time.sleep(0.005)
             wait(valid, timeout=30)
-            with pytest.raises(RequestDropped, match="no service serves this model"):
+            with pytest.raises(error, match=message):
                 last.result(timeout=60)
+            cluster.sync(lag.stop)
+            held = max(lag.held_cpu_s)
             after = counted(svc, "tiny", 40 + len(valid))
             assert any(started and not ended for started, ended in flood_seen), "the flood was not taken while the requests ran"
-            assert flood_seen[-1] == (True, True), "the flood was still being taken after the last request"
             on_time = after["on_time"] - before["on_time"]
             assert after["completed"] - before["completed"] == len(valid) and on_time >= 0.99 * len(valid), (after, len(valid))
+            assert held <= 0.05, f"the scheduler's loop was held {held * 1e3:.1f} ms"
             flooder.sync(stream.close)
 
 

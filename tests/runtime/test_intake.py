@@ -15,6 +15,7 @@ from daskpipe.runtime.control import ControlPath
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, served_from, sliced_releases
 from daskpipe.runtime.service import encode_input
+from tests.helpers import LoopTurns
 from tests.runtime.helpers import deploy_two_stage, frames
 
 
@@ -28,22 +29,15 @@ def test_a_burst_of_releases_lets_the_event_loop_turn_and_keeps_their_order():
 
     async def main() -> None:
         handler = sliced_releases(release)
-        turns = 0
-
-        async def ticker() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.ensure_future(ticker())
+        turns = LoopTurns()
+        turns.start()
         await asyncio.sleep(0)
-        before = turns
+        before = turns.count
         for i in range(40):  # a message per key, as a client sends them, and one message of many keys
             await handler(keys=[f"k{i}"], client="c")
         await handler(keys=[f"many-{j}" for j in range(8 * SUBMIT_SLICE)], client="c")
-        turns_during.append(turns - before)
-        task.cancel()
+        turns_during.append(turns.count - before)
+        turns.stop()
 
     asyncio.run(main())
     assert released == [f"k{i}" for i in range(40)] + [f"many-{j}" for j in range(8 * SUBMIT_SLICE)]

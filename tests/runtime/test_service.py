@@ -659,3 +659,48 @@ def test_an_asynchronous_client_deploys_submits_reads_the_plan_and_closes(emulat
             assert svc.closed and (await client.scheduler.daskpipe_status(models=["tiny"])) == {}
 
     asyncio.run(serve())
+
+
+def test_deploy_with_a_second_client_in_the_process_starts_at_once_and_serves():
+    """A monitoring client opened after the deploying one is the process's default client, the
+    one Dask's ``wait`` goes through: the deploy waits on its own client all the same."""
+    from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
+
+    xs = frames(3)
+    with (
+        EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+        Client(cluster.scheduler_address) as monitor,
+    ):
+        started = time.monotonic()
+        with deploy_two_stage(client) as svc:
+            assert time.monotonic() - started < 30
+            outputs = [svc.submit("tiny", x).result(timeout=30) for x in xs]
+            for out, ref in zip(outputs, reference(xs)):
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+            assert len(monitor.scheduler_info()["workers"]) == 2
+
+
+def test_deploy_while_another_processs_client_is_connected_serves_before_and_after_it_leaves():
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
+
+    xs = frames(2)
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        alone = set(cluster.scheduler.clients)
+        connect = f"from distributed import Client; c = Client({cluster.scheduler_address!r}); print('connected', flush=True); input()"
+        with subprocess.Popen([sys.executable, "-c", connect], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as other:
+            assert other.stdout is not None and other.stdout.readline() == "connected\n"
+            started = time.monotonic()
+            with deploy_two_stage(client) as svc:
+                assert time.monotonic() - started < 30
+                torch.testing.assert_close(svc.submit("tiny", xs[0]).result(timeout=30), reference(xs[:1])[0], atol=1e-4, rtol=1e-4)
+                other.communicate("\n", timeout=30)
+                wait_until(lambda: set(cluster.scheduler.clients) == alone, timeout=10, what="the other process's client to leave")
+                torch.testing.assert_close(svc.submit("tiny", xs[1]).result(timeout=30), reference(xs[1:])[0], atol=1e-4, rtol=1e-4)
