@@ -69,7 +69,8 @@ class EmulatedCluster(LocalCluster):
     nthreads : int, default 1
         Threads per slot worker.
     **kwargs
-        Passed to ``LocalCluster`` (``memory_limit`` is per slot and defaults to an equal share).
+        Passed to ``LocalCluster`` (``memory_limit`` is per slot and defaults to an equal share of
+        the machine's, or none for workers in this process, which all see its whole memory).
 
     Raises
     ------
@@ -91,7 +92,8 @@ class EmulatedCluster(LocalCluster):
         **kwargs: Any,
     ):
         self.slots = emulated_slots(gpus, slices=slices, servers=servers)
-        kwargs.setdefault("memory_limit", equal_memory_share(len(self.slots)))
+        # in one process, each worker would hold the whole process's memory against its share, and pause
+        kwargs.setdefault("memory_limit", equal_memory_share(len(self.slots)) if processes else 0)
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
         preload = scheduler_kwargs.get("preload", ())
         scheduler_kwargs["preload"] = ["daskpipe", *([preload] if isinstance(preload, str) else preload)]

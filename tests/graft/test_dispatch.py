@@ -10,6 +10,7 @@ from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.hybrid import hybrid_plan
 from daskpipe.sched.api import Dispatch, Feedback, Placement, Request, Slot
 from daskpipe.sched.hybrid import FragmentDispatcher
+from daskpipe.sched.ppipe import PPipeSettings
 from tests.graft.helpers import BUDGET_MS, serving_plan
 
 
@@ -18,11 +19,11 @@ def hybrid(model_and_profile):
     return hybrid_plan(*serving_plan(), model_and_profile[2], offered_slices=[1, 2])
 
 
-def make_dispatcher(hybrid, profile) -> FragmentDispatcher:
+def make_dispatcher(hybrid, profile, settings: PPipeSettings | None = None) -> FragmentDispatcher:
     """One slot per plan stage (slot ``s<i>`` runs stage ``i``)."""
     slots = {f"s{i}": Slot(f"s{i}", "V100", hybrid.slices[i], "node-0") for i in set(hybrid.stage_of.values())}
     pools = {pool: (f"s{i}",) for pool, i in hybrid.stage_of.items()}
-    return FragmentDispatcher(hybrid.plan.model("tiny"), Placement("tiny", pools, slots), profile, bw_gbps=10.0)
+    return FragmentDispatcher(hybrid.plan.model("tiny"), Placement("tiny", pools, slots), profile, bw_gbps=10.0, settings=settings)
 
 
 def submit_full_batch(dispatcher: FragmentDispatcher, hybrid, block: int, now: float) -> Dispatch:
@@ -63,13 +64,20 @@ def test_merged_feedback_frees_the_time_the_merge_saved(hybrid, model_and_profil
 
 
 def test_a_short_entry_waits_for_its_batch_then_goes_at_its_last_moment(hybrid, model_and_profile) -> None:
-    dispatcher = make_dispatcher(hybrid, model_and_profile[2])
-    assert dispatcher.submit(Request("lone", "tiny", 0.0, BUDGET_MS / 1e3, start_block=1), 0.0) == []
-    assert dispatcher.queued == 1
-    wake = dispatcher.next_wake()
+    """The paper's rule (``join_chance=None``) holds a lone request for its batch's last moment; the
+    default sends it at once, as no other request is expected before then (docs/dataplane.md)."""
+    paper = make_dispatcher(hybrid, model_and_profile[2], PPipeSettings(join_chance=None))
+    assert paper.submit(Request("lone", "tiny", 0.0, BUDGET_MS / 1e3, start_block=1), 0.0) == []
+    assert paper.queued == 1
+    wake = paper.next_wake()
     assert 0.0 < wake < BUDGET_MS / 1e3
-    [dispatch] = dispatcher.wake(wake)
-    assert [r.id for r in dispatch.requests] == ["lone"] and dispatcher.entry_of(dispatch.id) == 1
+    [dispatch] = paper.wake(wake)
+    assert [r.id for r in dispatch.requests] == ["lone"] and paper.entry_of(dispatch.id) == 1
+    default = make_dispatcher(hybrid, model_and_profile[2])
+    assert default.submit(Request("lone", "tiny", 0.0, BUDGET_MS / 1e3, start_block=1), 0.0) == []
+    assert default.next_wake() == 0.0  # at the end of this instant, so that a burst fills one batch
+    [dispatch] = default.wake(0.0)
+    assert [r.id for r in dispatch.requests] == ["lone"]
 
 
 def test_a_lost_private_slot_stops_its_entry_only(hybrid, model_and_profile) -> None:
