@@ -140,9 +140,11 @@ def _marking(change: Callable[..., None]) -> Callable[..., None]:
     whose output is in this client's hands stays finished when Dask loses or cancels its key (its
     worker died, or released it): the output is here, and nothing is lost."""
 
+    undoes_an_end = change.__name__ in ("lose", "cancel")
+
     @functools.wraps(change)
     def marked(self: LandedState, *args: Any, **kwargs: Any) -> None:
-        if change.__name__ in ("lose", "cancel") and self.output_in_hand:
+        if undoes_an_end and self.output_in_hand:
             return
         change(self, *args, **kwargs)
         self._mark()
