@@ -11,9 +11,9 @@ from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
 if TYPE_CHECKING:
-    from daskpipe.runtime.elastic_state import ElasticSettings
-    from daskpipe.runtime.profiling import ProfilingOptions
-    from daskpipe.runtime.service import Service, deploy
+    from daskpipe.runtime.client.service import Service, deploy
+    from daskpipe.runtime.deploying.profiling import ProfilingOptions
+    from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
 
 __all__ = [
     "ConfigError",
@@ -37,10 +37,10 @@ update_defaults()
 # `--preload daskpipe` never needs. The objects themselves, not wrappers, so that help() and
 # inspect.signature() show their real parameters.
 _LAZY = {
-    "deploy": "daskpipe.runtime.service",
-    "Service": "daskpipe.runtime.service",
-    "ProfilingOptions": "daskpipe.runtime.profiling",
-    "ElasticSettings": "daskpipe.runtime.elastic_state",
+    "deploy": "daskpipe.runtime.client.service",
+    "Service": "daskpipe.runtime.client.service",
+    "ProfilingOptions": "daskpipe.runtime.deploying.profiling",
+    "ElasticSettings": "daskpipe.runtime.scheduler.elastic.state",
 }
 
 
@@ -60,7 +60,7 @@ def dask_setup(scheduler: Any) -> None:
     """``dask scheduler --preload daskpipe``: install daskpipe's scheduler plugin (no pickle needed)."""
     from distributed import Scheduler
 
-    from daskpipe.runtime.plugin import install
+    from daskpipe.runtime.scheduler.plugin import install
 
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"daskpipe is a scheduler preload (dask scheduler --preload daskpipe), not a {type(scheduler).__name__} preload")

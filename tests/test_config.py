@@ -12,9 +12,9 @@ import pytest
 from daskpipe.config import DEFAULTS, SCHEMA, ConfigError, check, check_settings, current_frames_can_deadlock, load, setting
 from daskpipe.dashboard.server import UPDATE_CONFIG
 from daskpipe.profiles.store import CONFIG_KEY as STORE_CONFIG
-from daskpipe.runtime import gray
 from daskpipe.runtime.gctune import GC_CONFIG
-from daskpipe.runtime.plugin import EXTENSIONS_CONFIG
+from daskpipe.runtime.scheduler import gray
+from daskpipe.runtime.scheduler.plugin import EXTENSIONS_CONFIG
 
 
 def leaves(tree: dict, prefix: str = "") -> dict[str, object]:

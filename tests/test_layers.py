@@ -251,15 +251,63 @@ def test_no_test_module_imports_another_test_module_or_a_conftest() -> None:
     assert found == []
 
 
-def test_the_scheduler_side_imports_no_torch() -> None:
-    """``dask scheduler --preload daskpipe`` runs the plugin and its request path, which carry control
-    only: request inputs stay raw bytes or byte counts there (daskpipe/runtime/inputs.py), never tensors."""
+# The runtime by process (docs/architecture.md): which group may import which. ``deploying`` is
+# shared by the client (at deploy) and the scheduler (at a re-plan); ``daskpipe.runtime.errors``
+# and the modules at the runtime's top are every process's.
+RUNTIME = "daskpipe.runtime"
+PROCESS_GROUPS = ("client", "scheduler", "worker", "wire", "deploying")
+PROCESS_BORDERS = {
+    "worker": {"scheduler", "client"},  # a stage worker knows the scheduler only by its messages
+    "scheduler": {"client", "worker"},  # the scheduler side never holds a tensor nor a model
+    "wire": {"client", "scheduler", "worker", "deploying"},  # the vocabulary every process shares
+}
+NO_TORCH = ("scheduler", "wire")  # ``dask scheduler --preload daskpipe`` runs these
+
+
+def process_group(module: str) -> str | None:
+    parts = module.split(".")
+    if not within(module, RUNTIME) or len(parts) < 4 or parts[2] not in PROCESS_GROUPS:
+        return None
+    return parts[2]
+
+
+def across_the_process_borders(graph: Graph) -> set[tuple[str, str]]:
+    return {
+        (importer, target)
+        for importer, targets in graph.edges.items()
+        for target in targets
+        if process_group(target) in PROCESS_BORDERS.get(process_group(importer) or "", set())
+    }
+
+
+def torch_imported_by(modules: list[str], root: Path) -> list[str]:
+    """The torch modules that importing ``modules`` (in a fresh interpreter, from ``root``) loads."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, daskpipe, daskpipe.runtime.plugin, daskpipe.runtime.inputs, daskpipe.runtime.messages\n"
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
-    )
-    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout
-    assert shown.strip() == "[]", f"the scheduler side imported {shown.strip()}"
+    code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    return ast.literal_eval(shown.strip())
+
+
+def test_the_process_reader_sees_a_worker_importing_the_scheduler(tmp_path: Path) -> None:
+    package = tmp_path / "daskpipe"
+    for folder in ("", "runtime", "runtime/worker", "runtime/scheduler"):
+        (package / folder).mkdir(exist_ok=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "runtime" / "scheduler" / "plugin.py").write_text("import torch\n")
+    (package / "runtime" / "worker" / "stage.py").write_text("def f():\n    from daskpipe.runtime.scheduler import plugin\n")
+    assert across_the_process_borders(build_graph(package)) == {("daskpipe.runtime.worker.stage", "daskpipe.runtime.scheduler.plugin")}
+    assert "torch" in torch_imported_by(["daskpipe.runtime.scheduler.plugin"], tmp_path)
+
+
+def test_the_runtime_keeps_its_process_borders(graph: Graph) -> None:
+    assert sorted(across_the_process_borders(graph)) == []
+
+
+def test_the_scheduler_side_imports_no_torch(graph: Graph) -> None:
+    """``dask scheduler --preload daskpipe`` runs the plugin and its request path, which carry control
+    only: request inputs stay raw bytes or byte counts there (daskpipe/runtime/wire/inputs.py), never tensors."""
+    scheduler_side = sorted(module for module in graph.modules if process_group(module) in NO_TORCH)
+    assert len(scheduler_side) > 10
+    assert torch_imported_by(["daskpipe", *scheduler_side], PACKAGE.parent) == []

@@ -18,7 +18,7 @@ through three phases:
      process, which joins again).
    * ``stop``: SIGSTOP for ``STOP_S`` seconds, then SIGCONT: a frozen worker that Dask does not
      notice. The plugin suspects its slot once a batch is overdue, re-dispatches its batches,
-     and re-admits it when a probe computes in line again (:mod:`daskpipe.runtime.gray`).
+     and re-admits it when a probe computes in line again (:mod:`daskpipe.runtime.scheduler.gray`).
    * ``slow``: its emulated GPU holds every batch ``SLOW_FACTOR`` x its profiled latency for
      ``SLOW_S`` seconds (a throttled GPU);
    * ``flap``: SIGKILL a busy worker of any pool, another :data:`FLAP_S` seconds later, and two at
@@ -37,7 +37,7 @@ finished``. Every future is counted by how it ended: ``completed``, ``dropped`` 
 ``failed`` by cause, and ``lost`` (= submitted minus all of these; the contract is 0). ``recovery_seconds`` is
 how long after the fault until every following 5-second window of submissions meets the SLO for
 at least 99% of its requests; ``late_beyond_2x_slo`` counts results that came later than twice the
-SLO (the plugin drops a request instead, :mod:`daskpipe.runtime.gray`), and
+SLO (the plugin drops a request instead, :mod:`daskpipe.runtime.scheduler.gray`), and
 ``attainment_3s_after_fault`` the attainment of the requests submitted from 3 s after the fault
 to the end of its phase. ``plan_before`` and
 ``plan_after`` summarise the plans in force.
@@ -59,7 +59,7 @@ import click
 import numpy as np
 
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
-from daskpipe.runtime.stage import slow_down
+from daskpipe.runtime.worker.stage import slow_down
 
 MODEL = "chaos-cnn"
 GPU_TYPES = ("L4", "T4", "A10")
@@ -211,9 +211,9 @@ def run_chaos(
     from distributed import Client, wait
 
     from daskpipe.runtime.adaptive import add_emulated_gpus
+    from daskpipe.runtime.client.service import deploy
     from daskpipe.runtime.cluster import EmulatedCluster
-    from daskpipe.runtime.plugin import plugin_of
-    from daskpipe.runtime.service import deploy
+    from daskpipe.runtime.scheduler.plugin import plugin_of
 
     if not 0 < load <= 1:
         raise ValueError(f"load must be in (0, 1], got {load!r}")

@@ -208,7 +208,7 @@ def run(
     from distributed import Client, LocalCluster, wait
 
     import daskpipe
-    from daskpipe.runtime.environ import stage_worker_environ
+    from daskpipe.runtime.worker.environ import stage_worker_environ
 
     chromium = chromium or shutil.which("chromium") or shutil.which("chromium-browser")
     if viewer == "chromium" and chromium is None:

@@ -529,7 +529,7 @@ def check_step(step: float) -> None:
 
 def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[str, int]:
     """``--gpus`` as ``daskpipe worker --emulate`` reads its pairs, with errors naming ``--gpus``."""
-    from daskpipe.runtime.worker import WorkerSpecError, parse_pairs
+    from daskpipe.runtime.worker.slots import WorkerSpecError, parse_pairs
 
     try:
         return parse_pairs(value, ":", option="--gpus")

@@ -3,7 +3,7 @@ beside the plan's promise and the machine's limit.
 
 A torchvision model (random weights, fp32, one ``3 x S x S`` image per request) is deployed with
 ``daskpipe.deploy`` on a ``LocalCluster`` of plain CPU workers (``COUNTxTHREADS``), started without
-the allocator setting that halves torch (:mod:`daskpipe.runtime.environ`). For each SLO, open-loop
+the allocator setting that halves torch (:mod:`daskpipe.runtime.worker.environ`). For each SLO, open-loop
 Poisson trials from the client search the highest rate at which at least ``GOAL`` of the requests
 are in the client's hands within the SLO, timed from each request's *scheduled* send time, so a
 client that falls behind its schedule counts against the runtime, as a real caller would see it.
@@ -201,7 +201,7 @@ def sim_max_rate(
 
 def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
     """On the scheduler: the measured/profiled compute ratios of ``model``'s recent batches, its stages pooled."""
-    from daskpipe.runtime.plugin import plugin_of
+    from daskpipe.runtime.scheduler.plugin import plugin_of
 
     served = plugin_of(dask_scheduler).served.get(model)
     return [] if served is None else [r for ratios in served.dispatcher.ratio_samples().values() for r in ratios]
@@ -209,7 +209,7 @@ def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
 
 def machine_limit(model: str, image_size: int, processes: int, threads: int, seconds: float) -> float:
     """Images/s of ``processes`` bare torch processes with ``threads`` threads each, at batch 1, all at once."""
-    from daskpipe.runtime.environ import drop_allocator_settings
+    from daskpipe.runtime.worker.environ import drop_allocator_settings
 
     drop_allocator_settings()  # they run as the stage workers do
     context = multiprocessing.get_context("spawn")
@@ -332,7 +332,7 @@ def run_goodput(
     from distributed import Client, LocalCluster
 
     import daskpipe
-    from daskpipe.runtime.environ import environments, probe_worker, stage_worker_environ
+    from daskpipe.runtime.worker.environ import environments, probe_worker, stage_worker_environ
 
     count, threads = workers
     began, load_before = time.perf_counter(), os.getloadavg()[0]

@@ -107,7 +107,7 @@ class QueueSampler:
         return dict(self.peaks)
 
     def _take(self) -> None:
-        from daskpipe.runtime.plugin import plugin_of
+        from daskpipe.runtime.scheduler.plugin import plugin_of
 
         served = plugin_of(self.scheduler).served.get(self.model)
         queued = list(served.inputs.values()) if served is not None else []
@@ -150,8 +150,8 @@ def run_overload(
     from distributed import Client, wait
 
     from daskpipe.profiles.small_model import small_cnn
+    from daskpipe.runtime.client.service import deploy
     from daskpipe.runtime.cluster import EmulatedCluster
-    from daskpipe.runtime.service import deploy
 
     if not duration > 0 or not capacity > 0 or not loads or min(loads) <= 0:
         raise ValueError(

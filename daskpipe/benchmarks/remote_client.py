@@ -1,7 +1,7 @@
 """Requests from a client that did not deploy the models: the load of another client process.
 
 :class:`RemoteSender` sends on a daskpipe stream of its own, as a
-:class:`~daskpipe.runtime.service.Service` does, without deploying anything; inputs are the raw
+:class:`~daskpipe.runtime.client.service.Service` does, without deploying anything; inputs are the raw
 bytes a ``Service`` would send for them, held here until the first stage fetches them. :func:`mark_in_hand` times when an output is in hand.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 from distributed import Client
 
-from daskpipe.runtime.futures import ServedFuture
-from daskpipe.runtime.service import open_stream
+from daskpipe.runtime.client.futures import ServedFuture
+from daskpipe.runtime.client.service import open_stream
 
 
 class RemoteSender:

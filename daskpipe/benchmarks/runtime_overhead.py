@@ -147,7 +147,7 @@ def run_bench(
     requests = -(-requests // BATCH) * BATCH
 
     if protocol == "ucx":
-        from daskpipe.runtime.protocols import resolve_protocol
+        from daskpipe.runtime.wire.protocols import resolve_protocol
 
         protocol = resolve_protocol(protocol)
     with bench_cluster(processes, protocol) as cluster, Client(cluster) as client:
@@ -390,7 +390,7 @@ def bench_cluster(processes: bool, protocol: str) -> Iterator[Any]:
     from distributed import LocalCluster
     from distributed.deploy.subprocess import SubprocessCluster
 
-    from daskpipe.runtime.environ import stage_worker_environ
+    from daskpipe.runtime.worker.environ import stage_worker_environ
 
     workers = 4
     with stage_worker_environ():

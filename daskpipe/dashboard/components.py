@@ -329,7 +329,7 @@ SUSPECT_COLUMNS = (
     ("last_ratio", "last probe / profile"),
     ("detail", "why"),
 )
-"""The suspect-slot table of the SLO page (``daskpipe.runtime.gray``)."""
+"""The suspect-slot table of the SLO page (``daskpipe.runtime.scheduler.gray``)."""
 
 
 class SLOView(DashboardComponent):

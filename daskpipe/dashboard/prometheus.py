@@ -17,7 +17,7 @@ from distributed.http.prometheus import PrometheusCollector
 from distributed.http.utils import RequestHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from daskpipe.runtime.control import KINDS as CONTROL_DELAYS
+from daskpipe.runtime.scheduler.control import KINDS as CONTROL_DELAYS
 from daskpipe.sched.metrics import LATENCY_BOUNDS_S, PHASES
 
 UTILISATION_WINDOW_S = 10.0

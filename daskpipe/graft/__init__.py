@@ -6,7 +6,7 @@ serving and the exhaustive optimum, ``simulate`` checks a plan's SLO attainment 
 imported from its module, not from this package, which the runtime loads) and ``execute`` the
 in-process reference data plane (``daskpipe bench graft`` is ``daskpipe.benchmarks.graft``). The data plane
 of hybrid plans, a scheduling policy like the others, is ``daskpipe.sched.hybrid`` (the
-``"hybrid"`` data plane of ``daskpipe.sched.registry``; served by ``daskpipe.runtime.hybrid``).
+``"hybrid"`` data plane of ``daskpipe.sched.registry``; served by ``daskpipe.runtime.client.hybrid``).
 See docs/hybrid.md.
 """
 

@@ -182,7 +182,7 @@ def profile_model(
     ``batch_sizes`` are interpolated linearly (listed in ``meta["interpolated_batch_sizes"]``).
     ``cpu_threads`` pins torch's intra-op threads while timing (recorded as ``meta["cpu_threads"]``):
     by default, inside a Dask worker, the worker's threads, which its slot serves with
-    (:func:`~daskpipe.runtime.environ.compute_thread_setup`); elsewhere the caller's. On a busy
+    (:func:`~daskpipe.runtime.worker.environ.compute_thread_setup`); elsewhere the caller's. On a busy
     machine the spinning OpenMP threads of a multi-threaded run inflate timings by 10x and more, so
     1 is the stable choice there. On a GPU each block is timed as a stage runs it: after
     :data:`GPU_WARMUP_S` of warm-up, with CUDA events, replayed as CUDA graphs unless

@@ -2,7 +2,7 @@
 
 Deferred batching keeps batches large, so the GPUs a load does not need stay idle (Symphony): the
 busy share of each GPU type and the share of requests served badly are clean signals. The
-scheduler plugin turns them into advice (:meth:`daskpipe.runtime.elastic.Elastic.scaling`): how
+scheduler plugin turns them into advice (:meth:`daskpipe.runtime.scheduler.elastic.controller.Elastic.scaling`): how
 many more slots of which GPU type are wanted, and which workers hold no stage and can go (a
 surplus GPU type is first drained by a re-plan without its extra slots). :class:`DaskpipeAdaptive`
 feeds that advice to ``Adaptive``: its ``target`` is the workers there are, plus those wanted,
@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from distributed.deploy.adaptive import Adaptive
 
-from daskpipe.runtime.worker import WorkerSpecError, worker_specs
+from daskpipe.runtime.worker.slots import WorkerSpecError, worker_specs
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``daskpipe worker``, ``daskpipe demo`` and ``daskpipe profile cluster``: option parsing only; the
-work happens in :mod:`daskpipe.runtime.worker`, :mod:`daskpipe.runtime.demo` and
-:mod:`daskpipe.runtime.profiling`, whose Python arguments these options mirror name for name.
+work happens in :mod:`daskpipe.runtime.worker.slots`, :mod:`daskpipe.runtime.demo` and
+:mod:`daskpipe.runtime.deploying.profiling`, whose Python arguments these options mirror name for name.
 Heavy imports stay inside the commands. ``daskpipe profile`` is the profiles layer's group with
 the one command that needs a cluster added here (the profiles layer never imports the runtime)."""
 
@@ -21,7 +21,7 @@ class CountsParam(click.ParamType):
     name = "TYPE:COUNT,..."
 
     def convert(self, value, param, ctx):
-        from daskpipe.runtime.worker import WorkerSpecError, parse_pairs
+        from daskpipe.runtime.worker.slots import WorkerSpecError, parse_pairs
 
         if isinstance(value, dict):
             return value
@@ -37,7 +37,7 @@ class SlicesParam(click.ParamType):
     name = "N|TYPE=N,..."
 
     def convert(self, value, param, ctx):
-        from daskpipe.runtime.worker import WorkerSpecError, parse_slices
+        from daskpipe.runtime.worker.slots import WorkerSpecError, parse_slices
 
         if isinstance(value, (int, dict)):
             return value
@@ -53,7 +53,7 @@ class MemoryLimitParam(click.ParamType):
     name = "LIMIT"
 
     def convert(self, value, param, ctx):
-        from daskpipe.runtime.worker import WorkerSpecError, check_memory_limit
+        from daskpipe.runtime.worker.slots import WorkerSpecError, check_memory_limit
 
         try:
             return check_memory_limit(value)
@@ -133,7 +133,7 @@ def worker(
     from distributed._signals import wait_for_signals
 
     from daskpipe.config import ConfigError, check_settings
-    from daskpipe.runtime.worker import DaskpipeWorker, WorkerSpecError
+    from daskpipe.runtime.worker.slots import DaskpipeWorker, WorkerSpecError
 
     try:  # a bad daskpipe.* key stops the workers now, named, not their first stage
         check_settings()
@@ -254,9 +254,9 @@ def cluster_command(
     from distributed import Client
 
     from daskpipe.profiles.store import ProfileStore
+    from daskpipe.runtime.client.service import inventory
+    from daskpipe.runtime.deploying.profiling import profile_on_cluster
     from daskpipe.runtime.errors import DeployError
-    from daskpipe.runtime.profiling import profile_on_cluster
-    from daskpipe.runtime.service import inventory
 
     module = _build_model(model)
     shape = parse_shape(input_shape or DEFAULT_INPUT_SHAPES.get(model, "3,224,224"))

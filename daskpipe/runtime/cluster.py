@@ -1,6 +1,6 @@
 """A LocalCluster of emulated GPU workers, for tests, examples and ``daskpipe demo``.
 
-Its workers are the slots :func:`daskpipe.runtime.worker.worker_specs` describes for emulated
+Its workers are the slots :func:`daskpipe.runtime.worker.slots.worker_specs` describes for emulated
 GPUs, so they carry the same names and resources as ``daskpipe worker --emulate`` on a real node;
 code tested here meets the same contract on a GPU cluster.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 from distributed import LocalCluster
 
-from daskpipe.runtime.environ import stage_worker_environ
-from daskpipe.runtime.protocols import resolve_protocol
-from daskpipe.runtime.worker import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
+from daskpipe.runtime.wire.protocols import resolve_protocol
+from daskpipe.runtime.worker.environ import stage_worker_environ
+from daskpipe.runtime.worker.slots import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
 
 
 def emulated_slots(gpus: Mapping[str, int], *, slices: int | Mapping[str, int] = 1, servers: int = 1) -> list[SlotSpec]:
@@ -48,7 +48,7 @@ class EmulatedCluster(LocalCluster):
     Its scheduler preloads ``daskpipe`` (as ``dask scheduler --preload daskpipe`` does), so the
     scheduler plugin is there before the first client connects. Its worker processes start
     without the glibc malloc settings Dask's Nanny would give them, which halve torch's throughput
-    (:mod:`daskpipe.runtime.environ`).
+    (:mod:`daskpipe.runtime.worker.environ`).
 
     Parameters
     ----------
@@ -123,7 +123,7 @@ class EmulatedCluster(LocalCluster):
 
     async def _correct_state_internal(self) -> None:
         """SpecCluster creates the workers' Nannies here: without glibc malloc settings
-        (:func:`~daskpipe.runtime.environ.stage_worker_environ`), so torch runs at full speed."""
+        (:func:`~daskpipe.runtime.worker.environ.stage_worker_environ`), so torch runs at full speed."""
         with stage_worker_environ():
             await super()._correct_state_internal()
 

@@ -94,8 +94,8 @@ def run_demo(
     from distributed import Client
     from rich.console import Console
 
+    from daskpipe.runtime.client.service import deploy
     from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots
-    from daskpipe.runtime.service import deploy
 
     if not duration > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration!r}")

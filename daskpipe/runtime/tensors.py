@@ -6,7 +6,7 @@ its own: right for large feature maps, whose bytes then travel without a copy, b
 a few kilobytes the machinery costs more than the bytes (a quarter of a millisecond per hop on a
 2-core machine). Feature maps and outputs up to :data:`PACKED_BYTES` travel packed instead.
 
-Request inputs are raw bytes, not tensors: :mod:`daskpipe.runtime.inputs`.
+Request inputs are raw bytes, not tensors: :mod:`daskpipe.runtime.wire.inputs`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from distributed.protocol import to_serialize
 from torch.utils._pytree import tree_leaves, tree_map
 
-from daskpipe.runtime.inputs import FRAME_BYTES
+from daskpipe.runtime.wire.inputs import FRAME_BYTES
 
 PACKED_BYTES = FRAME_BYTES
 """Tensors up to this many bytes travel packed; larger ones through Dask's serialization."""

@@ -1,6 +1,6 @@
 """How long a batch of one model really takes: the one duration model of the simulator's ground
 truth (``daskpipe.sim.simulate.ProfileDurations``) and of the emulated runtime's hold (an emulated
-slot holds each batch this long, ``daskpipe.runtime.plugin``).
+slot holds each batch this long, ``daskpipe.runtime.scheduler.plugin``).
 
 A partition's compute is its blocks' profiled latency on the slot's (GPU, 1/v slice) at the
 batch size, or, for a co-located stage, what the plan's interference model says next to its

@@ -13,7 +13,7 @@ like any other:
   stage's slots are the same resources in all of them, so a batch one entry reserves there is
   seen by every other entry's next probe, and no two entries plan the same slot time twice. Each
   entry reserves the shared slot as if its batch ran alone; when the shared stage's actor merges
-  batches that arrived while its slot was busy (:class:`~daskpipe.runtime.hybrid.SharedStage`),
+  batches that arrived while its slot was busy (:class:`~daskpipe.runtime.client.hybrid.SharedStage`),
   it reports the merged run's real interval for each of them, and the timeline corrections
   collapse their back-to-back reservations onto it, freeing the time the merge saved;
 * dispatch ids are unique across entries (entry ``i`` of ``n`` numbers its dispatches

@@ -219,7 +219,9 @@ class ModelMetrics:
     pending: dict[int, Pending] = field(default_factory=dict)  # dispatch id -> its batch, until done
     queue: PeakSeries = field(default_factory=PeakSeries)  # the longest queue of each bucket
     control: Callable[[], dict[str, float]] | None = None  # the live runtime's control-path summary (ms), if any
-    suspects: Callable[[], dict[str, dict[str, Any]]] | None = None  # the live runtime's suspect slots, if any (daskpipe/runtime/gray.py)
+    suspects: Callable[[], dict[str, dict[str, Any]]] | None = (
+        None  # the live runtime's suspect slots, if any (daskpipe/runtime/scheduler/gray.py)
+    )
 
 
 class ServiceMetrics:
@@ -253,8 +255,8 @@ class ServiceMetrics:
         plan_quality: str = "",
     ) -> None:
         """``model`` is served by ``plan`` on ``placement`` from now on; ``control`` reads its
-        measured control path (``daskpipe.runtime.control.ControlPath.summary``), ``suspects``
-        its suspect slots (``daskpipe.runtime.gray.Suspect.summary`` by address), ``plan_quality``
+        measured control path (``daskpipe.runtime.scheduler.control.ControlPath.summary``), ``suspects``
+        its suspect slots (``daskpipe.runtime.scheduler.gray.Suspect.summary`` by address), ``plan_quality``
         says how good the whole plan is (``Plan.quality``)."""
         metrics = self.model(model)
         metrics.plan_quality = plan_quality

@@ -9,8 +9,8 @@ import torch
 from distributed import Client
 
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.control import ControlPath
-from daskpipe.runtime.plugin import plugin_of
+from daskpipe.runtime.scheduler.control import ControlPath
+from daskpipe.runtime.scheduler.plugin import plugin_of
 from daskpipe.sched.api import Dispatch, Hop, Request, Reservation
 from tests.colocation.helpers import cache_model, shared_gpu_plan, sliced_profile
 

@@ -19,7 +19,7 @@ import daskpipe
 from daskpipe.dashboard.components import VIEWS, BatchView, GPUView, PlanView, SLOView
 from daskpipe.dashboard.report import save_report
 from daskpipe.dashboard.server import PAGES, live_reader
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
+from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.sched.metrics import BUCKET_S
 from tests.runtime.helpers import example, tiny_model, two_stage
 

@@ -6,8 +6,8 @@ import pytest
 
 from daskpipe.graft import Fragment
 from daskpipe.plan.schema import Plan, PlanError
+from daskpipe.runtime.client.hybrid import hybrid_plan
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.hybrid import hybrid_plan
 from daskpipe.sched.api import Dispatch, Feedback, Placement, Request, Slot
 from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.sched.ppipe import PPipeSettings

@@ -17,12 +17,12 @@ from distributed import Client, Future, wait
 
 from daskpipe.graft import Fragment, StageCosts, plan_graft
 from daskpipe.profiles.estimator import estimate_profile
+from daskpipe.runtime.client.hybrid import SharedStage, deploy_hybrid, hybrid_plan
+from daskpipe.runtime.client.service import encode_input
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.deployment import pickle_blocks
+from daskpipe.runtime.deploying.deployment import pickle_blocks
 from daskpipe.runtime.errors import DeployError, InvalidRequest
-from daskpipe.runtime.hybrid import SharedStage, deploy_hybrid, hybrid_plan
-from daskpipe.runtime.plugin import plugin_of
-from daskpipe.runtime.service import encode_input
+from daskpipe.runtime.scheduler.plugin import plugin_of
 from tests.graft.helpers import BUDGET_MS, serving_plan
 
 

@@ -17,7 +17,7 @@ import daskpipe
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
+from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin
 from daskpipe.sched.api import Placement
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.registry import register
@@ -175,7 +175,7 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
     feature maps must have travelled between the workers over the cluster's protocol.
     """
     from daskpipe.runtime.cluster import EmulatedCluster
-    from daskpipe.runtime.stage import feature_map_peers
+    from daskpipe.runtime.worker.stage import feature_map_peers
 
     with (
         EmulatedCluster({"L4": 1, "T4": 1}, processes=True, protocol=protocol, dashboard_address=None, security=security) as cluster,

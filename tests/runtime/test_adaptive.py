@@ -12,9 +12,9 @@ import daskpipe
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
 from daskpipe.runtime.adaptive import DaskpipeAdaptive, add_emulated_gpus
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.elastic_state import ElasticSettings
-from daskpipe.runtime.plugin import plugin_of
-from daskpipe.runtime.worker import WorkerSpecError
+from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
+from daskpipe.runtime.scheduler.plugin import plugin_of
+from daskpipe.runtime.worker.slots import WorkerSpecError
 from tests.helpers import paced, wait_until
 from tests.runtime.helpers import counted
 

@@ -7,10 +7,10 @@ import os
 import pytest
 from distributed import Client
 
-from daskpipe.runtime import protocols
 from daskpipe.runtime.cluster import EmulatedCluster, emulated_slots, inject_mps_fault
-from daskpipe.runtime.protocols import resolve_protocol, ucx_available
-from daskpipe.runtime.worker import WorkerSpecError
+from daskpipe.runtime.wire import protocols
+from daskpipe.runtime.wire.protocols import resolve_protocol, ucx_available
+from daskpipe.runtime.worker.slots import WorkerSpecError
 from tests.helpers import wait_until
 
 

@@ -26,9 +26,9 @@ import daskpipe
 from daskpipe.plan.schema import PlanError
 from daskpipe.profiles.loader import load_profiles
 from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.runtime.client.service import encode_input
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
-from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin, plugin_of
-from daskpipe.runtime.service import encode_input
+from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, plugin_of
 from tests.helpers import REPO, fresh_heap, paced, wait_until
 from tests.runtime.helpers import (
     INPUT,
@@ -176,8 +176,8 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
     encodes the message there, 12-22 ms, which the watcher may see together with Dask's decoding
     of it, 20-25 ms, in the next turn."""
     from daskpipe.benchmarks.runtime_overhead import LoopLag
+    from daskpipe.runtime.client.futures import ClientStream
     from daskpipe.runtime.cluster import EmulatedCluster
-    from daskpipe.runtime.futures import ClientStream
 
     error, message = FLOODS[flooded]
     with (

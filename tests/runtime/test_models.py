@@ -13,10 +13,10 @@ from torch.utils._pytree import tree_flatten
 
 import daskpipe
 from daskpipe.profiles.fx import UncutWarning, call_arguments, cut_model
+from daskpipe.runtime.client.service import inventory
 from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.profiling import ProfilingOptions, profile_on_cluster
-from daskpipe.runtime.service import inventory
 from tests.runtime.helpers import two_pool_plan, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(300)

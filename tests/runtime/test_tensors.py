@@ -9,8 +9,6 @@ import torch
 from distributed.protocol import to_serialize
 from distributed.protocol.core import dumps, loads
 
-from daskpipe.runtime.inputs import input_nbytes, wire_input
-from daskpipe.runtime.streams import packed_nbytes
 from daskpipe.runtime.tensors import (
     PACKED_BYTES,
     from_wire,
@@ -22,6 +20,8 @@ from daskpipe.runtime.tensors import (
     wire_output,
     wire_tensor,
 )
+from daskpipe.runtime.wire.inputs import input_nbytes, wire_input
+from daskpipe.runtime.wire.streams import packed_nbytes
 
 
 def through_the_scheduler(message: dict, compression: str | None = None) -> tuple[list, dict, dict]:

@@ -187,7 +187,7 @@ def test_cli_latency_noise_and_dispatch_policy(tmp_path):
 
 @pytest.mark.parametrize("dataplane", DATAPLANES)
 def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
-    """The runtime's test plan (tests/runtime/test_plugin.py), simulated with each registered data plane."""
+    """The runtime's test plan (tests/runtime/scheduler/test_plugin.py), simulated with each registered data plane."""
     from tests.runtime.helpers import two_stage
 
     profile, plan = two_stage(slo_ms=60.0, stage_ms=(5.0, 5.0))

@@ -1,0 +1,1 @@
+"""The client process: ``deploy``, the service it returns, and request futures."""

@@ -1,0 +1,627 @@
+"""The client half of daskpipe's runtime: ``deploy`` a set of models, then submit requests as futures.
+
+``deploy`` asks the scheduler plugin which slots the cluster has, profiles each model (every
+(GPU type, slices) kind measured on a worker of that kind, all at once, or read from the profile
+store; emulated kinds estimated, see :mod:`daskpipe.runtime.deploying.profiling`), plans with the MILP,
+places one stage actor per (pool, slot) and tells the plugin to start serving. A
+:class:`Service` then turns ``submit``/``map`` into real ``distributed.Future`` objects: it
+validates the input on the client (the profile knows its shape), creates the futures, and sends
+the requests to the scheduler over the service's own stream (:class:`~daskpipe.runtime.client.futures.ClientStream`,
+which sends without Dask's 10 ms batching interval), a message per ``SUBMIT_CHUNK`` requests. Each
+input is its raw bytes (:func:`encode_input`), which the client keeps until the first stage of its
+batch fetches them; a small one rides the submission instead (:mod:`daskpipe.runtime.wire.inputs`).
+Nothing is unpickled on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from distributed import Client, Future
+from torch import nn
+
+from daskpipe.config import ConfigError, check_settings
+from daskpipe.plan.options import PlannerOptions
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.fx import BlockedModel, InputLayout, SegmentationError
+from daskpipe.profiles.model import Profile, ProfileError
+from daskpipe.profiles.store import configured_store
+from daskpipe.runtime.client.arguments import check_deploy_arguments
+from daskpipe.runtime.client.futures import ClientStream, LandedFutures, ServedFuture
+from daskpipe.runtime.deploying.deployment import pickle_blocks, ppipe_launches, release, start_stages
+from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
+from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
+from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
+from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
+from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, queue_bound
+from daskpipe.runtime.wire.messages import WorkerSlot
+
+SUBMIT_CHUNK = 256
+"""Most requests in one submit message: the scheduler registers a message's keys in one go on its
+event loop (tens of microseconds each), so this bounds how long one message holds the loop."""
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a request of one model must look like: ``(n, *shape)`` of ``dtype``, 1 <= n <= max_samples,
+    finite unless ``allow_nonfinite`` (a NaN would only come back as a NaN output, or fail its batch)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    max_samples: int
+    allow_nonfinite: bool = False
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Raw bytes of one sample, as ``encode_input`` sends it."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def admit(self, model: str, x: Any) -> tuple[int, bytes]:
+        """``x``'s sample count and raw bytes (:func:`encode_input`), or :class:`InvalidRequest` naming what is wrong.
+
+        Whatever ``x`` is, the answer is one of the two: a tensor torch cannot read as values (a
+        subclass's own failure, say) is refused with torch's words, never raised as they are."""
+        if not isinstance(x, torch.Tensor):
+            raise InvalidRequest(
+                f"input of model {model!r} must be a torch.Tensor of shape (n, {', '.join(map(str, self.shape))}), got {type(x).__name__}"
+            )
+        try:
+            return self._admit_tensor(model, x)
+        except InvalidRequest:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(
+                f"input of model {model!r} cannot be read as a dense tensor of values: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _admit_tensor(self, model: str, x: torch.Tensor) -> tuple[int, bytes]:
+        if x.is_nested:
+            raise InvalidRequest(f"input of model {model!r} is a nested tensor; send each of its tensors as a request of its own")
+        if x.layout is not torch.strided:
+            raise InvalidRequest(f"input of model {model!r} must be a dense tensor, got layout {x.layout}; send x.to_dense()")
+        if x.device.type == "meta":
+            raise InvalidRequest(f"input of model {model!r} is on the meta device and holds no values; send a tensor with data")
+        if x.dim() != len(self.shape) + 1 or tuple(x.shape[1:]) != self.shape or x.shape[0] < 1:
+            raise InvalidRequest(
+                f"input of model {model!r} must have shape (n, {', '.join(map(str, self.shape))}) with n >= 1, got {tuple(x.shape)}"
+            )
+        if x.dtype != self.dtype:
+            raise InvalidRequest(f"input of model {model!r} must be {self.dtype}, got {x.dtype}")
+        if x.shape[0] > self.max_samples:
+            raise InvalidRequest(
+                f"a request of model {model!r} may hold at most {self.max_samples} samples (the largest planned batch), got {x.shape[0]}"
+            )
+        values = host_array(x)
+        if not self.allow_nonfinite and not _finite(x, values):
+            raise InvalidRequest(f"input of model {model!r} holds NaN or Inf values; deploy with allow_nonfinite=True to serve such inputs")
+        return int(x.shape[0]), values.tobytes() if values is not None else encode_input(x)
+
+
+@dataclass(frozen=True)
+class PackedInputSpec(InputSpec):
+    """What a request of a model with several arguments, or integer ones, must look like: the
+    example's form (:func:`~daskpipe.profiles.fx.call_arguments`), each argument as the example's;
+    it travels as one row of bytes per sample, which the model's first block unpacks."""
+
+    layout: InputLayout = field(kw_only=True)
+
+    def admit(self, model: str, x: Any) -> tuple[int, bytes]:
+        try:
+            leaves = self.layout.leaves(x)
+        except SegmentationError as exc:
+            raise InvalidRequest(f"input of model {model!r}: {exc}") from exc
+        rows = []
+        for index, (leaf, shape, dtype) in enumerate(zip(leaves, self.layout.shapes, self.layout.dtypes)):
+            try:
+                samples, raw = InputSpec(shape, dtype, self.max_samples, self.allow_nonfinite).admit(model, leaf)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"argument {index} of the request: {exc}") from exc
+            rows.append(np.frombuffer(raw, dtype=np.uint8).reshape(samples, -1))
+        if len({len(row) for row in rows}) != 1:
+            raise InvalidRequest(
+                f"the arguments of a request of model {model!r} must hold the same number of samples, got {[len(r) for r in rows]}"
+            )
+        return len(rows[0]), np.concatenate(rows, axis=1).tobytes()
+
+
+def request_spec(blocked: BlockedModel, profile: Profile, example: Any, max_samples: int, allow_nonfinite: bool) -> InputSpec:
+    """What the requests of the model ``blocked`` serves must look like (its ``example``'s form)."""
+    layout = blocked.inputs or InputLayout.of(example)
+    if layout.packed:
+        return PackedInputSpec(layout.wire_shape, layout.wire_dtype, max_samples, allow_nonfinite, layout=layout)
+    return InputSpec(tuple(profile.input_shape or layout.shapes[0]), layout.dtypes[0], max_samples, allow_nonfinite)
+
+
+def host_array(x: torch.Tensor) -> np.ndarray | None:
+    """``x`` as a numpy array sharing its memory, when it lives on the host in a dtype numpy has.
+
+    The client's per-request path goes through numpy rather than torch ops on purpose: every torch
+    op releases the GIL, and taking it back waits for the client's event-loop thread (in-process
+    clusters: the scheduler and workers too) to reach its switch interval, up to 5 ms per op.
+    """
+    if x.device.type != "cpu" or x.dtype in _NOT_IN_NUMPY:
+        return None
+    try:
+        return (x.detach() if x.requires_grad else x).numpy()
+    except (RuntimeError, TypeError):  # a lazy conjugate or negative view: the torch path resolves it
+        return None
+
+
+_NOT_IN_NUMPY = frozenset(
+    {
+        torch.bfloat16,
+        torch.complex32,
+        *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, name)),
+    }
+)
+
+
+def _finite(x: torch.Tensor, values: np.ndarray | None) -> bool:
+    if values is not None:
+        return values.dtype.kind not in "fc" or bool(np.isfinite(values).all())
+    return not (x.is_floating_point() or x.is_complex()) or bool(torch.isfinite(x).all())
+
+
+def encode_input(x: torch.Tensor) -> bytes:
+    """A request's tensor as its raw bytes; the first stage rebuilds the batch from them with the
+    model's input dtype and shape (which the client checked), see ``Stage``."""
+    values = host_array(x)
+    if values is not None:
+        return values.tobytes()
+    return x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Service:
+    """Models served by daskpipe on a Dask cluster; made by :func:`deploy`.
+
+    ``submit`` and ``map`` return ``distributed.Future`` objects that work with ``wait``,
+    ``as_completed`` and ``client.gather``. A future ends with the model's output, or raises
+    :class:`~daskpipe.runtime.errors.InvalidRequest` (at once, for a bad input),
+    :class:`~daskpipe.runtime.errors.RequestDropped` (with the reason) or
+    :class:`~daskpipe.runtime.errors.RequestFailed` (with the cause).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        plan: Plan,
+        profiles: Mapping[str, Profile],
+        specs: Mapping[str, InputSpec],
+        stages: Sequence[Future],
+        time_dilation: float,
+        entries: Mapping[tuple[str, int], InputSpec] | None = None,
+    ):
+        self.client = client
+        self._stream = open_stream(client)
+        self._plan = plan
+        self.profiles = dict(profiles)
+        self.time_dilation = time_dilation
+        self._specs = dict(specs)
+        self._entries = dict(entries or {})  # (model, start block > 0) -> what a mid-model request must look like
+        self._stages = list(stages)
+        self._token = uuid.uuid4().hex[:12]
+        self._counter = itertools.count()
+        self.closed = False
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys([*self._specs, *(model for model, _ in self._entries)]))
+
+    @property
+    def plan(self) -> Plan | Awaitable[Plan]:
+        """The plan in force; the scheduler re-plans as workers join and leave (docs/operations.md).
+
+        With an asynchronous client, an awaitable: ``plan = await svc.plan``."""
+        if self.client.asynchronous:
+            return self._current_plan()
+        return self.client.sync(self._current_plan)
+
+    async def _current_plan(self) -> Plan:
+        if not self.closed:
+            current = await self.client.scheduler.daskpipe_plan(models=self.models)
+            if current is not None:
+                self._plan = Plan.from_dict(current)
+        return self._plan
+
+    def submit(self, model: str, x: torch.Tensor, start_block: int = 0) -> ServedFuture:
+        """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``).
+
+        ``start_block=k > 0`` (hybrid inference, docs/hybrid.md): ``x`` is the float16 feature map a
+        device computed with blocks ``[0, k)``, and the server runs the rest within the budget the
+        plan gives that entry.
+        """
+        return self.map(model, [x], start_block=start_block)[0]
+
+    def as_completed(self, futures: Iterable[ServedFuture] = (), timeout: float | None = None) -> LandedFutures:
+        """The service's ``futures`` as each ends, in the caller's thread: Dask's ``as_completed``
+        (without results) for served futures, without its trips through the client's event loop
+        (:class:`~daskpipe.runtime.client.futures.LandedFutures`). ``result()`` on a yielded future hands
+        an output that came with the completion over at once. A synchronous client's only: an
+        asynchronous one awaits its futures, or uses ``distributed.as_completed``."""
+        if self.client.asynchronous:
+            raise RuntimeError(
+                "Service.as_completed blocks its caller's thread; with an asynchronous client await the futures or use "
+                "distributed.as_completed"
+            )
+        return LandedFutures(futures, timeout)
+
+    def map(self, model: str, xs: Iterable[torch.Tensor], start_block: int = 0) -> list[ServedFuture]:
+        """Many requests in few messages to the scheduler (``SUBMIT_CHUNK`` each); one future each, in order.
+
+        All or nothing: every input is checked before any is sent. If one is refused, none is sent,
+        and every future is already done: a refused input's raises its own :class:`InvalidRequest`,
+        each other's an ``InvalidRequest`` saying it was not sent and which input was refused."""
+        sent_at = time.time()  # the requests' deadlines count from here
+        admitted: list[tuple[int, bytes]] = []
+        refused: dict[int, InvalidRequest] = {}
+        for i, x in enumerate(xs):
+            try:
+                admitted.append(self._admit(model, x, start_block))
+            except InvalidRequest as exc:
+                refused[i] = exc
+        keys = [f"daskpipe-{model}-{self._token}-{next(self._counter)}" for _ in range(len(admitted) + len(refused))]
+        if refused:
+            first, problem = next(iter(refused.items()))
+            unsent = InvalidRequest(
+                f"not sent: map() sends all of its inputs or none, and {len(refused)} of its {len(keys)} inputs of model {model!r} "
+                f"were refused, the first (input {first}) as: {problem}"
+            )
+            futures = [ServedFuture(key, self.client) for key in keys]
+            for i, key in enumerate(keys):
+                self.client.futures[key].set_error(refused.get(i, unsent), None)
+            return futures
+        futures = []
+        for key in keys:
+            future = self._stream.pending[key] = ServedFuture(key, self.client)
+            futures.append(future)
+        for first in range(0, len(keys), SUBMIT_CHUNK):
+            chunk = admitted[first : first + SUBMIT_CHUNK]
+            self._send(
+                model,
+                keys[first : first + SUBMIT_CHUNK],
+                [payload for _, payload in chunk],
+                [size for size, _ in chunk],
+                start_block,
+                sent_at,
+            )
+        return futures
+
+    def _send(
+        self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
+    ) -> None:
+        self._stream.send_requests(model, keys, inputs, sizes, start_block, sent_at)
+
+    def _admit(self, model: str, x: Any, start_block: int = 0) -> tuple[int, bytes]:
+        if self.closed:
+            raise InvalidRequest(f"the service is closed; model {model!r} takes no more requests")
+        spec = self._specs.get(model) if start_block == 0 else self._entries.get((model, start_block))
+        if spec is None:
+            if model not in self.models:
+                raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
+            entries = [0] * (model in self._specs) + sorted(k for m, k in self._entries if m == model)
+            raise InvalidRequest(
+                f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at blocks {entries}"
+            )
+        return spec.admit(model, x)
+
+    def status(self) -> dict[str, dict]:
+        """Per model: submitted, completed, on_time, failed, dropped by reason, queued, in_flight,
+        the control path (``control``, docs/runtime.md). Awaitable with an asynchronous client."""
+        return self.client.sync(self.client.scheduler.daskpipe_status, models=self.models)
+
+    def close(self, timeout: float = 30.0) -> None | Awaitable[None]:
+        """Stop serving: queued requests err with reason "shutdown", dispatched batches finish.
+        Awaitable with an asynchronous client."""
+        return self.client.sync(self._close, timeout)
+
+    async def _close(self, timeout: float) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        scheduler = self.client.scheduler
+        await scheduler.daskpipe_close(models=self.models, reason="shutdown")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = await scheduler.daskpipe_status(models=self.models, forget=True)
+            if not any(s["in_flight"] for s in left.values()):
+                break
+            await asyncio.sleep(0.05)
+        await scheduler.daskpipe_status(models=self.models, forget=True)
+        await self._stream.close()
+        self._stages.clear()
+
+    def __enter__(self) -> Service:
+        return self
+
+    async def __aenter__(self) -> Service:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._close(30.0)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<daskpipe.Service models={self.models} {'closed' if self.closed else 'serving'}>"
+
+
+def awaitable_with_asynchronous_client(function: Callable[..., Service]) -> Callable[..., Any]:
+    """``function(client, ...)`` as it is, or, called on an asynchronous client's event loop, an
+    awaitable of it run in a thread: profiling and planning block for seconds, and the loop must
+    keep serving the client meanwhile (Dask's blocking API works from another thread)."""
+
+    @functools.wraps(function)
+    def wrapper(client: Client, *args: Any, **kwargs: Any) -> Any:
+        if client.asynchronous:
+            return asyncio.get_running_loop().run_in_executor(None, functools.partial(function, client, *args, **kwargs))
+        return function(client, *args, **kwargs)
+
+    return wrapper
+
+
+@awaitable_with_asynchronous_client
+def deploy(
+    client: Client,
+    models: Mapping[str, nn.Module],
+    *,
+    example_inputs: Mapping[str, torch.Tensor],
+    slo_ms: Mapping[str, float] | None = None,
+    plan: Plan | str | os.PathLike | None = None,
+    profiles: Mapping[str, Profile] | None = None,
+    weights: Mapping[str, float] | None = None,
+    planner: PlannerOptions = PlannerOptions(),
+    profiling: ProfilingOptions = ProfilingOptions(),
+    time_dilation: float = 1.0,
+    dispatcher: str = "ppipe",
+    max_queued: int | None = None,
+    allow_nonfinite: bool = False,
+    elastic: ElasticSettings | None = ElasticSettings(),
+) -> Service:
+    """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
+
+    Parameters
+    ----------
+    example_inputs
+        A batched example per model, e.g. ``torch.randn(1, 3, 224, 224)``: it fixes the input
+        shape and dtype that requests must have.
+    slo_ms
+        The latency SLO per model, in milliseconds (default: 5x the model's batch-1 latency on its slowest measured whole-GPU kind).
+    plan, profiles
+        A plan (``Plan`` or a plan.json path) and the profiles it was made from, instead of
+        profiling and planning here. ``profiles`` alone skips profiling only.
+    weights
+        The models' workload shares, which the plan balances (default: equal).
+    planner
+        How to plan (:class:`~daskpipe.plan.options.PlannerOptions`: strategy, bandwidth, margin,
+        partitions, solver); the elastic re-planner plans with them too.
+    profiling
+        How to profile the models not given profiles of
+        (:class:`~daskpipe.runtime.deploying.profiling.ProfilingOptions`: blocks, batch sizes, the profile
+        store, a timeout per model).
+    time_dilation
+        k: every latency and SLO is scaled by k, so emulated GPUs on a slow machine keep up.
+    dispatcher
+        The data plane that batches and routes the requests, by name: ``ppipe`` (default),
+        ``ppipe-two-pass``, ``deferred`` (Symphony), ``eager``, ``timeout``, ``reactive`` or
+        ``hybrid`` (:mod:`daskpipe.sched.registry`; the same names as ``daskpipe simulate
+        --dataplane``). An unknown name fails the deploy, listing the known ones.
+    max_queued
+        Most requests a model queues on the scheduler; one more is dropped with reason
+        "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).
+    allow_nonfinite
+        Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
+    elastic
+        How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
+        ``Adaptive`` (:class:`~daskpipe.runtime.scheduler.elastic.state.ElasticSettings`); ``None``: the plan stays.
+
+    Returns
+    -------
+    Service
+        Serving until closed. With an asynchronous client, an awaitable of it:
+        ``svc = await deploy(client, ...)`` (and ``await svc.plan``, ``await svc.status()``,
+        ``await svc.close()`` or ``async with svc``).
+
+    Raises
+    ------
+    DeployError
+        When the cluster cannot serve the models as asked; the message says what to change.
+    """
+    check_deploy_arguments(
+        models,
+        example_inputs,
+        slo_ms=slo_ms,
+        weights=weights,
+        time_dilation=time_dilation,
+        planner=planner,
+        profiling=profiling,
+        dispatcher=dispatcher,
+        allow_nonfinite=allow_nonfinite,
+        plan=plan,
+        profiles=profiles,
+        max_queued=max_queued,
+        elastic=elastic,
+    )
+    try:  # this process's keys: its own (the store, its GC), and those of an in-process scheduler and workers
+        check_settings()
+    except ConfigError as exc:
+        raise DeployError(f"the Dask config: {exc}") from None
+    names = list(models)
+    slots = inventory(client)
+    from daskpipe.runtime.worker.environ import warn_slow_workers
+
+    warn_slow_workers(client, [slot.address for slot in slots])  # e.g. Dask's MALLOC_TRIM_THRESHOLD_ halves torch
+    if not slots:
+        raise DeployError("the cluster has no workers to serve on")
+    plan_source = "the plan"  # for errors: a plan file is named
+    if isinstance(plan, (str, os.PathLike)):
+        plan_source = f"plan {plan}"
+        plan = Plan.load(Path(plan))
+    profiles = dict(profiles or {})
+    if plan is not None and set(names) - set(profiles):
+        raise DeployError(f"plan= needs the profiles= it was made from; missing for {sorted(set(names) - set(profiles))}")
+    store = configured_store(profiling.store)
+    given = set(profiles)
+    blocked = {}
+    for name in names:
+        try:
+            if name in profiles:
+                blocked[name] = cut_blocks(name, models[name], example_inputs[name], profiles[name], profiling.leaf_modules)
+            else:
+                slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
+                measured = profile_on_cluster(
+                    client,
+                    slots,
+                    name,
+                    models[name],
+                    example_inputs[name],
+                    slo_us=slo_us,
+                    num_blocks=profiling.num_blocks,
+                    batch_sizes=profiling.batch_sizes,
+                    store=store,
+                    timeout_s=profiling.timeout_s,
+                    leaf_modules=profiling.leaf_modules,
+                )
+                profiles[name], blocked[name] = measured.profile, measured.blocked
+                slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
+        except (SegmentationError, ProfileError) as exc:  # tracing or estimating the model: its own code is the cause
+            raise DeployError(f"model {name!r} cannot be profiled: {exc}") from exc
+    kinds = {(s.gpu, s.slices) for s in slots}
+    for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
+        profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
+    slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
+    if plan is None:
+        from daskpipe.plan.milp import make_plan
+
+        plan = make_plan(
+            profiles,
+            physical_gpus(slots),
+            weights=weights,
+            gpus_per_server=gpus_per_server(slots),
+            slo_us=slos_us,
+            options=planner,
+        )
+    unplanned = sorted(set(names) - {m.name for m in plan.models})
+    if unplanned:
+        raise DeployError(f"{plan_source} has no model {unplanned}; it plans {[m.name for m in plan.models]}")
+    specs = {}
+    for name in names:
+        model_plan = plan.model(name)
+        if not model_plan.pipelines:
+            raise DeployError(f"the plan gives model {name!r} no pipeline on this cluster")
+        deepest = max(part.blocks[1] for pipeline in model_plan.pipelines for part in pipeline.partitions)
+        if deepest > profiles[name].num_blocks:
+            raise DeployError(
+                f"{plan_source} cuts {name!r} up to block {deepest}, its profile has {profiles[name].num_blocks} blocks; give the "
+                f"profiles the plan was made from"
+            )
+        specs[name] = request_spec(blocked[name], profiles[name], example_inputs[name], model_plan.max_batch, allow_nonfinite)
+        queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
+    launches = ppipe_launches(
+        plan,
+        slots,
+        {name: [blocked[name].input_shape, *blocked[name].boundary_shapes] for name in names},
+        {name: str(specs[name].dtype).removeprefix("torch.") for name in names},
+    )
+    # each block pickled once: every stage of its pools and the scheduler's re-planning take these bytes
+    pickled = {name: pickle_blocks(blocked[name].blocks) for name in names}
+    started = client.sync(start_stages, client, launches, pickled)
+    stage_futures, stage_rows = started.futures, started.rows
+    served: list[str] = []
+    try:
+        for name in names:
+            client.sync(
+                client.scheduler.daskpipe_serve,
+                model=name,
+                plan=plan.to_dict(),
+                profile=profiles[name].to_dict(),
+                stages=stage_rows[name],
+                time_dilation=float(time_dilation),
+                bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps)),
+                dispatcher=dispatcher,
+                max_queued=max_queued,
+                sample_nbytes=specs[name].sample_nbytes,
+            )
+            served.append(name)
+        if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
+            client.sync(
+                client.scheduler.daskpipe_elastic,
+                group=uuid.uuid4().hex,
+                models={
+                    name: {
+                        "blocks": pickled[name],
+                        "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
+                        "output_shape": list(blocked[name].output_shape),
+                        "input_dtype": str(specs[name].dtype).removeprefix("torch."),
+                        "profile": profiles[name].to_dict(),
+                    }
+                    for name in names
+                },
+                plan=plan.to_dict(),
+                stages=stage_rows,
+                options=replace(planner, bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps))).to_dict(),
+                slo_us=slos_us,
+                weights=dict(weights) if weights else None,
+                time_dilation=float(time_dilation),
+                dispatcher=dispatcher,
+                settings=elastic.to_dict(),
+                profile_store=str(store.root) if store is not None else None,
+            )
+    except Exception:  # e.g. an SLO the measured control path cannot meet: serve none of them, and keep no stage
+        if served:
+            client.sync(client.scheduler.daskpipe_close, models=served, reason="shutdown")
+            client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
+        release(stage_futures)
+        raise
+    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
+
+
+# -- steps of deploy ---------------------------------------------------------------------------
+def open_stream(client: Client) -> ClientStream:
+    """The client's own stream to the scheduler, for a service's requests and their resolutions.
+
+    The client's process then collects garbage as a scheduler does (:mod:`daskpipe.runtime.gctune`):
+    on higher thresholds, as it holds a few dozen objects per request in flight, and with the heap
+    it holds by now frozen out of full collections."""
+    raise_gc_thresholds()
+    stream = ClientStream(client)
+    client.sync(stream.open)
+    freeze_heap()
+    return stream
+
+
+def inventory(client: Client) -> list[WorkerSlot]:
+    """The cluster's slots, installing the scheduler plugin first unless a preload did."""
+    try:  # idempotent: a no-op where ``--preload daskpipe`` installed it
+        client.register_plugin(DaskpipeSchedulerPlugin())
+    except Exception as exc:  # e.g. a scheduler that refuses pickled plugins; the preload may be there
+        logger.info("daskpipe: could not register the scheduler plugin from the client (%s); expecting a preload", exc)
+    listed = client.sync(client.scheduler.daskpipe_inventory)
+    if listed is None:  # the scheduler has no such handler
+        raise DeployError("the scheduler has no daskpipe plugin: start it with `dask scheduler --preload daskpipe`")
+    return [WorkerSlot.from_msg(s) for s in listed]
+
+
+def cut_blocks(name: str, module: nn.Module, example: Any, profile: Profile, leaf_modules: Sequence[str] = ()) -> BlockedModel:
+    """``module`` cut into the blocks its profile was measured on (the boundaries and leaf modules it records)."""
+    from daskpipe.profiles.fx import cut_model
+
+    bounds = profile.meta.get("segment_boundaries")
+    if not bounds:
+        raise DeployError(f"profile of {name!r} has no meta.segment_boundaries, so its blocks cannot be rebuilt; profile it with daskpipe")
+    return cut_model(module, example, bounds, [*leaf_modules, *profile.meta.get("leaf_modules", [])])

@@ -1,0 +1,525 @@
+"""The scheduler half of daskpipe's runtime: one dispatcher per model on the scheduler's event loop.
+
+:class:`DaskpipeSchedulerPlugin` is installed with ``dask scheduler --preload daskpipe`` (no
+pickle needed) or registered from a client (``daskpipe.deploy`` does it when missing). It adds
+scheduler handlers and stream handlers (see :mod:`daskpipe.runtime.wire.messages`), learns which
+workers are slots from their resources, and steps each model's :class:`Dispatcher` with the
+real clock: on submissions, on feedback, and on a single timer re-armed at the earliest
+``next_wake``. It never uses the ``transition`` hook.
+
+Its parts each have a module: submissions come in through :class:`~daskpipe.runtime.scheduler.intake.Intake`;
+batches go out to their stages, and their reports come back, through
+:class:`~daskpipe.runtime.scheduler.batches.Batches`; :class:`~daskpipe.runtime.scheduler.watch.GrayWatch` watches
+them for gray failures; :class:`~daskpipe.runtime.scheduler.elastic.controller.Elastic` re-plans. Requests are real
+Dask keys (:mod:`daskpipe.runtime.scheduler.keys`). Request inputs are raw bytes that the scheduler keeps and
+forwards as they are: it never deserializes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Callable, Iterable
+
+from distributed.comm import CommClosedError
+from distributed.core import Status
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from daskpipe.config import setting
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
+from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
+from daskpipe.runtime.scheduler.batches import Batches
+from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
+from daskpipe.runtime.scheduler.elastic.controller import Elastic
+from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, served_from, sliced_releases
+from daskpipe.runtime.scheduler.keys import err_key
+from daskpipe.runtime.scheduler.served import Flight, Served, queue_bound
+from daskpipe.runtime.scheduler.timer import Wakeup
+from daskpipe.runtime.scheduler.watch import GrayWatch
+from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import WorkerSlot, worker_slot
+from daskpipe.runtime.wire.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
+from daskpipe.sched.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+PINGS = 20
+"""Round trips to each stage's worker when a model is deployed: they seed its control-path margin
+(:mod:`daskpipe.runtime.scheduler.control`) and decide whether its SLO can be served at all."""
+EXTENSIONS_CONFIG = "daskpipe.scheduler-extensions"
+"""Dask config key: the ``module:function`` names the plugin runs on its scheduler as it starts.
+Layers above the runtime add themselves here (``daskpipe/__init__.py`` sets the dashboard's pages
+as the default), so the runtime imports none of them."""
+
+
+class DaskpipeSchedulerPlugin(SchedulerPlugin):
+    """Serves daskpipe models from the scheduler (see the module docstring)."""
+
+    name = "daskpipe"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.served: dict[str, Served] = {}
+        self.slots: dict[str, WorkerSlot] = {}
+        self.wakeup = Wakeup(self._on_timer)  # the earliest next_wake of all dispatchers
+        self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
+        self.reached: dict[str, set[str]] = {}  # client id -> the workers it was asked to open streams to (REACH)
+        self.to_workers: Streams | None = None  # batches and pings, opened at start
+        self.pings = Pings()  # round trips to stage workers, measured when a model is served
+        self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
+        self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
+        self.intake = Intake(self)  # submissions from clients
+        self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/scheduler/watch.py)
+        self.batches = Batches(self, self.watch)  # out to the stages and back
+
+    # -- SchedulerPlugin hooks -----------------------------------------------------------------
+    async def start(self, scheduler: Any) -> None:
+        try:
+            self.scheduler = scheduler
+            self.to_workers = Streams(scheduler.connection_args, PEER_HANDSHAKE, "daskpipe Scheduler->Worker")
+            scheduler.handlers.update(
+                {
+                    messages.STREAM: self.open_stream,
+                    messages.INVENTORY: self.inventory,
+                    messages.SERVE: self.serve,
+                    messages.CLOSE: self.close_models,
+                    messages.STATUS: self.status,
+                    **self.elastic.handlers(),
+                }
+            )
+            scheduler.stream_handlers.update(
+                {
+                    messages.SUBMIT: self.intake.on_submit,
+                    messages.FEEDBACK: self.batches.on_feedback,
+                    messages.DONE: self.batches.on_done,
+                    messages.FAILED: self.batches.on_failed,
+                    messages.UNFETCHED: self.batches.on_unfetched,
+                    messages.EXPIRED: self.watch.on_expired,
+                    messages.PROBED: self.watch.on_probed,
+                    messages.PONG: self.pings.on_pong,
+                    "client-releases-keys": sliced_releases(scheduler.stream_handlers["client-releases-keys"]),
+                }
+            )
+            for address in scheduler.workers:
+                self.add_worker(scheduler, address)
+            start_extensions(scheduler)
+            raise_gc_thresholds()
+        except Exception:
+            logger.exception("daskpipe: the scheduler plugin could not start; daskpipe requests will not be served")
+
+    @guarded
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        ws = scheduler.workers[worker]
+        slot = worker_slot(worker, ws.name, ws.resources, ws.host)
+        if slot is None:
+            logger.warning(
+                "daskpipe: worker %s (%s) has incomplete daskpipe resources %s; not used as a slot", worker, ws.name, dict(ws.resources)
+            )
+            return
+        self.slots[worker] = slot
+        self.elastic.worker_joined(worker)
+
+    @guarded
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        """A worker left or died: free its slot at once, retry its batches, then re-plan (elastic)."""
+        if self.slots.pop(worker, None) is None:
+            return
+        now = time.monotonic()
+        for model, served in list(self.served.items()):
+            self._lose_worker(served, model, worker, now)
+        self.arm()
+        self.elastic.worker_left(worker)
+
+    def _lose_worker(self, served: Served, model: str, worker: str, now: float) -> None:
+        """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
+        re-dispatch the requests of the batches that ran through it while their deadlines allow;
+        a request the retry cannot serve is dropped as "worker-lost", saying why."""
+        lost = [flight for _, flight in served.take_flights(worker)]
+        if served.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
+            self.remove_slot(served, model, worker, now, "worker-lost")
+        for key in [key for key, address in served.parked.items() if address == worker]:
+            self.drop(served, model, key, "worker-lost", f"worker {worker} died holding its data between two stages")
+        self.retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
+
+    def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
+        """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
+        (``supports_pools`` false) keeps it, and what it still sends there is dropped as
+        "worker-lost" (:meth:`~daskpipe.runtime.scheduler.batches.Batches.dispatch`) until a re-plan."""
+        dispatcher = served.dispatcher
+        if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
+            self.act(served, model, self.step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
+
+    def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
+        """Queue the requests of ``flights`` again, with their original deadlines; one the retry
+        cannot serve is dropped for ``reason``, with ``why`` and the dispatcher's own reason."""
+        for flight in flights:
+            for request, payload, size in flight.retries:
+                key = request.id
+                if key not in served.deadlines or key in served.inputs:  # ended meanwhile, or already queued again
+                    continue
+                served.inputs[key] = (payload, size)
+                served.counts["retried"] = served.counts.get("retried", 0) + 1
+                retry = replace(request)  # its original deadline
+                actions = self.step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
+                for action in actions:
+                    if isinstance(action, Drop) and action.request.id == key:
+                        action.reason, action.detail = reason, f"{why}; the retry was dropped ({action.reason}): {action.detail}"
+                self.act(served, model, actions)
+
+    @guarded
+    def remove_client(self, scheduler: Any, client: str) -> None:
+        """A client left (closed, or vanished mid-stream), and Dask released its keys: its queued
+        requests end here, dropped as "client-gone", rather than computed for nobody or kept (their
+        keys are gone: nothing is left of them on the scheduler), and a model whose stage actors it
+        held (their keys are gone with it) is closed. A batch whose first stage still fetches
+        its inputs ends them there (:meth:`~daskpipe.runtime.scheduler.batches.Batches.on_unfetched`)."""
+        self.intake.send_clocks.forget(client)
+        for address in sorted(self.reached.pop(client, ())):  # their fetches from it end there at once
+            if address in self.slots:
+                self.to_worker(address, {"op": messages.CLIENT_GONE, "client": client})
+        tasks = scheduler.tasks
+        for model, served in list(self.served.items()):
+            for key in [k for k in served.inputs if k not in tasks]:
+                self.drop(served, model, key, "client-gone", f"client {client} left")
+            if not served.closing and any(key not in tasks for key in served.stages.values()):
+                logger.warning("daskpipe: the stage actors of %s were released (client %s left); closing it", model, client)
+                self.close_models([model], reason="shutdown")
+
+    async def close(self) -> None:
+        try:
+            self.close_models(reason="shutdown")
+            self.wakeup.close()
+            self.watch.close()
+            await self.elastic.close()
+            if self.to_workers is not None:
+                await self.to_workers.close()
+        except Exception:
+            logger.exception("daskpipe: closing the scheduler plugin failed")
+
+    # -- daskpipe's streams (daskpipe/runtime/wire/streams.py) --------------------------------------
+    async def open_stream(self, comm: Any, client: str | None = None, worker: str | None = None) -> Status:
+        """The ``STREAM`` handler: read ``comm`` as a stream from ``client`` or ``worker`` (Dask's
+        ``handle_stream`` with the sender in every message); a client's stream also carries the
+        resolutions of its requests back."""
+        if client is None and worker is None:
+            raise ValueError("a daskpipe stream names its client or its worker")
+        reply = None
+        if client is not None:
+            reply = self.client_streams[client] = ImmediateSend()
+            reply.start(comm)
+            self.reached.pop(client, None)  # a new stream opens its own streams to the workers
+        try:
+            await self.scheduler.handle_stream(comm, extra={"client": client} if client is not None else {"worker": worker})
+        finally:
+            if client is not None and reply is not None:
+                if self.client_streams.get(client) is reply:
+                    del self.client_streams[client]
+                reply.abort()
+        return Status.dont_reply
+
+    def reach(self, client: str, addresses: list[str]) -> None:
+        """Ask ``client`` to open streams to those of ``addresses`` it was not asked to yet: their
+        first stages fetch its inputs over them."""
+        asked = self.reached.setdefault(client, set())
+        new = [address for address in addresses if address not in asked]
+        stream = self.client_streams.get(client)
+        if not new or stream is None:
+            return
+        asked.update(new)
+        try:
+            stream.send({"op": messages.REACH, "workers": new})
+        except CommClosedError:  # it is leaving: remove_client ends its requests
+            pass
+
+    def to_worker(self, address: str, message: dict) -> None:
+        """``message`` to ``address``'s worker on the scheduler's streams (opened at start)."""
+        assert self.to_workers is not None, "the plugin has started"
+        self.to_workers.send(address, message)
+
+    # -- rpc handlers (client -> scheduler) ----------------------------------------------------
+    def inventory(self) -> list[dict]:
+        """The slots a plan may use: the daskpipe workers if any, else every worker as a CPU slot."""
+        gpu_slots = [s for s in self.slots.values() if s.gpu != messages.CPU or s.emulated]
+        slots = gpu_slots or list(self.slots.values())
+        return [s.to_msg() for s in sorted(slots, key=lambda s: s.address)]
+
+    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str:
+        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
+
+        The control path to the stages' workers is measured first (:data:`PINGS` round trips
+        each): it seeds the model's margin, and a model whose SLO cannot be met even by a lone
+        request on an idle pipeline, with that margin, is refused here with the smallest SLO it
+        could serve. ``options`` are :meth:`start_serving`'s.
+        """
+        check_dispatcher(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        addresses = sorted({str(row[2]) for row in stages})
+        for address in addresses:
+            if address not in self.slots:
+                raise DeployError(f"a stage of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pipelines = Plan.from_dict(plan).model(model).pipelines
+        longest = max((len(p.partitions) for p in pipelines), default=1)
+        round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
+        self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        freeze_heap()
+        return "OK"
+
+    def start_serving(
+        self,
+        model: str,
+        plan: dict,
+        profile: dict,
+        stages: list[list],
+        *,
+        control: ControlPath,
+        time_dilation: float = 1.0,
+        bw_gbps: float = 10.0,
+        dispatcher: str = "ppipe",
+        max_queued: int | None = None,
+        sample_nbytes: int = 0,
+    ) -> None:
+        """Serve ``model`` at once with the control-path estimate ``control`` (a re-plan keeps the
+        model's own). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
+        ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
+        A model closed earlier whose batches have all ended (its owner vanished) is replaced.
+        """
+        old = self.served.get(model)
+        if old is not None and not (old.closing and not old.flights):
+            raise DeployError(f"model {model!r} is already served; close the service that serves it first")
+        served, placement = served_from(
+            model,
+            plan,
+            profile,
+            stages,
+            self.slots,
+            control=control,
+            time_dilation=time_dilation,
+            bw_gbps=bw_gbps,
+            dispatcher=dispatcher,
+            max_queued=max_queued,
+            sample_nbytes=sample_nbytes,
+        )
+        # a closed deployment of the same model may still have batches reporting (a stalled
+        # worker's backlog): the new one numbers its batches past every id sent before
+        served.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
+        self.served[model] = served
+        self.metrics.serve(
+            model,
+            served.model,
+            placement,
+            control=control.summary,
+            suspects=functools.partial(self.watch.suspects, model),
+            plan_quality=Plan.from_dict(plan).quality(),
+        )
+        logger.info(
+            "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
+            model,
+            len(served.stages),
+            len(served.model.pipelines),
+            float(time_dilation),
+            control.margin_s * 1e3,
+        )
+
+    def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]:
+        """Stop taking requests for ``models`` (default: all); queued ones err with ``reason``.
+
+        Batches already dispatched run to the end; ``status`` shows them in ``in_flight``.
+        """
+        now = time.monotonic()
+        drained = {}
+        for model in list(self.served if models is None else models):
+            served = self.served.get(model)
+            if served is None:
+                continue
+            served.closing = True
+            actions = self.step(served, model, lambda: served.dispatcher.drain(now, reason))
+            self.act(served, model, actions)
+            leftover = list(served.inputs)  # anything the dispatcher did not hand back
+            for key in leftover:
+                self.drop(served, model, key, reason, "")
+            drained[model] = len(actions) + len(leftover)
+        return drained
+
+    def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
+        """Counters per model; ``forget`` removes closed models whose batches have all ended."""
+        out = {}
+        for model in list(self.served if models is None else models):
+            served = self.served.get(model)
+            if served is None:
+                continue
+            out[model] = {
+                **served.counts,
+                "dropped": dict(served.dropped),
+                "queued": len(served.inputs),
+                "max_queued": served.max_queued,
+                "in_flight": sum(len(f.keys) for f in served.flights.values()),
+                "closing": served.closing,
+                "control": served.control.summary(),
+                "late": served.late.summary(),
+                "measured_ratios": {f"{p}/{q}": ratio for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items())},
+                "suspects": self.watch.suspects(model),
+            }
+            if forget and served.closing and not served.flights:
+                del self.served[model]
+        return out
+
+    # -- the control surface of a re-plan (daskpipe.runtime.scheduler.elastic.controller) -----------------------------
+    def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]:
+        """Put ``holding`` in charge of ``model`` and drain the dispatcher it replaces: returns that
+        dispatcher and the queued requests it gave up (they are still in the plugin's care)."""
+        served = self.served[model]
+        old, served.dispatcher = served.dispatcher, holding
+        drained = self.step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
+        return old, [action.request for action in drained if isinstance(action, Drop)]
+
+    def switch(
+        self,
+        model: str,
+        held: Served,
+        plan: Plan,
+        profile: Profile,
+        stages: list[list],
+        *,
+        dispatcher: str,
+        time_dilation: float,
+        bw_gbps: float,
+        first_id: int,
+    ) -> None:
+        """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
+        path, queue bound and every request in its care; dispatch ids start at ``first_id``. If the
+        new plan cannot be served, this raises and ``held`` stays in place."""
+        del self.served[model]
+        explicit_bound = held.max_queued != queue_bound(held.model, None)
+        try:
+            self.start_serving(
+                model,
+                plan.to_dict(),
+                profile.to_dict(),
+                stages,
+                control=held.control,
+                time_dilation=time_dilation,
+                bw_gbps=bw_gbps,
+                dispatcher=dispatcher,
+                max_queued=held.max_queued if explicit_bound else None,
+                sample_nbytes=held.sample_nbytes,
+            )
+        except Exception:
+            self.served[model] = held
+            raise
+        fresh = self.served[model]
+        fresh.carry_over(held)
+        fresh.dispatcher.continue_ids(max(first_id, self.batches.next_ids.get(model, 0)))
+
+    def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None:
+        """Submit the ``requests`` still queued to ``model``'s dispatcher (``dispatcher``, when
+        given, first takes charge again: the one :meth:`hold` returned)."""
+        served = self.served[model]
+        if dispatcher is not None:
+            served.dispatcher = dispatcher
+        now = time.monotonic()
+        for request in requests:
+            if request.id in served.inputs:  # else it ended meanwhile
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+
+    # -- stepping the dispatcher ---------------------------------------------------------------
+    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+        """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
+        try:
+            return call()
+        except Exception as exc:
+            logger.exception("daskpipe: the dispatcher of %s raised", model)
+            stake = list(served.inputs) if failing is None else failing
+            failure = RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc)
+            self.err(served, model, stake, lambda key: failure)
+            served.counts["failed"] += len(stake)
+            return []
+
+    def act(self, served: Served, model: str, actions: list) -> None:
+        """Carry out what a dispatcher call returned: send its batches, end what it dropped."""
+        for action in actions:
+            if isinstance(action, Dispatch):
+                self.batches.dispatch(served, model, action)
+            elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
+                self.drop(served, model, action.request.id, action.reason, action.detail)
+
+    # -- ending requests -----------------------------------------------------------------------
+    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
+        """End ``key`` as a :class:`~daskpipe.runtime.errors.RequestDropped`, counted."""
+        self.count_drop(served, model, reason, detail)
+        self.err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
+
+    def count_drop(self, served: Served, model: str, reason: str, detail: str, count: int = 1) -> None:
+        served.dropped[reason] = served.dropped.get(reason, 0) + count
+        self.metrics.drop(model, reason, count, time.monotonic(), detail)
+
+    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
+        """End ``keys`` with ``error(key)``; a worker holding their parked data discards it."""
+        discard: dict[str, list] = {}
+        for key in keys:
+            served.inputs.pop(key, None)
+            served.deadlines.pop(key, None)
+            parked = served.parked.pop(key, None)
+            if parked is not None and parked in self.slots:
+                discard.setdefault(parked, []).append(key)
+            err_key(self.scheduler, key, error(key))
+        for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
+            self.to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
+
+    # -- the timer -----------------------------------------------------------------------------
+    def arm(self) -> None:
+        """Keep one wake-up (:class:`~daskpipe.runtime.scheduler.timer.Wakeup`), at the earliest ``next_wake`` of all dispatchers."""
+        wakes = [w for s in self.served.values() if (w := s.dispatcher.next_wake()) is not None]
+        wake = min(wakes, default=float("inf"))
+        if wake < self.wakeup.at:
+            self.wakeup.arm(wake)
+        elif wake == float("inf"):
+            self.wakeup.cancel()
+
+    @guarded
+    def _on_timer(self) -> None:
+        now = time.monotonic()
+        for model, served in list(self.served.items()):
+            wake = served.dispatcher.next_wake()
+            if wake is not None and wake <= now:
+                # a wake that fires late by up to the margin is given the time it asked for: the margin
+                # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
+                # waiting for a batch's last moment would find it just past, and drop the batch
+                at = max(wake, now - served.control.margin_s)
+                self.act(served, model, self.step(served, model, lambda: served.dispatcher.wake(at)))
+        self.arm()
+
+
+def start_extensions(scheduler: Any) -> None:
+    """Run each ``module:function`` that the Dask config key :data:`EXTENSIONS_CONFIG` names on
+    ``scheduler`` (the top-level ``daskpipe`` package names the dashboard's pages). A failing one
+    is logged: the scheduler still serves requests."""
+    for name in setting(EXTENSIONS_CONFIG):
+        try:
+            module, _, function = name.partition(":")
+            getattr(importlib.import_module(module), function)(scheduler)
+        except Exception:
+            logger.exception("daskpipe: the scheduler extension %r could not start; serving goes on without it", name)
+
+
+def install(scheduler: Any) -> DaskpipeSchedulerPlugin:
+    """Add the plugin to ``scheduler`` (before it starts: its ``start`` hook installs the handlers)."""
+    existing = scheduler.plugins.get(DaskpipeSchedulerPlugin.name)
+    if isinstance(existing, DaskpipeSchedulerPlugin):
+        return existing
+    plugin = DaskpipeSchedulerPlugin()
+    scheduler.add_plugin(plugin)
+    return plugin
+
+
+def plugin_of(scheduler: Any) -> DaskpipeSchedulerPlugin:
+    """The running plugin of ``scheduler`` (for tests and in-process tools)."""
+    plugin = scheduler.plugins.get(DaskpipeSchedulerPlugin.name)
+    if not isinstance(plugin, DaskpipeSchedulerPlugin):
+        raise DeployError("daskpipe's scheduler plugin is not installed on this scheduler")
+    return plugin

@@ -1,0 +1,195 @@
+"""What the scheduler plugin keeps per served model and per batch in flight.
+
+Public, so that a re-plan (:mod:`daskpipe.runtime.scheduler.elastic.controller`) can read a served model's state through
+the plugin's control surface without the plugin's internals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.protocol import Serialized
+
+from daskpipe.plan.schema import ModelPlan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.scheduler.control import ControlPath
+from daskpipe.runtime.scheduler.gray import GrayPolicy, Suspect
+from daskpipe.runtime.wire.inputs import input_nbytes
+from daskpipe.sched.api import Dispatcher, Request
+from daskpipe.sched.durations import BatchDurations
+
+QUEUE_SLOS = 2.0
+"""The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
+more than one SLO's worth cannot finish in time anyway, and the bound keeps what the scheduler
+holds (requests and their input bytes) independent of how fast clients submit."""
+
+
+@dataclass
+class Flight:
+    """A dispatched batch until its last stage reports: what to re-dispatch if a worker dies."""
+
+    keys: list[Any]
+    addresses: frozenset[str]
+    retries: list[tuple[Request, Any, int]] = field(default_factory=list)  # per key: (request, its input, samples), kept for a retry
+    planned: list[tuple[int, float, float]] = field(
+        default_factory=list
+    )  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
+    ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
+    slot_free: dict[int, float] = field(default_factory=dict)  # partition -> when its slot ended the batch before this one
+    route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
+    spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
+    isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
+    pipeline: int = 0  # the plan's pipeline it runs on
+    sources: list[str] = field(
+        default_factory=list
+    )  # per key: the worker its input is parked on (a staged dispatch past partition 0); else none
+
+    @property
+    def staged(self) -> bool:
+        """Covers part of its pipeline: it takes parked data, or parks its own (it cannot be sent again)."""
+        return bool(self.sources) or bool(self.route and self.route[-1].get("park"))
+
+    def control_delays(self) -> tuple[float, list[float]] | None:
+        """(dispatch delay, hop delays) once every hop has reported (see :mod:`daskpipe.runtime.scheduler.control`).
+
+        A stage that started late because its slot was still computing the batch before (one that
+        ran over its reservation) was not held up by the control path: such a wait is compute
+        variance, which dispatch plans for with the measured latencies, and is not counted."""
+        if not self.planned or any(partition not in self.ran for partition, _, _ in self.planned):
+            return None
+        (first, first_start, _), *rest = self.planned
+        free = self.slot_free
+        hops, previous_end = [], self.ran[first][1]
+        for partition, start, transfer in rest:
+            actual_start, actual_end = self.ran[partition]
+            hops.append(actual_start - max(previous_end + transfer, start, free.get(partition, -math.inf)))
+            previous_end = actual_end
+        return self.ran[first][0] - max(first_start, free.get(first, -math.inf)), hops
+
+    def legs(self, done: float) -> dict[str, float] | None:
+        """Seconds this batch ran past its plan, by leg, once every hop has reported (``done``: the
+        completion read on the scheduler): ``behind``, its first slot still computing the batch
+        before; ``dispatch`` and ``hops``, the control path (:meth:`control_delays`); ``compute``,
+        the stages' compute beyond their planned spans (negative when faster); ``done``, the last
+        stage's end to its completion."""
+        delays = self.control_delays()
+        if delays is None or len(self.spans) != len(self.planned):
+            return None
+        dispatch, hops = delays
+        (first, first_start, _), last = self.planned[0], self.planned[-1][0]
+        ran = self.ran
+        return {
+            "behind": max(0.0, self.slot_free.get(first, -math.inf) - first_start),
+            "dispatch": max(0.0, dispatch),
+            "hops": sum(max(0.0, h) for h in hops),
+            "compute": sum(ran[partition][1] - ran[partition][0] - span for (partition, _, _), span in zip(self.planned, self.spans)),
+            "done": max(0.0, done - ran[last][1]),
+        }
+
+
+@dataclass
+class LateLegs:
+    """Where the batches whose requests ended late lost their time (:meth:`Flight.legs`), summed
+    over those batches: what to look at when attainment falls short while the margin looks right."""
+
+    requests: int = 0
+    batches: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+
+    def add(self, legs: dict[str, float], late_requests: int) -> None:
+        self.requests += late_requests
+        self.batches += 1
+        for leg, seconds in legs.items():
+            self.sums[leg] = self.sums.get(leg, 0.0) + seconds
+            self.peaks[leg] = max(self.peaks.get(leg, -math.inf), seconds)
+
+    def summary(self) -> dict[str, Any]:
+        """Milliseconds: each leg's mean and largest over the late batches."""
+        return {
+            "requests": self.requests,
+            "batches": self.batches,
+            "mean_ms": {leg: total / self.batches * 1e3 for leg, total in self.sums.items()} if self.batches else {},
+            "max_ms": {leg: peak * 1e3 for leg, peak in self.peaks.items()},
+        }
+
+
+@dataclass
+class Served:
+    """One model being served: its dispatcher, its stages and its requests in the plugin's care."""
+
+    model: ModelPlan  # time-dilated
+    profile: Profile  # time-dilated
+    dispatcher: Dispatcher
+    stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
+    emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
+    durations: BatchDurations  # what an emulated slot holds a batch for (time-dilated); the simulator's model
+    inputs: dict[Any, tuple[Any, int]] = field(default_factory=dict)  # queued: key -> (raw input or HeldInput, samples)
+    deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
+    flights: dict[int, Flight] = field(default_factory=dict)
+    counts: dict[str, int] = field(
+        default_factory=lambda: {
+            "submitted": 0,
+            "completed": 0,
+            "on_time": 0,
+            "failed": 0,
+            "invalid": 0,
+            "batches": 0,
+            "overruns": 0,
+            "isolated": 0,
+            "suspected": 0,
+            "readmitted": 0,
+        }
+    )
+    dropped: dict[str, int] = field(default_factory=dict)
+    closing: bool = False
+    parked: dict[Any, str] = field(
+        default_factory=dict
+    )  # key -> the worker holding its intermediate data between two stages of a staged data plane
+    max_queued: int = 1  # queued requests at most; a submission beyond is dropped ("overload")
+    sample_nbytes: int = 0  # raw input bytes per sample of requests entering at block 0 (0: not checked)
+    budgets: dict[int, float] = field(default_factory=dict)  # entry block -> latency budget (s, dilated); hybrid plans have several
+    control: ControlPath = field(default_factory=lambda: ControlPath(0.0))  # measured control-path delays, and the margin
+    late: LateLegs = field(default_factory=LateLegs)  # where the batches that ended late lost their time
+    gray: GrayPolicy = field(default_factory=GrayPolicy)
+    suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
+    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
+    last_ratios: dict[str, float] = field(default_factory=dict)  # address -> its latest batch's measured / planned compute
+    abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
+
+    def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
+        """Why a submitted input cannot be served, or ``None``. The client checks every input, but
+        the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""
+        most = self.model.max_batch
+        if type(size) is not int or not 1 <= size <= most:
+            return f"a request must hold 1 to {most} samples (the largest planned batch), got {size!r}"
+        nbytes = input_nbytes(payload)
+        if nbytes is None:
+            what = f"a serialized {payload.header.get('type', 'object')}" if isinstance(payload, Serialized) else type(payload).__name__
+            return f"the input must arrive as its byte count or as raw bytes, got {what}"
+        if self.sample_nbytes and start_block == 0 and nbytes >= 0 and nbytes != size * self.sample_nbytes:
+            return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {nbytes}"
+        return None
+
+    def take_flights(self, address: str) -> list[tuple[int, Flight]]:
+        """The batches that run through ``address``, no longer in flight."""
+        return [(d, self.flights.pop(d)) for d in [d for d, flight in self.flights.items() if address in flight.addresses]]
+
+    def carry_over(self, held: Served) -> None:
+        """Take over what ``held`` (the same model on the plan a re-plan replaces) has in its care:
+        its requests, batches in flight and counts, so that none is lost by the switch."""
+        for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
+            setattr(self, kept, getattr(held, kept))
+
+
+def queue_bound(model: ModelPlan, max_queued: int | None) -> int:
+    """``max_queued`` checked, or the default: ``QUEUE_SLOS`` SLOs of requests at the plan's capacity."""
+    if max_queued is None:
+        return max(math.ceil(QUEUE_SLOS * model.throughput * model.slo_us * 1e-6), 2 * model.max_batch)
+    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+        raise DeployError(f"max_queued must be None or an integer >= 1, got {max_queued!r}")
+    return max_queued

@@ -1,0 +1,341 @@
+"""The scheduler plugin's watch over its own batches: gray failures, as :mod:`daskpipe.runtime.scheduler.gray`
+describes them (stalled and slow slots, late limits, poison isolation).
+
+:class:`GrayWatch` keeps one watchlist and one timer for every model: when each hop must have
+reported (two strikes) and when each batch's requests reach their late limit. The per-model state
+(suspects, slow streaks, abandoned batches) lives on :class:`~daskpipe.runtime.scheduler.served.Served`.
+The watch acts on the plugin only through :class:`ServingPlugin`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import statistics
+import time
+from typing import Any, Protocol
+
+from daskpipe.runtime.errors import guarded
+from daskpipe.runtime.scheduler.gray import Suspect, Watchlist, isolation_split
+from daskpipe.runtime.scheduler.served import Flight, Served
+from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.sched.api import DropReason, Request, Slot
+
+logger = logging.getLogger(__name__)
+
+ABANDONED_KEPT = 10_000
+"""Batches taken from a suspect slot that are remembered, so that what it reports for them later
+is discarded (:mod:`daskpipe.runtime.scheduler.gray`)."""
+EXPIRY = -1
+"""The watchlist's partition for a batch's late limit (its hops are 0, 1, ...)."""
+WATCH_TICK_S = 0.005
+"""The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
+
+
+class ServingPlugin(Protocol):
+    """What the watch needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
+    which creates the :class:`GrayWatch`): its models and slots, and the calls that move requests."""
+
+    scheduler: Any
+    served: dict[str, Served]
+    slots: dict[str, WorkerSlot]
+
+    def to_worker(self, address: str, message: dict) -> None: ...
+
+    def act(self, served: Served, model: str, actions: list) -> None: ...
+
+    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None: ...
+
+    def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None: ...
+
+    def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None: ...
+
+    def arm(self) -> None: ...
+
+
+class GrayWatch:
+    """Watches the plugin's batches and slots (see the module docstring); runs on the scheduler's loop."""
+
+    def __init__(self, plugin: ServingPlugin) -> None:
+        self.plugin = plugin
+        # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
+        self._watch: Watchlist[tuple[str, int, int, int]] = Watchlist()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._fired = 0.0
+        self._probe_tokens = itertools.count()
+        self._isolation_ids = itertools.count(-1, -1)  # batches the plugin sends itself: ids no dispatcher uses
+
+    # -- batches -------------------------------------------------------------------------------
+    def watch_batch(self, served: Served, model: str, dispatch: int, flight: Flight) -> float:
+        """``flight`` is being sent: its first hop must report within its bound, its requests
+        within the late limit. The latest of their late limits (scheduler clock)."""
+        if flight.planned:
+            self.watch_hop(served, model, dispatch, flight, 0, flight.planned[0][1])
+        limits = [r.arrival + served.gray.late_limit_slos * served.budgets[r.start_block] for r, _, _ in flight.retries]
+        self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
+        self._arm()
+        return max(limits)
+
+    def watch_hop(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
+        """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
+        self._watch.push(
+            start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
+            (model, dispatch, index, 1),
+        )
+        self._arm()
+
+    def close(self) -> None:
+        """Stop the timer: the plugin is closing and drops what is still watched."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, float("inf")
+
+    def _arm(self) -> None:
+        """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
+        due = self._watch.next_due
+        if due is None or (self._timer is not None and due >= self._timer_at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        now = time.monotonic()
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, due - now, self._fired + WATCH_TICK_S - now), self._on_timer)
+
+    @guarded
+    def _on_timer(self) -> None:
+        """Suspect the slots of overdue hops; drop requests in flight past the late limit."""
+        self._timer, self._timer_at = None, float("inf")
+        now = self._fired = time.monotonic()
+        for model, dispatch, index, strike in self._watch.due(now):
+            served = self.plugin.served.get(model)
+            flight = served.flights.get(dispatch) if served is not None else None
+            if served is None or flight is None:
+                continue
+            if index == EXPIRY:
+                self._expire(served, model, dispatch, flight, now)
+            elif flight.planned[index][0] not in flight.ran:
+                if strike == 1:  # once more: a report that waits behind this loop's own lag gets read meanwhile
+                    self._watch.push(
+                        now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
+                        (model, dispatch, index, 2),
+                    )
+                    continue
+                partition = flight.planned[index][0]
+                detail = (
+                    f"missed its reservation for stage {partition} of batch {dispatch} twice over "
+                    f"({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
+                )
+                self.suspect(served, model, flight.route[index]["address"], detail, now)
+        self._arm()
+        self.plugin.arm()
+
+    def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
+        """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
+        limit = served.gray.late_limit_slos
+        remaining = []
+        for request, _, _ in flight.retries:
+            if request.id not in served.deadlines:
+                continue
+            until = request.arrival + limit * served.budgets[request.start_block]
+            if now >= until:
+                self.plugin.drop(served, model, request.id, "deadline", f"still in flight {limit:g}x its SLO after it arrived")
+            else:
+                remaining.append(until)
+        if remaining:
+            self._watch.push(min(remaining), (model, dispatch, EXPIRY, 0))
+        else:  # whatever it reports later is discarded
+            served.flights.pop(dispatch, None)
+            _abandon(served, dispatch, "")
+
+    @guarded
+    def on_expired(self, worker: str, model: str, dispatch: int, keys: list) -> None:
+        """A stage skipped a batch that reached it past its requests' late limit."""
+        served = self.plugin.served.get(model)
+        if served is None or dispatch in served.abandoned:
+            return
+        served.flights.pop(dispatch, None)
+        limit = served.gray.late_limit_slos
+        for key in keys:
+            if key in served.deadlines:
+                self.plugin.drop(served, model, key, "deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived")
+        self.plugin.arm()
+
+    # -- suspects ------------------------------------------------------------------------------
+    def suspect(self, served: Served, model: str, address: str, detail: str, now: float) -> None:
+        """``address`` stopped keeping its reservations: it gets no new batches, its batches are
+        re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
+        and it is probed until it computes in line again. Where its batches have nowhere else to
+        go, it is not suspected: under a dispatcher whose pools are fixed (``supports_pools``
+        false), and when it is the last slot in line of one of its pools (a lone CPU worker that
+        fell behind under a burst would otherwise drop every queued request at once). The late
+        limit still ends what a stalled slot holds."""
+        plugin = self.plugin
+        if address not in plugin.slots or not served.dispatcher.supports_pools:  # gone: remove_worker retries its batches
+            return
+        mine = {(p, q) for p, q, a in served.stages if a == address}
+        in_line = {(p, q) for p, q, a in served.stages if a != address and a in plugin.slots and a not in served.suspects}
+        if address not in served.suspects and not mine <= in_line:
+            return
+        taken = served.take_flights(address)
+        for dispatch, _ in taken:
+            _abandon(served, dispatch, address)
+        if address not in served.suspects:
+            served.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in served.stages if a == address}))
+            served.counts["suspected"] += 1
+            logger.warning(
+                "daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail
+            )
+            plugin.remove_slot(served, model, address, now, "slow-worker")
+            self._probe(served, model, address)
+        plugin.retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
+
+    def pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
+        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
+        and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
+        slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
+        gray = served.gray
+        ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
+        pace = self._pace(served, address, ratio)
+        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
+        if streak < gray.slow_batches or address in served.suspects:
+            return
+        self.suspect(
+            served,
+            model,
+            address,
+            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the "
+            f"last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
+            now,
+        )
+
+    @staticmethod
+    def _pace(served: Served, address: str, ratio: float) -> float:
+        """What ``address``'s pool-mates measure now (their median ratio, at least 1); looked up
+        only for a batch over ``suspect_factor``, as the pace can only raise the bar: this runs
+        for every batch on the scheduler's event loop."""
+        if ratio <= served.gray.suspect_factor:
+            return 1.0
+        mine = {(p, q) for p, q, a in served.stages if a == address}
+        mates = [
+            served.last_ratios[a]
+            for p, q, a in served.stages
+            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
+        ]
+        return max(1.0, statistics.median(mates)) if mates else 1.0
+
+    def _probe(self, served: Served, model: str, address: str) -> None:
+        """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
+        suspect = served.suspects.get(address)
+        if suspect is None or suspect.probe is not None or address not in self.plugin.slots or self.plugin.served.get(model) is not served:
+            return
+        p, q = suspect.pools[0]
+        profiled = served.durations.compute_s(p, q, 1)
+        token = next(self._probe_tokens)
+        suspect.probe = (token, profiled)
+        suspect.probes += 1
+        hold = profiled if address in served.emulated else 0.0
+        self.plugin.to_worker(
+            address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold}
+        )
+
+    @guarded
+    def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
+        """A suspect's probe computed over [start, end): re-admit it when that is in line."""
+        served = self.plugin.served.get(model)
+        suspect = served.suspects.get(worker) if served is not None else None
+        if served is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
+            return
+        profiled = suspect.probe[1]
+        suspect.probe = None
+        suspect.last_ratio = round((end - start) / profiled, 3) if profiled > 0 else 1.0
+        if suspect.last_ratio <= served.gray.readmit_ratio:
+            self._readmit(served, model, worker)
+        else:
+            asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
+
+    def _readmit(self, served: Served, model: str, address: str) -> None:
+        """The suspect ``address`` rejoins its pools."""
+        slot = self.plugin.slots.get(address)
+        if slot is None:
+            return
+        suspect = served.suspects.pop(address)
+        served.counts["readmitted"] += 1
+        now = time.monotonic()
+        for p, q in suspect.pools:
+            try:
+                actions = served.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
+            except ValueError:  # a re-plan has put it back already
+                continue
+            self.plugin.act(served, model, actions)
+        logger.warning(
+            "daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again",
+            model,
+            address,
+            suspect.last_ratio,
+            now - suspect.since,
+        )
+        self.plugin.arm()
+
+    def suspects(self, model: str) -> dict[str, dict[str, Any]]:
+        """``model``'s suspect slots by address: since when (s), why, its probes."""
+        served = self.plugin.served.get(model)
+        now = time.monotonic()
+        return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
+
+    # -- poison isolation ----------------------------------------------------------------------
+    def isolate(
+        self, served: Served, model: str, flight: Flight, live: list[tuple[Request, Any, int]], now: float
+    ) -> tuple[list[tuple[int, Flight]], list]:
+        """The parts of a failed batch's ``live`` requests to retry apart, as
+        :func:`~daskpipe.runtime.scheduler.gray.isolation_split` splits them by the time their deadlines leave
+        and the budget allows, each on a route through other slots of the batch's pools where they
+        have several, as (dispatch id, flight) to send; and the keys that cannot go."""
+        margin, durations, pipeline = served.control.margin_s, served.durations, flight.pipeline
+        limit = served.model.pipelines[pipeline].batch_size
+        workers = self.plugin.scheduler.workers
+        lanes_by_hop = [
+            sorted(
+                {hop["address"]}
+                | {a for (p, q, a) in served.stages if (p, q) == (pipeline, hop["partition"]) and a in workers and a not in served.suspects}
+            )
+            for hop in flight.route
+        ]
+
+        def hop_s(samples: int) -> list[float]:
+            return [durations.compute_s(pipeline, hop["partition"], min(samples, limit)) for hop in flight.route]
+
+        # a round's parts leave together, and the measured margin covers a batch's whole control path
+        left = min(served.deadlines[r.id] for r, _, _ in live) - now
+        split = isolation_split([n for _, _, n in live], left, hop_s, min(len(lane) for lane in lanes_by_hop), margin)
+        if (
+            split is None
+            or not flight.addresses <= set(workers)
+            or not served.gray.may_isolate(served.counts["isolated"] + len(split) - 1, served.counts["batches"])
+        ):
+            return [], [r.id for r, _, _ in live]
+        served.counts["isolated"] += len(split)
+        sent = []
+        for lane, part in enumerate(split):
+            requests = [live[i] for i in part]
+            samples = min(sum(n for _, _, n in requests), limit)
+            route = []
+            for hop, slots in zip(flight.route, lanes_by_hop):
+                address = slots[lane % len(slots)]
+                held = durations.compute_s(pipeline, hop["partition"], samples) if address in served.emulated else 0.0
+                route.append({**hop, "address": address, "stage": served.stages[(pipeline, hop["partition"], address)], "hold_s": held})
+            addresses = frozenset(hop["address"] for hop in route)
+            isolation = Flight(
+                [r.id for r, _, _ in requests], addresses, requests, route=route, spans=flight.spans, isolating=True, pipeline=pipeline
+            )
+            sent.append((next(self._isolation_ids), isolation))
+        return sent, []
+
+
+def _abandon(served: Served, dispatch: int, address: str) -> None:
+    """Whatever batch ``dispatch`` reports from now on is discarded (it ended here)."""
+    served.abandoned[dispatch] = address
+    while len(served.abandoned) > ABANDONED_KEPT:
+        served.abandoned.popitem(last=False)

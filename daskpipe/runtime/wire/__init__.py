@@ -1,0 +1,1 @@
+"""What travels between the processes: message vocabulary, daskpipe's own streams, request inputs. No torch here."""

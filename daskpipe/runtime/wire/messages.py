@@ -1,0 +1,123 @@
+"""The wire vocabulary of daskpipe's runtime: message ops, handler names and worker resources.
+
+Every message is a plain dict (msgpack), so the scheduler never unpickles user data. A request's
+input stays with the client that submitted it, and the worker that runs its batch's first stage
+fetches it from that client when the batch is dispatched: the scheduler sees only its byte count.
+An input of at most ``daskpipe.inline-input-bytes`` rides the submission instead, as raw bytes
+(msgpack ``bin``), which the scheduler keeps and forwards as they are. Feature maps and exceptions
+ride as ``to_serialize`` payloads. Times on the wire are wall-clock seconds
+(``time.time()``), the one clock that processes on different nodes share; the scheduler converts
+them to its monotonic clock.
+
+Paths of one request, each over one of daskpipe's immediate streams (:mod:`daskpipe.runtime.wire.streams`)::
+
+    client   --SUBMIT-->              scheduler   (keys, sizes, sent_at; each input's byte count, or a small input)
+    scheduler --REACH-->              client      (open a stream to these first-stage workers)
+    scheduler --BATCH-->              worker of partition 0 (which inputs to fetch from which client)
+    worker   --FETCH-->               client      (on the client's stream to that worker)
+    client   --INPUTS-->              worker      (the raw inputs, as frames of their own)
+    worker   --UNFETCHED-->           scheduler   (requests whose input could not be fetched, and why)
+    scheduler --CLIENT_GONE-->        worker      (a client left: its inputs still to be fetched never will be)
+    worker   --BATCH-->               worker of the next partition (fp16 feature map)
+    scheduler --FORWARD-->            worker holding parked data (a staged data plane's next stage):
+    worker   --BATCH-->               worker of that stage, which gathers the parts
+    worker   --FEEDBACK-->            scheduler   (compute and transfer timings)
+    worker   --DONE / FAILED-->       scheduler   (outputs stored under the keys, small ones inline / the cause)
+    worker   --RESOLVED-->            client      (small outputs, on the client's REPLY stream to that worker)
+    scheduler --RESOLVED-->           client      (the futures the worker did not tell; small outputs ride along)
+
+A client opens a stream to a worker (the REPLY handler) when the scheduler asks it to (REACH: the
+workers of the first stages its inputs go to) or resolves futures computed there (RESOLVED names
+the worker). Over it the worker fetches the client's inputs and finishes the client's futures
+itself: the scheduler is off the way in and the way back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+# client -> scheduler, over the client's batched stream
+SUBMIT = "daskpipe-submit"
+# scheduler -> worker, over the worker's batched stream
+BATCH = "daskpipe-batch"
+FORWARD = "daskpipe-forward"  # send parked intermediate data on to a staged batch's first stage
+DISCARD = "daskpipe-discard"  # drop parked intermediate data (its request ended)
+CLIENT_GONE = "daskpipe-client-gone"  # a client left: the inputs still to be fetched from it never will be
+# worker -> scheduler, over the worker's batched stream
+FEEDBACK = "daskpipe-feedback"
+DONE = "daskpipe-done"
+FAILED = "daskpipe-failed"
+EXPIRED = "daskpipe-expired"  # a stage skipped a batch past its requests' late limit
+UNFETCHED = "daskpipe-unfetched"  # a first stage could not fetch some requests' inputs from their client
+# scheduler -> client, over the client's daskpipe stream: futures that finished, requests refused on arrival;
+# worker -> client, over the client's REPLY stream to it: futures whose small outputs it computed
+RESOLVED = "daskpipe-resolved"
+REFUSED = "daskpipe-refused"
+REACH = "daskpipe-reach"  # scheduler -> client: open streams to these workers (they will fetch its inputs)
+# worker -> client and back, over the client's stream to the worker: a first stage fetching its batch's inputs
+FETCH = "daskpipe-fetch"
+INPUTS = "daskpipe-inputs"
+# worker -> worker: the feature map (op BATCH), and HELLO that opens the stream at deploy
+HELLO = "daskpipe-hello"
+# scheduler -> worker, worker -> scheduler: PING and PONG measure the control path at deploy
+PING = "daskpipe-ping"
+PONG = "daskpipe-pong"
+# scheduler -> worker, worker -> scheduler: a suspect slot's probe (daskpipe/runtime/scheduler/gray.py)
+PROBE = "daskpipe-probe"
+PROBED = "daskpipe-probed"
+# client -> scheduler rpc handlers; STREAM turns the comm into a daskpipe stream (``client=`` or ``worker=``)
+STREAM = "daskpipe_stream"
+# client -> worker rpc handler: turns the comm into the worker's stream of RESOLVED to that client
+REPLY = "daskpipe_reply"
+INVENTORY = "daskpipe_inventory"
+SERVE = "daskpipe_serve"
+CLOSE = "daskpipe_close"
+STATUS = "daskpipe_status"
+ELASTIC = "daskpipe_elastic"  # deploy hands over what re-planning needs (daskpipe/runtime/scheduler/elastic/controller.py)
+PLAN = "daskpipe_plan"  # the plan in force
+SCALING = "daskpipe_scaling"  # what Adaptive should add and remove (daskpipe/runtime/adaptive.py)
+
+# Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker/slots.py)
+SLOT_RESOURCE = "daskpipe.slot"
+GPU_RESOURCE_PREFIX = "daskpipe.gpu."
+SLICES_RESOURCE_PREFIX = "daskpipe.slices."
+EMULATED_RESOURCE = "daskpipe.emulated"
+CPU = "cpu"
+GPU_DEVICE = "gpu"
+"""A stage's ``device`` for "this worker's GPU": the worker's backend says which torch device that
+is (``cuda``, or the host for a fake GPU; daskpipe/runtime/worker/gpu.py)."""
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """What a worker offers the planner: one (virtual) GPU, or a CPU slot on a plain Dask worker."""
+
+    address: str
+    gpu: str
+    slices: int
+    server: str
+    emulated: bool
+
+    def to_msg(self) -> dict:
+        return {"address": self.address, "gpu": self.gpu, "slices": self.slices, "server": self.server, "emulated": self.emulated}
+
+    @classmethod
+    def from_msg(cls, msg: Mapping) -> WorkerSlot:
+        return cls(str(msg["address"]), str(msg["gpu"]), int(msg["slices"]), str(msg["server"]), bool(msg["emulated"]))
+
+
+def worker_slot(address: str, name: object, resources: Mapping[str, float], host: str) -> WorkerSlot | None:
+    """The slot a worker advertises; ``None`` for a daskpipe worker whose resources are incomplete.
+
+    A plain Dask worker (no ``daskpipe.slot``) is a CPU slot on its host. A daskpipe worker is named
+    ``"<server>/<TYPE>-<gpu index>/<slice index>"``; slots of one server share its NIC.
+    """
+    if SLOT_RESOURCE not in resources:
+        return WorkerSlot(address, CPU, 1, host, emulated=False)
+    gpus = [r[len(GPU_RESOURCE_PREFIX) :] for r in resources if r.startswith(GPU_RESOURCE_PREFIX)]
+    slices = [r[len(SLICES_RESOURCE_PREFIX) :] for r in resources if r.startswith(SLICES_RESOURCE_PREFIX)]
+    if len(gpus) != 1 or len(slices) != 1 or not slices[0].isdigit():
+        return None
+    server = str(name).split("/")[0] if isinstance(name, str) and "/" in name else host
+    return WorkerSlot(address, gpus[0], int(slices[0]), server, emulated=EMULATED_RESOURCE in resources)

@@ -1,0 +1,1 @@
+"""Stage worker processes: one per GPU x MPS slice, holding model stages and fetching inputs."""
