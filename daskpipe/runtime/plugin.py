@@ -39,6 +39,7 @@ from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, 
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.intake import Intake, check_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.keys import err_key
+from daskpipe.runtime.lifecycle import Lifecycle
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
@@ -75,6 +76,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.pings = Pings()  # round trips to stage workers, measured when a model is served
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
+        self.lifecycle = Lifecycle(self, self.elastic)  # models added, removed and updated while serving
         self.intake = Intake(self)  # submissions from clients
         self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/watch.py)
         self.batches = Batches(self, self.watch)  # out to the stages and back
@@ -92,6 +94,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.CLOSE: self.close_models,
                     messages.STATUS: self.status,
                     **self.elastic.handlers(),
+                    **self.lifecycle.handlers(),
                 }
             )
             scheduler.stream_handlers.update(
