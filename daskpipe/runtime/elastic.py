@@ -354,9 +354,16 @@ class Elastic:
             self.plugin.status(list(serve or {}), forget=True)
             self.retire(str(future.key) for future in stages.futures)
             raise
-        await self._switch(dep, plan, stages.rows, fresh=set(serve or ()))
+        switch_s = await self._switch(dep, plan, stages.rows, fresh=set(serve or ()))
         self.history.append(
-            {"deployment": group, "epoch": dep.epoch, "reasons": reasons, "seconds": time.perf_counter() - started, "plan": plan.to_dict()}
+            {
+                "deployment": group,
+                "epoch": dep.epoch,
+                "reasons": reasons,
+                "seconds": time.perf_counter() - started,
+                "switch_s": switch_s,
+                "plan": plan.to_dict(),
+            }
         )
         logger.info(
             "daskpipe: %s now served by a new plan (%s) after %.2fs", sorted(dep.models), "; ".join(reasons), time.perf_counter() - started
@@ -382,10 +389,11 @@ class Elastic:
             )
         return self._client
 
-    async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]], fresh: set[str]) -> None:
+    async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]], fresh: set[str]) -> float:
         """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration); the
-        ``fresh`` models already serve on ``plan``."""
+        ``fresh`` models already serve on ``plan``. Returns how long the requests were held."""
         plugin = self.plugin
+        held_at = time.perf_counter()
         held: dict[str, tuple[Served, Dispatcher, Holding]] = {}
         for model in set(dep.models) - fresh:
             holding = Holding(model)
@@ -417,6 +425,7 @@ class Elastic:
                 plugin.resume(model, holding.requests, dispatcher=old)
                 continue
             plugin.resume(model, holding.requests)
+        switch_s = time.perf_counter() - held_at
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at
         scheduler = plugin.scheduler
@@ -425,6 +434,7 @@ class Elastic:
         hand_over(scheduler, held_by, new_keys, self._stage_futures, self._client.id if self._client is not None else None)
         retire_stages(scheduler, old_keys, self._stage_futures)
         plugin.arm()
+        return switch_s
 
     # -- the periodic look at the load -----------------------------------------------------------
     async def _tick_forever(self, every_s: float = 1.0) -> None:

@@ -16,6 +16,7 @@ from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.elastic_state import ElasticSettings
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.plugin import plugin_of
+from tests.helpers import wait_until
 from tests.runtime.helpers import counted
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,43 +51,45 @@ def deploy(client, names=("a", "b"), **kwargs):
         example_inputs={name: torch.randn(1, *INPUT) for name in names},
         profiles={name: profile_of(name) for name in names},
         time_dilation=DILATION,
-        **kwargs,
+        **({"elastic": ElasticSettings(profile_band=5.0)} | kwargs),  # 2 shared cores run stages late: no re-plan on that here
     )
 
 
 class Stream:
     """A steady stream of requests to ``model`` from a thread (every ``every_s``) while the test changes the service."""
 
-    def __init__(self, svc, model: str, every_s: float = 0.02):
-        self.svc, self.model, self.every_s = svc, model, every_s
+    def __init__(self, svc, model: str, every_s: float = 0.02, least: int = 150):
+        self.svc, self.model, self.every_s, self.least = svc, model, every_s, least  # 1% of ``least``: a miss or more
         self.futures: list = []
         self.before = svc.status()[model]
+        self._inputs = torch.Generator().manual_seed(1)  # its own: models built meanwhile draw their weights from the global one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.futures.append(self.svc.submit(self.model, torch.randn(1, *INPUT)))
+            self.futures.append(self.svc.submit(self.model, torch.randn(1, *INPUT, generator=self._inputs)))
             time.sleep(self.every_s)
 
     def __enter__(self) -> Stream:
         self._thread.start()
-        time.sleep(0.5)  # it is steady before the change starts
+        time.sleep(1.0)  # it is steady before the change starts
         return self
 
     def __exit__(self, *exc) -> None:
-        time.sleep(0.5)  # and after it ended
+        time.sleep(1.0)  # and after it ended
+        wait_until(lambda: len(self.futures) >= self.least, timeout=30, what=f"{self.least} requests to {self.model}")
         self._stop.set()
         self._thread.join()
 
     def check(self) -> None:
-        """Every request ended as a result, and at least 99% of them on time."""
-        wait(self.futures, timeout=60)
-        assert [f.status for f in self.futures] == ["finished"] * len(self.futures), [f.exception() for f in self.futures if f.status != "finished"]
-        after = counted(self.svc, self.model, self.before["completed"] + len(self.futures))
-        submitted, on_time = (after[c] - self.before[c] for c in ("submitted", "on_time"))
-        assert submitted == len(self.futures) >= 50
-        assert on_time / submitted >= 0.99, after
+        """Every request ended (a result, or an error with its reason), and at least 99% of them on time."""
+        tally = ended(self.futures)
+        before = self.before
+        after = counted(self.svc, self.model, before["completed"] + sum(before["dropped"].values()) + len(self.futures))
+        submitted, on_time = (after[c] - before[c] for c in ("submitted", "on_time"))
+        assert submitted == sum(tally.values()) == len(self.futures) >= self.least, tally
+        assert on_time / submitted >= 0.99, (tally, after)
 
 
 def ended(futures) -> dict[str, int]:
@@ -102,8 +105,15 @@ def ended(futures) -> dict[str, int]:
     return tally
 
 
-def actor_keys(emulated) -> set[str]:
-    return {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
+def only_stages_of(emulated, models) -> None:
+    """Wait until the cluster's stage actors are those ``models`` serve on: the old ones were released."""
+    plugin = plugin_of(emulated.scheduler)
+
+    def released() -> bool:
+        actors = {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
+        return actors == {key for m in models for key in plugin.served[m].stages.values()}
+
+    wait_until(released, timeout=30, what=f"the stages of {models} alone")
 
 
 def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_others_stay_on_time(cluster):
@@ -112,9 +122,7 @@ def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_other
     with deploy(client) as svc:
         replans = len(plugin.elastic.history)
         with Stream(svc, "a") as stream:
-            started = time.perf_counter()
             svc.add_model("c", version(0.0), torch.randn(1, *INPUT), slo_ms=4 * profile_of("c").slo_us / 1e3)  # profiled on the cluster
-            took = time.perf_counter() - started
         stream.check()
         assert svc.models == ["a", "b", "c"]
         assert svc.plan.model("c").pipelines and len(plugin.elastic.history) == replans + 1
@@ -124,8 +132,7 @@ def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_other
         with torch.inference_mode():
             for out, x in zip(outputs, xs):
                 torch.testing.assert_close(out, version(0.0)(x), atol=1e-2, rtol=1e-2)
-        assert actor_keys(emulated) == {k for m in ("a", "b", "c") for k in plugin.served[m].stages.values()}  # the old plan's released
-        print(f"add_model took {took:.2f} s")
+        only_stages_of(emulated, ["a", "b", "c"])
 
 
 def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cluster):
@@ -142,7 +149,7 @@ def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cl
             svc.submit("b", torch.randn(1, *INPUT)).result(timeout=10)
         assert svc.models == ["a"] and "b" not in plugin.served
         assert [m.name for m in svc.plan.models] == ["a"]
-        assert actor_keys(emulated) == set(plugin.served["a"].stages.values())  # b's stages are released
+        only_stages_of(emulated, ["a"])
         assert {a for _, _, a in plugin.served["a"].stages} == set(plugin.slots)  # a plans on the freed slots
         with pytest.raises(DeployError, match="model 'a' is the service's last model; close the service instead"):
             svc.remove_model("a")
@@ -155,9 +162,7 @@ def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_f
         with Stream(svc, "a") as stream:
             old_xs = [torch.randn(1, *INPUT) for _ in range(30)]
             old = svc.map("b", old_xs)
-            started = time.perf_counter()
             svc.update_model("b", version(100.0))
-            took = time.perf_counter() - started
             new_xs = [torch.randn(1, *INPUT) for _ in range(20)]
             new = svc.map("b", new_xs)
         stream.check()
@@ -168,11 +173,10 @@ def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_f
             for future, x in zip(new, new_xs):
                 torch.testing.assert_close(future.result(), version(100.0)(x), atol=5e-2, rtol=1e-2)
         assert "b" not in plugin.served and "b@v2" in plugin.served  # the old version is retired
-        assert actor_keys(emulated) == {k for m in ("a", "b@v2") for k in plugin.served[m].stages.values()}
+        only_stages_of(emulated, ["a", "b@v2"])
         assert svc.status()["b"]["completed"] >= 20 and svc.plan.model("b").pipelines
         svc.update_model("b", version(200.0))  # and again: version 3
         assert svc.submit("b", torch.randn(1, *INPUT)).result(timeout=30).mean() > 150
-        print(f"update_model took {took:.2f} s")
 
 
 def test_bad_changes_are_refused_naming_what_is_wrong(cluster):
@@ -184,7 +188,8 @@ def test_bad_changes_are_refused_naming_what_is_wrong(cluster):
             svc.remove_model("zzz")
         with pytest.raises(DeployError, match="unknown model 'zzz'"):
             svc.update_model("zzz", small_cnn())
-        with pytest.raises(DeployError, match=r"update_model keeps the requests of model 'b' as they are: \(n, 3, 32, 32\).*\(n, 3, 16, 16\)"):
+        kept = r"update_model keeps the requests of model 'b' as they are: \(n, 3, 32, 32\).*\(n, 3, 16, 16\)"
+        with pytest.raises(DeployError, match=kept):
             svc.update_model("b", small_cnn(), torch.randn(1, 3, 16, 16))
         with pytest.raises(DeployError, match="the module of 'c' must be a torch.nn.Module"):
             svc.add_model("c", lambda x: x, torch.randn(1, *INPUT))
