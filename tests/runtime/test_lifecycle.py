@@ -35,7 +35,9 @@ def version(bias: float) -> torch.nn.Module:
 
 def profile_of(name: str):
     estimated = estimated_profile(small_cnn(), torch.randn(1, *INPUT), gpus=("L4", "T4"), name=name)
-    return replace(estimated, slo_us=4 * estimated.slo_us)  # a request held through a switch's flush still fits
+    # a request held through a switch still fits, and so does a batch paused while new stages load next to it: in-process
+    # workers unpickle (re-trace) one stage at a time and compute no batch meanwhile (stage.LOADING), slow on 2 shared cores
+    return replace(estimated, slo_us=8 * estimated.slo_us)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_other
     with deploy(client) as svc:
         replans = len(plugin.elastic.history)
         with Stream(svc, "a") as stream:
-            svc.add_model("c", version(0.0), torch.randn(1, *INPUT), slo_ms=4 * profile_of("c").slo_us / 1e3)  # profiled on the cluster
+            svc.add_model("c", version(0.0), torch.randn(1, *INPUT), slo_ms=profile_of("c").slo_us / 1e3)  # profiled on the cluster
         stream.check()
         assert svc.models == ["a", "b", "c"]
         assert svc.plan.model("c").pipelines and len(plugin.elastic.history) == replans + 1
