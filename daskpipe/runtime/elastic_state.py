@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
@@ -132,7 +132,7 @@ class Deployment:
 
 
 class ServingControl(Protocol):
-    """What a re-plan needs of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
+    """What a re-plan and a model-set change (:mod:`daskpipe.runtime.lifecycle`) need of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
     which creates the :class:`~daskpipe.runtime.elastic.Elastic`): what it serves on which slots, and the calls that hand a
     model from one plan to the next."""
 
@@ -166,3 +166,5 @@ class ServingControl(Protocol):
     def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]: ...
 
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]: ...
+
+    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...

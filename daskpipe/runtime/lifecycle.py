@@ -34,13 +34,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from daskpipe.runtime import messages
-from daskpipe.runtime.elastic_state import Deployment, ModelSpec
+from daskpipe.runtime.elastic_state import Deployment, ModelSpec, ServingControl
 from daskpipe.runtime.errors import DeployError, RequestFailed
 
 if TYPE_CHECKING:
     from daskpipe.plan.schema import Plan
     from daskpipe.runtime.elastic import Elastic
-    from daskpipe.runtime.plugin import DaskpipeSchedulerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ DRAIN_POLL_S = 0.005
 class Lifecycle:
     """The scheduler's handlers for a service's model-set changes (see the module docstring)."""
 
-    def __init__(self, plugin: DaskpipeSchedulerPlugin, elastic: Elastic):
+    def __init__(self, plugin: ServingControl, elastic: Elastic):
         self.plugin = plugin
         self.elastic = elastic
 
