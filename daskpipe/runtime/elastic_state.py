@@ -132,9 +132,9 @@ class Deployment:
 
 
 class ServingControl(Protocol):
-    """What a re-plan and a model-set change (:mod:`daskpipe.runtime.lifecycle`) need of the scheduler plugin (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`~daskpipe.runtime.elastic.Elastic`): what it serves on which slots, and the calls that hand a
-    model from one plan to the next."""
+    """What a re-plan and a model-set change (:mod:`daskpipe.runtime.lifecycle`) need of the scheduler plugin
+    (:class:`~daskpipe.runtime.plugin.DaskpipeSchedulerPlugin`, which creates the :class:`~daskpipe.runtime.elastic.Elastic`):
+    what it serves on which slots, and the calls that hand a model from one plan to the next, start and end one."""
 
     scheduler: Any
     served: dict[str, Served]
