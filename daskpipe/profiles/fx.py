@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -486,6 +487,12 @@ def example_batch(block: nn.Module, shape: Sequence[int], batch: int, device: st
     return make((batch, *shape), device=device)
 
 
+TRACING = threading.RLock()
+"""Held while torch.fx traces: tracing patches ``nn.Module.__call__`` for the whole process, so a
+module called meanwhile in another thread of it (a stage of an in-process cluster computing its
+batch, :data:`daskpipe.runtime.worker.stage.LOADING`) would be traced instead, and fail."""
+
+
 def served_copy(module: nn.Module) -> nn.Module:
     """What is cut and served: ``module`` itself when in eval mode (tracing only reads it), else an
     eval-mode copy, with a warning; a ``torch.compile`` d module unwrapped to the module it compiles."""
@@ -514,7 +521,8 @@ def segment_model(module: nn.Module, example_input: Any, leaf_modules: Iterable[
         return untraced(module, inputs, example_input, leaf_modules, "it is a TorchScript module, and torch.fx traces Python code")
     tracer = LeafTracer(leaf_modules)
     try:
-        traced = fx.GraphModule(module, tracer.trace(module), class_name=type(module).__name__)
+        with TRACING:
+            traced = fx.GraphModule(module, tracer.trace(module), class_name=type(module).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         reason = f"torch.fx cannot trace it: {type(exc).__name__}: {str(exc).splitlines()[0]}"
         return untraced(module, inputs, example_input, leaf_modules, reason)

@@ -125,3 +125,23 @@ def check_profile(what: str, value: Any) -> None:
     """``value`` is a :class:`Profile` (``Profile.load`` reads one from a file)."""
     if not isinstance(value, Profile):
         raise DeployError(f"{what} must be a daskpipe Profile (Profile.load reads a profile file), got {type(value).__name__}")
+
+
+def check_model_change(
+    name: Any, module: Any, example: Any, *, slo_ms: Any, profile: Any, weight: Any, max_queued: Any, profiling: Any
+) -> None:
+    """The arguments of ``Service.add_model`` and ``update_model``, checked as ``deploy`` checks its own."""
+    if not isinstance(name, str) or not name:
+        raise DeployError(f"a model name must be a non-empty string, got {name!r}")
+    check_module(f"the module of {name!r}", module)
+    if example is not None:
+        check_example(f"the example input of {name!r}", example)
+    if slo_ms is not None:
+        check_positive(f"slo_ms of {name!r}", slo_ms, " ms")
+    if profile is not None:
+        check_profile(f"the profile of {name!r}", profile)
+    check_positive(f"the weight of {name!r}", weight)
+    if max_queued is not None:
+        check_count("max_queued (None for the default)", max_queued)
+    if not isinstance(profiling, ProfilingOptions):
+        raise DeployError(f"profiling must be a ProfilingOptions, e.g. ProfilingOptions(), got {type(profiling).__name__}")

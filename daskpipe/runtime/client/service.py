@@ -21,8 +21,10 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -37,13 +39,13 @@ from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.fx import BlockedModel, InputLayout, SegmentationError
 from daskpipe.profiles.model import Profile, ProfileError
-from daskpipe.profiles.store import configured_store
-from daskpipe.runtime.client.arguments import check_deploy_arguments
+from daskpipe.profiles.store import ProfileStore, configured_store
+from daskpipe.runtime.client.arguments import check_deploy_arguments, check_model_change
 from daskpipe.runtime.client.futures import ClientStream, LandedFutures, ServedFuture
 from daskpipe.runtime.deploying.deployment import pickle_blocks, ppipe_launches, release, start_stages
 from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
-from daskpipe.runtime.errors import DeployError, InvalidRequest
+from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
 from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, queue_bound
@@ -194,6 +196,9 @@ class Service:
     :class:`~daskpipe.runtime.errors.InvalidRequest` (at once, for a bad input),
     :class:`~daskpipe.runtime.errors.RequestDropped` (with the reason) or
     :class:`~daskpipe.runtime.errors.RequestFailed` (with the cause).
+
+    ``add_model``, ``remove_model`` and ``update_model`` change the models it serves while it
+    serves (docs/operations.md, "Model life cycle").
     """
 
     def __init__(
@@ -205,6 +210,7 @@ class Service:
         stages: Sequence[Future],
         time_dilation: float,
         entries: Mapping[tuple[str, int], InputSpec] | None = None,
+        changeable: bool = False,
     ):
         self.client = client
         self._stream = open_stream(client)
@@ -217,6 +223,11 @@ class Service:
         self._token = uuid.uuid4().hex[:12]
         self._counter = itertools.count()
         self.closed = False
+        self._changeable = changeable  # its deployment is elastic: models can be added, removed and updated
+        self._routing = threading.Lock()  # a model's name -> the served model its requests go to, and the count sent there
+        self._served_as: dict[str, str] = {}  # an updated model -> its version served now (``name@v2``)
+        self._sent: Counter[str] = Counter()  # served model -> requests sent to it, awaited before it is retired
+        self._removed: set[str] = set()
 
     @property
     def models(self) -> list[str]:
@@ -233,10 +244,20 @@ class Service:
 
     async def _current_plan(self) -> Plan:
         if not self.closed:
-            current = await self.client.scheduler.daskpipe_plan(models=self.models)
+            current = await self.client.scheduler.daskpipe_plan(models=self._served_names())
             if current is not None:
-                self._plan = Plan.from_dict(current)
+                self._plan = self._public_plan(current)
         return self._plan
+
+    def _served_names(self) -> list[str]:
+        """The names the scheduler serves this service's models under (an updated one's version)."""
+        return [self._served_as.get(model, model) for model in self.models]
+
+    def _public_plan(self, plan: dict) -> Plan:
+        """The scheduler's ``plan`` with this service's models under their own names."""
+        public = {served: model for model, served in self._served_as.items()}
+        planned = Plan.from_dict(plan)
+        return replace(planned, models=tuple(replace(m, name=public.get(m.name, m.name)) for m in planned.models))
 
     def submit(self, model: str, x: torch.Tensor, start_block: int = 0) -> ServedFuture:
         """One request; its future resolves to ``model``'s output for ``x`` (shape ``(n, ...)``).
@@ -304,13 +325,18 @@ class Service:
     def _send(
         self, model: str, keys: list[str], inputs: list[bytes], sizes: list[int], start_block: int = 0, sent_at: float | None = None
     ) -> None:
-        self._stream.send_requests(model, keys, inputs, sizes, start_block, sent_at)
+        with self._routing:
+            served = self._served_as.get(model, model)
+            self._sent[served] += len(keys)
+            self._stream.send_requests(served, keys, inputs, sizes, start_block, sent_at)
 
     def _admit(self, model: str, x: Any, start_block: int = 0) -> tuple[int, bytes]:
         if self.closed:
             raise InvalidRequest(f"the service is closed; model {model!r} takes no more requests")
         spec = self._specs.get(model) if start_block == 0 else self._entries.get((model, start_block))
         if spec is None:
+            if model in self._removed:
+                raise InvalidRequest(f"model {model!r} was removed from this service; it serves {self.models}")
             if model not in self.models:
                 raise InvalidRequest(f"unknown model {model!r}; this service serves {self.models}")
             entries = [0] * (model in self._specs) + sorted(k for m, k in self._entries if m == model)
@@ -322,7 +348,12 @@ class Service:
     def status(self) -> dict[str, dict]:
         """Per model: submitted, completed, on_time, failed, dropped by reason, queued, in_flight,
         the control path (``control``, docs/runtime.md). Awaitable with an asynchronous client."""
-        return self.client.sync(self.client.scheduler.daskpipe_status, models=self.models)
+        return self.client.sync(self._status)
+
+    async def _status(self) -> dict[str, dict]:
+        public = {served: model for model, served in self._served_as.items()}
+        counts = await self.client.scheduler.daskpipe_status(models=self._served_names())
+        return {public.get(model, model): status for model, status in counts.items()}
 
     def close(self, timeout: float = 30.0) -> None | Awaitable[None]:
         """Stop serving: queued requests err with reason "shutdown", dispatched batches finish.
@@ -334,16 +365,241 @@ class Service:
             return
         self.closed = True
         scheduler = self.client.scheduler
-        await scheduler.daskpipe_close(models=self.models, reason="shutdown")
+        served = self._served_names()
+        await scheduler.daskpipe_close(models=served, reason="shutdown")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            left = await scheduler.daskpipe_status(models=self.models, forget=True)
+            left = await scheduler.daskpipe_status(models=served, forget=True)
             if not any(s["in_flight"] for s in left.values()):
                 break
             await asyncio.sleep(0.05)
-        await scheduler.daskpipe_status(models=self.models, forget=True)
+        await scheduler.daskpipe_status(models=served, forget=True)
         await self._stream.close()
         self._stages.clear()
+
+    # -- the model life cycle (docs/operations.md, daskpipe/runtime/scheduler/lifecycle.py) ---------------------
+    def add_model(
+        self,
+        name: str,
+        module: nn.Module,
+        example_input: Any,
+        *,
+        slo_ms: float | None = None,
+        profile: Profile | None = None,
+        weight: float = 1.0,
+        max_queued: int | None = None,
+        allow_nonfinite: bool = False,
+        profiling: ProfilingOptions = ProfilingOptions(),
+    ) -> None | Awaitable[None]:
+        """Serve one more model while the others serve: profile it as ``deploy`` does (or cut it
+        as ``profile`` says), re-plan the cluster for the new model set, start the new plan's
+        stages, serve the new model, then switch the others to the new plan (their queued
+        requests wait through the switch, as on a re-plan). Returns once ``name`` takes requests.
+
+        The arguments are ``deploy``'s for one model; ``weight`` is its workload share against
+        the others' (deploy's ``weights``, default 1). Awaitable with an asynchronous client.
+
+        Raises
+        ------
+        DeployError
+            On a closed or non-elastic service, a bad argument, a name already served, or a model
+            the cluster cannot fit beside the others (the plan in force stays).
+        """
+        return self._change(self._add_model, name, module, example_input, slo_ms, profile, weight, max_queued, allow_nonfinite, profiling)
+
+    def remove_model(self, name: str, timeout: float = 30.0) -> None | Awaitable[None]:
+        """Stop serving ``name``: new requests for it are refused at once (an ``InvalidRequest``
+        naming it); those already sent are served to their end (queued ones dispatched, batches
+        in flight finished), then its stages are released and the others re-planned onto the
+        freed slots. What has not ended ``timeout`` seconds on is dropped ("shutdown"), or, a
+        batch still running after the flush, failed. Awaitable with an asynchronous client.
+
+        Raises
+        ------
+        DeployError
+            On a closed or non-elastic service, an unknown model, or the service's last model
+            (``close`` the service instead).
+        """
+        return self._change(self._remove_model, name, timeout)
+
+    def update_model(
+        self,
+        name: str,
+        module: nn.Module,
+        example_input: Any = None,
+        *,
+        slo_ms: float | None = None,
+        profile: Profile | None = None,
+        max_queued: int | None = None,
+        profiling: ProfilingOptions = ProfilingOptions(),
+        timeout: float = 30.0,
+    ) -> None | Awaitable[None]:
+        """Roll out a new version of ``name``: ``module`` is profiled and planned in the old
+        version's place and started on stages of its own; once they are up, new requests go to
+        it, while those already sent finish on the old version, whose stages are then released
+        (as ``remove_model`` ends a model, ``timeout`` included). The scheduler serves it as
+        ``name@v2`` (``@v3``, ...): its log lines and dashboard say which version.
+
+        Requests keep their form: ``example_input`` (default: zeros of the served input's shape)
+        must have the shape and dtype the service takes for ``name``, or the update is refused,
+        naming both; a model that takes another input is a new model (``add_model``).
+        ``slo_ms`` defaults to the old version's. Awaitable with an asynchronous client.
+
+        Raises
+        ------
+        DeployError
+            On a closed or non-elastic service, an unknown model, a bad argument, another input
+            form, or a version the cluster cannot fit (the old version keeps serving).
+        """
+        return self._change(self._update_model, name, module, example_input, slo_ms, profile, max_queued, profiling, timeout)
+
+    def _change(self, change: Callable[..., None], *args: Any) -> None | Awaitable[None]:
+        """Run ``change``; with an asynchronous client, in a thread, awaitable: profiling and
+        planning block for seconds, and the loop must keep serving meanwhile."""
+        if self.client.asynchronous:
+            return asyncio.get_running_loop().run_in_executor(None, functools.partial(change, *args))
+        change(*args)
+        return None
+
+    def _check_changeable(self, what: str) -> None:
+        if self.closed:
+            raise DeployError(f"{what}: the service is closed")
+        if not self._changeable:
+            raise DeployError(
+                f"{what}: this service keeps its plan (deployed with elastic=None, or a hybrid deployment); deploy with "
+                f"elastic=ElasticSettings() to add, remove or update models"
+            )
+
+    def _add_model(
+        self,
+        name: str,
+        module: nn.Module,
+        example: Any,
+        slo_ms: float | None,
+        profile: Profile | None,
+        weight: float,
+        max_queued: int | None,
+        allow_nonfinite: bool,
+        profiling: ProfilingOptions,
+    ) -> None:
+        self._check_changeable(f"add_model({name!r})")
+        check_model_change(name, module, example, slo_ms=slo_ms, profile=profile, weight=weight, max_queued=max_queued, profiling=profiling)
+        if not isinstance(allow_nonfinite, bool):
+            raise DeployError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
+        if name in self.models:
+            raise DeployError(f"model {name!r} is already served by this service; update_model rolls out a new version of it")
+        slo_us = slo_ms * 1e3 if slo_ms is not None else None
+        profile, blocked, spec = self._prepare(name, module, example, profile, slo_us, profiling, allow_nonfinite)
+        plan = self.client.sync(
+            self.client.scheduler.daskpipe_add_model,
+            models=self._served_names(),
+            model=name,
+            spec=scheduler_spec(blocked, spec, profile, pickle_blocks(blocked.blocks)),
+            slo_us=slo_us,
+            weight=float(weight),
+            max_queued=max_queued,
+            sample_nbytes=spec.sample_nbytes,
+        )
+        with self._routing:
+            self._removed.discard(name)
+            self._specs[name] = replace(spec, max_samples=Plan.from_dict(plan).model(name).max_batch)
+            self.profiles[name] = profile
+            self._plan = self._public_plan(plan)
+
+    def _remove_model(self, name: str, timeout: float) -> None:
+        self._check_changeable(f"remove_model({name!r})")
+        check_positive("timeout", timeout, " s")
+        if name not in self._specs:
+            raise DeployError(f"unknown model {name!r}; this service serves {self.models}")
+        if len(self.models) == 1:
+            raise DeployError(f"model {name!r} is the service's last model; close the service instead")
+        served_names = self._served_names()
+        with self._routing:  # no request of it is sent from here on
+            served, spec = self._served_as.pop(name, name), self._specs.pop(name)
+            self._removed.add(name)
+            sent = self._sent.pop(served, 0)
+        try:
+            plan = self.client.sync(
+                self.client.scheduler.daskpipe_remove_model, models=served_names, model=served, sent=sent, timeout_s=float(timeout)
+            )
+        except Exception:  # refused before anything changed there: it serves on
+            with self._routing:
+                self._removed.discard(name)
+                self._specs[name], self._sent[served] = spec, self._sent[served] + sent
+                if served != name:
+                    self._served_as[name] = served
+            raise
+        self.profiles.pop(name, None)
+        self._plan = self._public_plan(plan)
+
+    def _update_model(
+        self,
+        name: str,
+        module: nn.Module,
+        example: Any,
+        slo_ms: float | None,
+        profile: Profile | None,
+        max_queued: int | None,
+        profiling: ProfilingOptions,
+        timeout: float,
+    ) -> None:
+        self._check_changeable(f"update_model({name!r})")
+        check_model_change(name, module, example, slo_ms=slo_ms, profile=profile, weight=1.0, max_queued=max_queued, profiling=profiling)
+        check_positive("timeout", timeout, " s")
+        old_spec = self._specs.get(name)
+        if old_spec is None:
+            raise DeployError(f"unknown model {name!r}; this service serves {self.models}")
+        if example is None:
+            if isinstance(old_spec, PackedInputSpec):
+                raise DeployError(f"model {name!r} takes several arguments; give update_model its example_input")
+            example = torch.zeros(1, *old_spec.shape, dtype=old_spec.dtype)
+        old = self._served_as.get(name, name)
+        version = f"{name}@v{int(old.rpartition('@v')[2]) + 1 if old != name else 2}"
+        slo_us = slo_ms * 1e3 if slo_ms is not None else None
+        given = replace(profile, model=version) if profile is not None else None
+        new_profile, blocked, spec = self._prepare(version, module, example, given, slo_us, profiling, old_spec.allow_nonfinite)
+        if replace(spec, max_samples=old_spec.max_samples) != old_spec:
+            raise DeployError(
+                f"update_model keeps the requests of model {name!r} as they are: (n, {', '.join(map(str, old_spec.shape))}) of "
+                f"{old_spec.dtype}; the new version takes (n, {', '.join(map(str, spec.shape))}) of {spec.dtype}; serve it as a new "
+                f"model with add_model"
+            )
+        plan = self.client.sync(
+            self.client.scheduler.daskpipe_update_model,
+            models=self._served_names(),
+            model=old,
+            version=version,
+            spec=scheduler_spec(blocked, spec, new_profile, pickle_blocks(blocked.blocks)),
+            slo_us=slo_us,
+            max_queued=max_queued,
+            sample_nbytes=spec.sample_nbytes,
+        )
+        with self._routing:  # new requests go to the new version from here on
+            self._served_as[name] = version
+            self._specs[name] = replace(spec, max_samples=Plan.from_dict(plan).model(version).max_batch)
+            sent = self._sent.pop(old, 0)
+        self.profiles[name] = new_profile
+        self._plan = self._public_plan(plan)
+        self.client.sync(self.client.scheduler.daskpipe_retire_model, model=old, sent=sent, timeout_s=float(timeout))
+
+    def _prepare(
+        self,
+        name: str,
+        module: nn.Module,
+        example: Any,
+        profile: Profile | None,
+        slo_us: float | None,
+        profiling: ProfilingOptions,
+        allow_nonfinite: bool,
+    ) -> tuple[Profile, BlockedModel, InputSpec]:
+        """A new model's profile, blocks and request spec (batch 1 for now: the plan decides), as ``deploy`` makes them."""
+        slots = inventory(self.client)
+        measured, blocked, excluded = prepare_model(
+            self.client, slots, name, module, example, profile, slo_us, profiling, configured_store(profiling.store)
+        )
+        if profile is None:
+            measured = on_kinds(measured, [s for s in slots if (s.gpu, s.slices) not in excluded])
+        return measured, blocked, request_spec(blocked, measured, example, 1, allow_nonfinite)
 
     def __enter__(self) -> Service:
         return self
@@ -479,31 +735,13 @@ def deploy(
     given = set(profiles)
     blocked = {}
     for name in names:
-        try:
-            if name in profiles:
-                blocked[name] = cut_blocks(name, models[name], example_inputs[name], profiles[name], profiling.leaf_modules)
-            else:
-                slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
-                measured = profile_on_cluster(
-                    client,
-                    slots,
-                    name,
-                    models[name],
-                    example_inputs[name],
-                    slo_us=slo_us,
-                    num_blocks=profiling.num_blocks,
-                    batch_sizes=profiling.batch_sizes,
-                    store=store,
-                    timeout_s=profiling.timeout_s,
-                    leaf_modules=profiling.leaf_modules,
-                )
-                profiles[name], blocked[name] = measured.profile, measured.blocked
-                slots = [s for s in slots if (s.gpu, s.slices) not in measured.excluded]  # an excluded kind serves no model
-        except (SegmentationError, ProfileError) as exc:  # tracing or estimating the model: its own code is the cause
-            raise DeployError(f"model {name!r} cannot be profiled: {exc}") from exc
-    kinds = {(s.gpu, s.slices) for s in slots}
+        slo_us = slo_ms[name] * 1e3 if slo_ms and name in slo_ms else None
+        profiles[name], blocked[name], excluded = prepare_model(
+            client, slots, name, models[name], example_inputs[name], profiles.get(name), slo_us, profiling, store
+        )
+        slots = [s for s in slots if (s.gpu, s.slices) not in excluded]  # an excluded kind serves no model
     for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
-        profiles[name] = replace(profiles[name], latency_us={k: t for k, t in profiles[name].latency_us.items() if k in kinds})
+        profiles[name] = on_kinds(profiles[name], slots)
     slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
     if plan is None:
         from daskpipe.plan.milp import make_plan
@@ -562,16 +800,7 @@ def deploy(
             client.sync(
                 client.scheduler.daskpipe_elastic,
                 group=uuid.uuid4().hex,
-                models={
-                    name: {
-                        "blocks": pickled[name],
-                        "input_shapes": [list(blocked[name].input_shape), *(list(s) for s in blocked[name].boundary_shapes)],
-                        "output_shape": list(blocked[name].output_shape),
-                        "input_dtype": str(specs[name].dtype).removeprefix("torch."),
-                        "profile": profiles[name].to_dict(),
-                    }
-                    for name in names
-                },
+                models={name: scheduler_spec(blocked[name], specs[name], profiles[name], pickled[name]) for name in names},
                 plan=plan.to_dict(),
                 stages=stage_rows,
                 options=replace(planner, bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps))).to_dict(),
@@ -588,7 +817,7 @@ def deploy(
             client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
         release(stage_futures)
         raise
-    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation))
+    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None)
 
 
 # -- steps of deploy ---------------------------------------------------------------------------
@@ -615,6 +844,58 @@ def inventory(client: Client) -> list[WorkerSlot]:
     if listed is None:  # the scheduler has no such handler
         raise DeployError("the scheduler has no daskpipe plugin: start it with `dask scheduler --preload daskpipe`")
     return [WorkerSlot.from_msg(s) for s in listed]
+
+
+def prepare_model(
+    client: Client,
+    slots: list[WorkerSlot],
+    name: str,
+    module: nn.Module,
+    example: Any,
+    profile: Profile | None,
+    slo_us: float | None,
+    profiling: ProfilingOptions,
+    store: ProfileStore | None,
+) -> tuple[Profile, BlockedModel, set[tuple[str, int]]]:
+    """``name``'s profile, its blocks, and the slot kinds its profiling excluded: ``module`` cut
+    as ``profile`` says where one is given, else profiled on ``slots``."""
+    try:
+        if profile is not None:
+            return profile, cut_blocks(name, module, example, profile, profiling.leaf_modules), set()
+        measured = profile_on_cluster(
+            client,
+            slots,
+            name,
+            module,
+            example,
+            slo_us=slo_us,
+            num_blocks=profiling.num_blocks,
+            batch_sizes=profiling.batch_sizes,
+            store=store,
+            timeout_s=profiling.timeout_s,
+            leaf_modules=profiling.leaf_modules,
+        )
+        return measured.profile, measured.blocked, set(measured.excluded)
+    except (SegmentationError, ProfileError) as exc:  # tracing or estimating the model: its own code is the cause
+        raise DeployError(f"model {name!r} cannot be profiled: {exc}") from exc
+
+
+def on_kinds(profile: Profile, slots: Sequence[WorkerSlot]) -> Profile:
+    """``profile`` with the tables of the slot kinds of ``slots`` only: it is planned for no other."""
+    kinds = {(s.gpu, s.slices) for s in slots}
+    return replace(profile, latency_us={k: t for k, t in profile.latency_us.items() if k in kinds})
+
+
+def scheduler_spec(blocked: BlockedModel, spec: InputSpec, profile: Profile, pickled: list[bytes]) -> dict[str, Any]:
+    """What the scheduler keeps of a model to start its stages on any plan
+    (:meth:`~daskpipe.runtime.scheduler.elastic.state.ModelSpec.from_msg`); the blocks stay opaque bytes there."""
+    return {
+        "blocks": pickled,
+        "input_shapes": [list(blocked.input_shape), *(list(s) for s in blocked.boundary_shapes)],
+        "output_shape": list(blocked.output_shape),
+        "input_dtype": str(spec.dtype).removeprefix("torch."),
+        "profile": profile.to_dict(),
+    }
 
 
 def cut_blocks(name: str, module: nn.Module, example: Any, profile: Profile, leaf_modules: Sequence[str] = ()) -> BlockedModel:

@@ -38,6 +38,7 @@ from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trip
 from daskpipe.runtime.scheduler.elastic.controller import Elastic
 from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.scheduler.keys import err_key
+from daskpipe.runtime.scheduler.lifecycle import Lifecycle
 from daskpipe.runtime.scheduler.served import Flight, Served, queue_bound
 from daskpipe.runtime.scheduler.timer import Wakeup
 from daskpipe.runtime.scheduler.watch import GrayWatch
@@ -75,6 +76,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.pings = Pings()  # round trips to stage workers, measured when a model is served
         self.metrics = ServiceMetrics(unix_offset=time.time() - time.monotonic())  # what the dashboard and /metrics show
         self.elastic = Elastic(self)  # re-plans as workers join and leave (docs/operations.md)
+        self.lifecycle = Lifecycle(self, self.elastic)  # models added, removed and updated while serving
         self.intake = Intake(self)  # submissions from clients
         self.watch = GrayWatch(self)  # stalled and slow slots, late limits, poisoned batches (daskpipe/runtime/scheduler/watch.py)
         self.batches = Batches(self, self.watch)  # out to the stages and back
@@ -92,6 +94,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.CLOSE: self.close_models,
                     messages.STATUS: self.status,
                     **self.elastic.handlers(),
+                    **self.lifecycle.handlers(),
                 }
             )
             scheduler.stream_handlers.update(

@@ -77,6 +77,11 @@ STATUS = "daskpipe_status"
 ELASTIC = "daskpipe_elastic"  # deploy hands over what re-planning needs (daskpipe/runtime/scheduler/elastic/controller.py)
 PLAN = "daskpipe_plan"  # the plan in force
 SCALING = "daskpipe_scaling"  # what Adaptive should add and remove (daskpipe/runtime/adaptive.py)
+# a service's model set changing while it serves (daskpipe/runtime/scheduler/lifecycle.py)
+ADD_MODEL = "daskpipe_add_model"
+REMOVE_MODEL = "daskpipe_remove_model"
+UPDATE_MODEL = "daskpipe_update_model"
+RETIRE_MODEL = "daskpipe_retire_model"  # an updated model's old version, once the service sends to the new one
 
 # Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker/slots.py)
 SLOT_RESOURCE = "daskpipe.slot"

@@ -29,7 +29,6 @@ import functools
 import itertools
 import logging
 import pickle
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ from distributed.protocol import to_serialize
 from torch import nn
 
 from daskpipe.config import setting
+from daskpipe.profiles.fx import TRACING
 from daskpipe.profiles.graphs import device_runner
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
@@ -154,11 +154,12 @@ FEATURE_MAP_DTYPE = torch.float16
 """What a stage hands the next one: half the bytes of fp32 on the wire and on the way to the GPU."""
 CUDA_GRAPHS_CONFIG = "daskpipe.cuda-graphs"
 """Dask config key: whether a real GPU's stages, and their profiles, replay CUDA graphs (docs/tuning.md)."""
-LOADING = threading.Lock()
+LOADING = TRACING
 """Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
 the whole process: workers that share a process (``processes=False``) unpickle one stage at a
-time, and no batch computes while one does (a re-plan preloads stages next to serving ones). Only
-the unpickling holds it, so a preload pauses a serving stage for no more than its tracing."""
+time, and no batch computes while one does, nor while the client in that process traces a model
+(``Service.add_model``; a re-plan preloads stages next to serving ones). Only the unpickling and
+the tracing hold it, so a preload pauses a serving stage for no more than its tracing."""
 
 
 class BatchExpired(Exception):

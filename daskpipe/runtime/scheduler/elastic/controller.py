@@ -40,11 +40,10 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
-from daskpipe.profiles.model import Profile
 from daskpipe.runtime.deploying.deployment import hand_over, ppipe_launches, retire_stages, start_stages
 from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.deploying.reprofiling import profile_missing
@@ -122,6 +121,7 @@ class Elastic:
         self._reasons: list[str] = []
         self._due = 0.0
         self._replanning: asyncio.Task | None = None
+        self.lock = asyncio.Lock()  # one change of a deployment at a time: a re-plan, or a model added, removed or updated
         self._ticker: asyncio.Task | None = None
         self.load = LoadWatch(plugin, self.settings, self._schedule)
 
@@ -149,16 +149,7 @@ class Elastic:
         missing = [m for m in models if m not in self.plugin.served]
         if missing:
             raise DeployError(f"models {missing} are not served; serve them before making them elastic")
-        specs = {}
-        for name, spec in models.items():
-            profile = Profile.from_dict(spec["profile"])
-            blocks, shapes = list(spec["blocks"]), [tuple(int(x) for x in s) for s in spec["input_shapes"]]
-            if len(blocks) != profile.num_blocks or len(shapes) != profile.num_blocks:
-                raise DeployError(
-                    f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were "
-                    f"given"
-                )
-            specs[name] = ModelSpec(blocks, shapes, tuple(int(x) for x in spec["output_shape"]), str(spec["input_dtype"]), profile)
+        specs = {name: ModelSpec.from_msg(name, spec) for name, spec in models.items()}
         if settings is not None:
             self.settings = self.load.settings = ElasticSettings.from_dict(settings)  # one set for the controller and its load watch
         for stale in [g for g, dep in self.deployments.items() if set(dep.models) & set(specs)]:
@@ -245,51 +236,41 @@ class Elastic:
                 reasons, self._reasons = self._reasons, []
                 for group in list(self.deployments):
                     try:
-                        await self._replan(group, reasons)
+                        async with self.lock:
+                            if group in self.deployments:
+                                await self._replan(group, reasons)
                     except Exception:
                         logger.exception("daskpipe: re-planning %s failed; the plan in force stays", group)
         finally:
             self._replanning = None
 
-    def _inventory(self, dep: Deployment) -> list[WorkerSlot]:
-        """The live slots ``dep`` may plan on: not leaving, not serving another deployment."""
+    def inventory_of(self, dep: Deployment) -> list[WorkerSlot]:
+        """The live slots ``dep`` may plan on: not leaving, not serving another deployment (a model
+        ``dep`` is retiring serves on its own slots)."""
         plugin = self.plugin
-        others = {a for m, s in plugin.served.items() if m not in dep.models for _, _, a in s.stages}
+        others = {a for m, s in plugin.served.items() if m not in dep.models and m not in dep.retiring for _, _, a in s.stages}
         slots = [s for a, s in plugin.slots.items() if a in plugin.scheduler.workers and a not in self.leaving and a not in others]
         gpu_slots = [s for s in slots if s.gpu != messages.CPU or s.emulated]
         return gpu_slots or slots
 
     async def _replan(self, group: str, reasons: list[str]) -> None:
-        from daskpipe.plan.milp import make_plan
-
         dep = self.deployments[group]
         if any(self.plugin.served.get(m) is None or self.plugin.served[m].closing for m in dep.models):
             return  # closing: the ticker forgets it once its batches have ended
-        slots = self._inventory(dep)
+        slots = self.inventory_of(dep)
         if not slots:
             logger.warning("daskpipe: no slot left to plan %s on (%s)", sorted(dep.models), "; ".join(reasons))
             return
         started = time.perf_counter()
-        await profile_missing(dep, slots, {a: str(ws.name) for a, ws in self.plugin.scheduler.workers.items()}, self._get_client)
-        profiles = {m: spec.profile for m, spec in dep.models.items()}
-        plan_call = functools.partial(
-            make_plan,
-            profiles,
-            physical_gpus(slots),
-            weights=dep.weights,
-            gpus_per_server=gpus_per_server(slots),
-            slo_us=dep.slo_us,
-            options=replace(dep.planner, allow_missing_gpus=True, time_limit=self.settings.plan_time_limit_s),
-        )
         try:
-            plan = await asyncio.get_running_loop().run_in_executor(None, plan_call)
+            plan = await self.plan_for(dep, slots)
         except Exception as exc:
             logger.warning(
                 "daskpipe: re-plan of %s for %s failed (%s); the plan in force stays", sorted(dep.models), "; ".join(reasons), exc
             )
             self.leaving.clear()  # they cannot be drained: keep them
             return
-        alive = {s.address for s in self._inventory(dep)}
+        alive = {s.address for s in self.inventory_of(dep)}
         if plan.models == dep.plan.models and dep.addresses() <= alive:
             return  # same plan, every stage alive: nothing to migrate
         unserved = [m for m in dep.models if not plan.model(m).pipelines]
@@ -302,9 +283,46 @@ class Elastic:
             self.leaving.clear()
             self.changed_at = time.monotonic()  # the cooldown holds off the next attempt
             return
+        try:
+            await self.migrate(group, plan, [s for s in slots if s.address in alive], reasons, started)
+        except DeployError as exc:
+            logger.warning("daskpipe: %s; the plan in force stays", exc)
+
+    async def plan_for(self, dep: Deployment, slots: list[WorkerSlot]) -> Plan:
+        """The MILP's plan of ``dep``'s models on ``slots`` (in a thread, never on the event loop),
+        the tables of GPU kinds their profiles lack measured or estimated first."""
+        from daskpipe.plan.milp import make_plan
+
+        await profile_missing(dep, slots, {a: str(ws.name) for a, ws in self.plugin.scheduler.workers.items()}, self._get_client)
+        plan_call = functools.partial(
+            make_plan,
+            {m: spec.profile for m, spec in dep.models.items()},
+            physical_gpus(slots),
+            weights=dep.weights,
+            gpus_per_server=gpus_per_server(slots),
+            slo_us=dep.slo_us,
+            options=replace(dep.planner, allow_missing_gpus=True, time_limit=self.settings.plan_time_limit_s),
+        )
+        return await asyncio.get_running_loop().run_in_executor(None, plan_call)
+
+    async def migrate(
+        self,
+        group: str,
+        plan: Plan,
+        slots: list[WorkerSlot],
+        reasons: list[str],
+        started: float,
+        serve: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Serve ``dep`` on ``plan``: its stages start on ``slots`` while the old ones serve (PPipe's
+        preload), the models of ``serve`` (name -> :meth:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin.serve`'s
+        options; new to the plugin, :mod:`daskpipe.runtime.scheduler.lifecycle`) start serving, then the
+        others switch at once. A stage or a new model that cannot start raises :class:`DeployError`
+        and leaves the plan in force as it was, every new stage released."""
+        dep = self.deployments[group]
         launches = ppipe_launches(
             plan,
-            [s for s in slots if s.address in alive],
+            slots,
             {m: spec.input_shapes for m, spec in dep.models.items()},
             {m: spec.input_dtype for m, spec in dep.models.items()},
         )
@@ -316,16 +334,44 @@ class Elastic:
                 timeout=max(60.0, self.settings.plan_time_limit_s),
             )
         except Exception as exc:
-            logger.warning("daskpipe: the new plan's stages could not start (%r); the plan in force stays", exc)
-            return
+            raise DeployError(f"the new plan's stages could not start ({exc!r})") from exc
         self._stage_futures.update((str(future.key), future) for future in stages.futures)
-        await self._switch(dep, plan, stages.rows)
+        bw_gbps = float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps))
+        try:
+            for model, options in (serve or {}).items():
+                await self.plugin.serve(
+                    model,
+                    plan.to_dict(),
+                    dep.models[model].profile.to_dict(),
+                    stages.rows[model],
+                    time_dilation=dep.time_dilation,
+                    bw_gbps=bw_gbps,
+                    dispatcher=dep.dispatcher,
+                    **options,
+                )
+        except Exception:
+            self.plugin.close_models([m for m in serve or {} if m in self.plugin.served], reason="shutdown")
+            self.plugin.status(list(serve or {}), forget=True)
+            self.retire(str(future.key) for future in stages.futures)
+            raise
+        switch_s = await self._switch(dep, plan, stages.rows, fresh=set(serve or ()))
         self.history.append(
-            {"deployment": group, "epoch": dep.epoch, "reasons": reasons, "seconds": time.perf_counter() - started, "plan": plan.to_dict()}
+            {
+                "deployment": group,
+                "epoch": dep.epoch,
+                "reasons": reasons,
+                "seconds": time.perf_counter() - started,
+                "switch_s": switch_s,
+                "plan": plan.to_dict(),
+            }
         )
         logger.info(
             "daskpipe: %s now served by a new plan (%s) after %.2fs", sorted(dep.models), "; ".join(reasons), time.perf_counter() - started
         )
+
+    def retire(self, keys: Iterable[str]) -> None:
+        """Release the stage actors of ``keys``, whichever client holds them."""
+        retire_stages(self.plugin.scheduler, keys, self._stage_futures)
 
     async def _get_client(self) -> Client:
         """The scheduler's own client, for the stages of a re-plan; never the process's default,
@@ -343,11 +389,13 @@ class Elastic:
             )
         return self._client
 
-    async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]]) -> None:
-        """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration)."""
+    async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]], fresh: set[str]) -> float:
+        """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration); the
+        ``fresh`` models already serve on ``plan``. Returns how long the requests were held."""
         plugin = self.plugin
+        held_at = time.perf_counter()
         held: dict[str, tuple[Served, Dispatcher, Holding]] = {}
-        for model in dep.models:
+        for model in set(dep.models) - fresh:
             holding = Holding(model)
             old, drained = plugin.hold(model, holding)
             holding.requests.extend(drained)
@@ -377,13 +425,16 @@ class Elastic:
                 plugin.resume(model, holding.requests, dispatcher=old)
                 continue
             plugin.resume(model, holding.requests)
+        switch_s = time.perf_counter() - held_at
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at
         scheduler = plugin.scheduler
         new_keys = [row[3] for model_rows in rows.values() for row in model_rows]
-        hand_over(scheduler, old_keys, new_keys, self._stage_futures, self._client.id if self._client is not None else None)
+        held_by = [*old_keys, *(row[3] for model_rows in dep.retiring.values() for row in model_rows)]  # whose client holds them
+        hand_over(scheduler, held_by, new_keys, self._stage_futures, self._client.id if self._client is not None else None)
         retire_stages(scheduler, old_keys, self._stage_futures)
         plugin.arm()
+        return switch_s
 
     # -- the periodic look at the load -----------------------------------------------------------
     async def _tick_forever(self, every_s: float = 1.0) -> None:
@@ -397,7 +448,7 @@ class Elastic:
     def _tick(self, now: float) -> None:
         for group, dep in list(self.deployments.items()):
             if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
-                retire_stages(self.plugin.scheduler, (row[3] for rows in dep.rows.values() for row in rows), self._stage_futures)
+                self.retire(row[3] for rows in [*dep.rows.values(), *dep.retiring.values()] for row in rows)
                 del self.deployments[group]
         self.load.sample(now)
         self.load.check_load_mix(self.deployments.values(), now)

@@ -7,14 +7,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
+from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.scheduler.served import Served
 from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.sched.api import Dispatcher, Request
+from daskpipe.sched.api import Dispatcher, DropReason, Request
 
 if TYPE_CHECKING:
     from daskpipe.sched.metrics import ServiceMetrics
@@ -96,6 +97,18 @@ class ModelSpec:
     input_dtype: str  # the requests' torch dtype name
     profile: Profile  # undilated; tables of GPU kinds that join later are measured or estimated into it
 
+    @classmethod
+    def from_msg(cls, name: str, msg: Mapping[str, Any]) -> ModelSpec:
+        """``msg``: the model's ``blocks`` (pickled one by one), ``input_shapes``, ``output_shape``,
+        ``input_dtype`` and ``profile`` (a dict), as ``deploy`` and ``Service.add_model`` send them."""
+        profile = Profile.from_dict(msg["profile"])
+        blocks, shapes = list(msg["blocks"]), [tuple(int(x) for x in s) for s in msg["input_shapes"]]
+        if len(blocks) != profile.num_blocks or len(shapes) != profile.num_blocks:
+            raise DeployError(
+                f"model {name!r} has {profile.num_blocks} blocks but {len(blocks)} pickled blocks and {len(shapes)} input shapes were given"
+            )
+        return cls(blocks, shapes, tuple(int(x) for x in msg["output_shape"]), str(msg["input_dtype"]), profile)
+
 
 @dataclass
 class Deployment:
@@ -110,6 +123,7 @@ class Deployment:
     time_dilation: float
     dispatcher: str
     profile_store: str | None = None  # deploy's store folder: used where this scheduler sees it
+    retiring: dict[str, list[list]] = field(default_factory=dict)  # an updated model's old version: its stage rows, until its requests end
     epoch: int = 0
     replanned_at: float = field(default_factory=time.monotonic)
 
@@ -118,9 +132,10 @@ class Deployment:
 
 
 class ServingControl(Protocol):
-    """What a re-plan needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`~daskpipe.runtime.scheduler.elastic.controller.Elastic`): what it serves on which
-    slots, and the calls that hand a model from one plan to the next."""
+    """What a re-plan and a model-set change (:mod:`daskpipe.runtime.scheduler.lifecycle`) need of the
+    scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`, which creates
+    the :class:`~daskpipe.runtime.scheduler.elastic.controller.Elastic`): what it serves on which slots,
+    and the calls that hand a model from one plan to the next, start and end one."""
 
     scheduler: Any
     served: dict[str, Served]
@@ -146,3 +161,11 @@ class ServingControl(Protocol):
     def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None: ...
 
     def arm(self) -> None: ...
+
+    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str: ...
+
+    def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]: ...
+
+    def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]: ...
+
+    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...

@@ -1,0 +1,224 @@
+"""Models added, removed and updated while a service serves: nothing lost, the other models on time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from distributed import Client, wait
+
+import daskpipe
+from daskpipe.profiles.small_model import estimated_profile, small_cnn
+from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
+from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
+from daskpipe.runtime.scheduler.plugin import plugin_of
+from tests.helpers import wait_until
+from tests.runtime.helpers import counted
+
+pytestmark = pytest.mark.timeout(180)
+
+INPUT = (3, 32, 32)
+DILATION = 2000.0  # an estimated batch of a few dozen microseconds held for tens of milliseconds: 2 shared cores keep up
+
+
+def version(bias: float) -> torch.nn.Module:
+    """The tests' small CNN, its outputs shifted by ``bias``: which version served a request shows in its output."""
+    model = small_cnn()
+    with torch.no_grad():
+        model[-1].bias += bias
+    return model
+
+
+def profile_of(name: str):
+    estimated = estimated_profile(small_cnn(), torch.randn(1, *INPUT), gpus=("L4", "T4"), name=name)
+    # a request held through a switch still fits, and so does a batch paused while new stages load next to it: in-process
+    # workers unpickle (re-trace) one stage at a time and compute no batch meanwhile (stage.LOADING), slow on 2 shared cores
+    return replace(estimated, slo_us=8 * estimated.slo_us)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EmulatedCluster({"L4": 2, "T4": 2}, processes=False, dashboard_address=None) as emulated, Client(emulated) as client:
+        yield emulated, client
+
+
+def deploy(client, names=("a", "b"), **kwargs):
+    return daskpipe.deploy(
+        client,
+        {name: small_cnn() for name in names},
+        example_inputs={name: torch.randn(1, *INPUT) for name in names},
+        profiles={name: profile_of(name) for name in names},
+        time_dilation=DILATION,
+        **({"elastic": ElasticSettings(profile_band=5.0)} | kwargs),  # 2 shared cores run stages late: no re-plan on that here
+    )
+
+
+class Stream:
+    """A steady stream of requests to ``model`` from a thread (every ``every_s``) while the test changes the service."""
+
+    def __init__(self, svc, model: str, every_s: float = 0.02, least: int = 150):
+        self.svc, self.model, self.every_s, self.least = svc, model, every_s, least  # 1% of ``least``: a miss or more
+        self.futures: list = []
+        self.before = svc.status()[model]
+        self._inputs = torch.Generator().manual_seed(1)  # its own: models built meanwhile draw their weights from the global one
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.futures.append(self.svc.submit(self.model, torch.randn(1, *INPUT, generator=self._inputs)))
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> Stream:
+        self._thread.start()
+        time.sleep(1.0)  # it is steady before the change starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(1.0)  # and after it ended
+        wait_until(lambda: len(self.futures) >= self.least, timeout=30, what=f"{self.least} requests to {self.model}")
+        self._stop.set()
+        self._thread.join()
+
+    def check(self) -> None:
+        """Every request ended (a result, or an error with its reason), and at least 99% of them on time."""
+        tally = ended(self.futures)
+        before = self.before
+        after = counted(self.svc, self.model, before["completed"] + sum(before["dropped"].values()) + len(self.futures))
+        submitted, on_time = (after[c] - before[c] for c in ("submitted", "on_time"))
+        assert submitted == sum(tally.values()) == len(self.futures) >= self.least, tally
+        assert on_time / submitted >= 0.99, (tally, after)
+
+
+def ended(futures) -> dict[str, int]:
+    """How each future ended: a result, or the reason it was dropped, or failed; none is left pending."""
+    wait(futures, timeout=60)
+    tally: dict[str, int] = {}
+    for future in futures:
+        assert future.done()
+        error = future.exception()
+        kind = "result" if error is None else f"dropped ({error.reason})" if isinstance(error, RequestDropped) else type(error).__name__
+        assert error is None or isinstance(error, (RequestDropped, RequestFailed)), error
+        tally[kind] = tally.get(kind, 0) + 1
+    return tally
+
+
+def only_stages_of(emulated, models) -> None:
+    """Wait until the cluster's stage actors are those ``models`` serve on: the old ones were released."""
+    plugin = plugin_of(emulated.scheduler)
+
+    def released() -> bool:
+        actors = {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
+        return actors == {key for m in models for key in plugin.served[m].stages.values()}
+
+    wait_until(released, timeout=30, what=f"the stages of {models} alone")
+
+
+def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_others_stay_on_time(cluster):
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    with deploy(client) as svc:
+        replans = len(plugin.elastic.history)
+        with Stream(svc, "a") as stream:
+            svc.add_model("c", version(0.0), torch.randn(1, *INPUT), slo_ms=profile_of("c").slo_us / 1e3)  # profiled on the cluster
+        stream.check()
+        assert svc.models == ["a", "b", "c"]
+        assert svc.plan.model("c").pipelines and len(plugin.elastic.history) == replans + 1
+        assert "model 'c' added" in plugin.elastic.history[-1]["reasons"]
+        xs = [torch.randn(1, *INPUT) for _ in range(12)]
+        outputs = client.gather(svc.map("c", xs))
+        with torch.inference_mode():
+            for out, x in zip(outputs, xs):
+                torch.testing.assert_close(out, version(0.0)(x), atol=1e-2, rtol=1e-2)
+        only_stages_of(emulated, ["a", "b", "c"])
+
+
+def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cluster):
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    with deploy(client) as svc:
+        with Stream(svc, "a") as stream:
+            burst = svc.map("b", [torch.randn(1, *INPUT) for _ in range(40)])  # queued and in flight as the removal starts
+            svc.remove_model("b")
+        stream.check()
+        tally = ended(burst)
+        assert sum(tally.values()) == 40 and tally.get("result", 0) >= 39, tally  # served to their end, none lost
+        with pytest.raises(InvalidRequest, match="model 'b' was removed from this service"):
+            svc.submit("b", torch.randn(1, *INPUT)).result(timeout=10)
+        assert svc.models == ["a"] and "b" not in plugin.served
+        assert [m.name for m in svc.plan.models] == ["a"]
+        only_stages_of(emulated, ["a"])
+        assert {a for _, _, a in plugin.served["a"].stages} == set(plugin.slots)  # a plans on the freed slots
+        with pytest.raises(DeployError, match="model 'a' is the service's last model; close the service instead"):
+            svc.remove_model("a")
+
+
+def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_finishes_the_old_ones_on_the_old(cluster):
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    with deploy(client) as svc:
+        with Stream(svc, "a") as stream:
+            old_xs = [torch.randn(1, *INPUT) for _ in range(30)]
+            old = svc.map("b", old_xs)
+            svc.update_model("b", version(100.0))
+            new_xs = [torch.randn(1, *INPUT) for _ in range(20)]
+            new = svc.map("b", new_xs)
+        stream.check()
+        assert ended(old) == {"result": 30} and ended(new) == {"result": 20}
+        with torch.inference_mode():
+            for future, x in zip(old, old_xs):
+                torch.testing.assert_close(future.result(), version(0.0)(x), atol=1e-2, rtol=1e-2)
+            for future, x in zip(new, new_xs):
+                torch.testing.assert_close(future.result(), version(100.0)(x), atol=5e-2, rtol=1e-2)
+        assert "b" not in plugin.served and "b@v2" in plugin.served  # the old version is retired
+        only_stages_of(emulated, ["a", "b@v2"])
+        assert svc.status()["b"]["completed"] >= 20 and svc.plan.model("b").pipelines
+        svc.update_model("b", version(200.0))  # and again: version 3
+        assert svc.submit("b", torch.randn(1, *INPUT)).result(timeout=30).mean() > 150
+
+
+def test_bad_changes_are_refused_naming_what_is_wrong(cluster):
+    emulated, client = cluster
+    with deploy(client) as svc:
+        with pytest.raises(DeployError, match="model 'a' is already served by this service; update_model"):
+            svc.add_model("a", small_cnn(), torch.randn(1, *INPUT))
+        with pytest.raises(DeployError, match=r"unknown model 'zzz'; this service serves \['a', 'b'\]"):
+            svc.remove_model("zzz")
+        with pytest.raises(DeployError, match="unknown model 'zzz'"):
+            svc.update_model("zzz", small_cnn())
+        kept = r"update_model keeps the requests of model 'b' as they are: \(n, 3, 32, 32\).*\(n, 3, 16, 16\)"
+        with pytest.raises(DeployError, match=kept):
+            svc.update_model("b", small_cnn(), torch.randn(1, 3, 16, 16))
+        with pytest.raises(DeployError, match="the module of 'c' must be a torch.nn.Module"):
+            svc.add_model("c", lambda x: x, torch.randn(1, *INPUT))
+        impossible = replace(profile_of("c"), slo_us=1.0)  # no pipeline meets a microsecond SLO
+        with pytest.raises(DeployError, match="cannot serve"):
+            svc.add_model("c", small_cnn(), torch.randn(1, *INPUT), profile=impossible)
+        assert svc.models == ["a", "b"]
+        assert client.gather(svc.map("b", [torch.randn(1, *INPUT)] * 4)) and "c" not in plugin_of(emulated.scheduler).served
+    with pytest.raises(DeployError, match=r"add_model\('c'\): the service is closed"):
+        svc.add_model("c", small_cnn(), torch.randn(1, *INPUT))
+    with deploy(client, names=("a",), elastic=None) as fixed:
+        with pytest.raises(DeployError, match="this service keeps its plan .*elastic=ElasticSettings"):
+            fixed.add_model("c", small_cnn(), torch.randn(1, *INPUT))
+
+
+def test_the_changes_are_awaitable_with_an_asynchronous_client(cluster):
+    emulated, _ = cluster
+
+    async def change() -> None:
+        async with Client(emulated.scheduler_address, asynchronous=True) as client:
+            svc = await deploy(client, elastic=ElasticSettings())
+            async with svc:
+                await svc.add_model("c", small_cnn(), torch.randn(1, *INPUT), profile=profile_of("c"))
+                assert (await svc.submit("c", torch.randn(1, *INPUT))).shape == (1, 10)
+                await svc.update_model("c", version(100.0), profile=profile_of("c"))
+                assert (await svc.submit("c", torch.randn(1, *INPUT))).mean() > 50
+                await svc.remove_model("c")
+                assert svc.models == ["a", "b"] and set((await svc.status())) == {"a", "b"}
+
+    emulated.sync(change)
