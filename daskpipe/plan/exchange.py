@@ -44,7 +44,7 @@ class _Valuation:
     """One model's throughput on a given allocation, cached: the configurations as arrays over pools."""
 
     def __init__(self, configs: Sequence[Config], types: Sequence[str]):
-        index = {g: k for k, g in enumerate(types)}
+        self.index = index = {g: k for k, g in enumerate(types)}
         # configurations with two pools on one GPU type would need a split of its GPUs: left to the MILP
         self.configs = [c for c in configs if len({g for g, _ in c.resources}) == len(c.resources)]
         parts = max((c.num_parts for c in self.configs), default=1)
@@ -62,6 +62,39 @@ class _Valuation:
         if gpus not in self.cache:
             self.cache[gpus] = self._greedy(gpus)
         return self.cache[gpus]
+
+    def without(self, share: Share, k: int) -> Share:
+        """``share`` on one GPU of type ``k`` fewer: its pipelines, the pool on ``k`` that loses the
+        least giving up one GPU's slices, or the greedy valuation if that serves more (or if
+        ``share`` does not list its pipelines, as a start may not)."""
+        fewer = tuple(n - (j == k) for j, n in enumerate(share.gpus))
+        greedy = self(fewer)
+        if not share.pipelines:
+            return greedy
+        on: dict[tuple[str, int], int] = {}
+        for c, vgpus in share.pipelines:
+            for r, n in zip(c.resources, vgpus):
+                on[r] = on.get(r, 0) + n
+        if sum(math.ceil(n / v) for (gpu, v), n in on.items() if self.index[gpu] == k) <= fewer[k]:
+            return max(greedy, Share(fewer, share.throughput, share.pipelines), key=lambda s: s.throughput)
+        best: tuple[float, int, tuple[int, ...]] | None = None
+        for i, (c, vgpus) in enumerate(share.pipelines):
+            before = min(n * x for n, x in zip(vgpus, c.vgpu_throughput))
+            for d, ((gpu, v), n) in enumerate(zip(c.resources, vgpus)):
+                spared = on[(gpu, v)] - (math.ceil(on[(gpu, v)] / v) - 1) * v  # slices that free one GPU
+                if self.index[gpu] != k or n < spared:
+                    continue
+                smaller = vgpus[:d] + (n - spared,) + vgpus[d + 1 :]
+                loss = before - min(n * x for n, x in zip(smaller, c.vgpu_throughput))
+                if best is None or loss < best[0]:
+                    best = (loss, i, smaller)
+        if best is None or share.throughput - best[0] <= greedy.throughput:
+            return greedy
+        loss, i, smaller = best
+        pipelines = list(share.pipelines)
+        pipelines[i] = (pipelines[i][0], smaller)
+        kept = tuple(p for p in pipelines if min(p[1]) > 0)
+        return Share(fewer, share.throughput - loss, kept)
 
     def _greedy(self, gpus: Allocation) -> Share:
         left = np.array(gpus, dtype=int)
@@ -100,9 +133,10 @@ def exchange_gpus(
     the lowest throughput / weight while a move lifts it and leaves every donor above its old
     level; every share is a plan within ``gpus``. Stops at ``deadline``.
 
-    When no move helps, ``polish(model, gpus, deadline)`` (if given) may serve more on the model
-    furthest behind with the same GPUs (an exact solve where the greedy valuation falls short);
-    the search then goes on from there, until a polish finds nothing better.
+    When no move helps, ``polish(model, gpus, deadline)`` (if given) may serve more on a model's
+    GPUs (an exact solve where the greedy valuation falls short), the model furthest behind first:
+    a donor that serves more can then spare a GPU. The search goes on until polishing every model
+    finds nothing better.
     """
     types = list(gpus)
     values = {m: _Valuation(cs, types) for m, cs in configs.items()}
@@ -120,18 +154,34 @@ def exchange_gpus(
         worst = min(shares, key=lambda m: shares[m].throughput / weights[m])
         move = _best_move(worst, shares, values, weights, free, bundles)
         if move is None:
-            if polish is None or (worst, shares[worst].gpus) in polished:
+            if polish is None or not _polished(shares, values, polish, polished, weights, deadline):
                 break
-            polished.add((worst, shares[worst].gpus))
-            better = polish(worst, shares[worst].gpus, deadline)
-            if better is None or better.throughput <= shares[worst].throughput * (1 + 1e-9):
-                break
-            values[worst].cache[better.gpus] = shares[worst] = better
             continue
         for m, share in move.items():
             free -= np.array(share.gpus) - np.array(shares[m].gpus)
             shares[m] = share
     return shares
+
+
+def _polished(
+    shares: dict[str, Share],
+    values: Mapping[str, _Valuation],
+    polish: Callable[[str, Allocation, float], Share | None],
+    done: set[tuple[str, Allocation]],
+    weights: Mapping[str, float],
+    deadline: float,
+) -> bool:
+    """Polish each model's share not polished yet, the furthest behind first; whether one improved."""
+    improved = False
+    for m in sorted(shares, key=lambda m: shares[m].throughput / weights[m]):
+        if (m, shares[m].gpus) in done or time.perf_counter() >= deadline:
+            continue
+        done.add((m, shares[m].gpus))
+        better = polish(m, shares[m].gpus, deadline)
+        if better is not None and better.throughput > shares[m].throughput * (1 + 1e-9):
+            values[m].cache[better.gpus] = shares[m] = better
+            improved = True
+    return improved
 
 
 def _best_move(
@@ -188,7 +238,7 @@ def _donors(
                     changed[k] -= 1
                     for j in back:
                         changed[j] += 1
-                    less = values[m](tuple(changed))
+                    less = values[m](tuple(changed)) if back else values[m].without(current, k)
                     if less.throughput / weights[m] > level * (1 + 1e-9):
                         options.append((less.throughput / weights[m], m, less, back))
             if options:
