@@ -58,3 +58,17 @@ def test_a_model_whose_gpus_stay_keeps_its_share(configs):
 def test_a_start_over_the_cluster_is_refused(configs):
     with pytest.raises(ValueError, match="more GPUs than the cluster has"):
         exchanged(configs, {"a": Share((3, 3), 0.0, ()), "b": Share((1, 0), 0.0, ())})
+
+
+def test_a_polish_that_serves_more_is_kept(configs):
+    """Stuck at 3000 req/s each, the search asks ``polish`` once per model and share."""
+    asked = []
+
+    def polish(model, gpus, deadline):
+        asked.append((model, gpus))
+        return Share(gpus, 3000.0 + (model == "b"), ()) if model == "b" else None
+
+    start = {"a": Share((3, 0), 0.0, ()), "b": Share((0, 3), 0.0, ())}
+    shares = exchange_gpus(configs, {"a": 1.0, "b": 1.0}, GPUS, start, time.perf_counter() + 30, polish)
+    assert shares["b"].throughput == pytest.approx(3001) and shares["a"].throughput == pytest.approx(3000)
+    assert sorted(asked) == [("a", (3, 0)), ("b", (0, 3))]
