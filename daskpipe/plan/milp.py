@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
+from daskpipe.plan.exchange import Share, exchange_gpus
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError, relative_gap
 from daskpipe.profiles.model import Profile
@@ -363,6 +364,8 @@ def _size_pools(
             restricted = _PoolSizing(spec, shortlist, gpus)
             seconds = SHORTLIST_SHARE * (deadline - time.perf_counter())
             best = _better(best, restricted.solve(spec, seconds, start=best, bounded=False))
+    if not _proven(best, bound, tolerance) and len(configs) > 1:
+        best = _better(best, _exchanged(spec, configs, gpus, full, best, _share_of(deadline, EXCHANGE_SHARE)))
     if not _proven(best, bound, tolerance) and sum(map(len, configs.values())) <= SMALL_MILP:
         best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
     if not _proven(best, bound, tolerance) and len(configs) > 1:
@@ -372,6 +375,46 @@ def _size_pools(
     bound = max(bound, best.objective)
     status = "optimal" if _proven(best, bound, tolerance) else "feasible"
     return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
+
+
+def _exchanged(
+    spec: _Spec, configs: Mapping[str, Sequence[Config]], gpus: Mapping[str, int], full: _PoolSizing, best: _Solved, deadline: float
+) -> _Solved:
+    """The better of :func:`~daskpipe.plan.exchange.exchange_gpus` from ``best`` and from the LP's
+    GPUs rounded down; a model's polish is its own pool-sizing MILP on its GPUs. A model whose GPUs
+    did not change keeps its pipelines."""
+    kept = {mp.name: mp for mp in best.models}
+    starts = {mp.name: Share(tuple(_physical_gpus(mp).get(g, 0) for g in gpus), mp.throughput, ()) for mp in best.models}
+    lp_floor = {m: Share(tuple(math.floor(full.relaxed_gpus[m].get(g, 0.0) + 1e-6) for g in gpus), 0.0, ()) for m in configs}
+
+    def polish(model: str, allocation: tuple[int, ...], until: float) -> Share | None:
+        mine = {g: n for g, n in zip(gpus, allocation) if n > 0}
+        usable = [c for c in configs[model] if all(g in mine for g, _ in c.resources)]
+        if not usable:
+            return None
+        sizing = _PoolSizing(spec, {model: usable}, mine)
+        solved = sizing.solve(spec, POLISH_SHARE * (until - time.perf_counter()), start=None, bounded=False)
+        if solved is None:
+            return None
+        pipelines = tuple((c, tuple(n)) for c, n in zip(usable, sizing.sizes(model)) if min(n) > 0)
+        return Share(allocation, solved.models[0].throughput, pipelines)
+
+    plans = []
+    for start in (starts, lp_floor):
+        exchanged = exchange_gpus(configs, spec.weights, gpus, start, _share_of(deadline, 0.5), polish)
+        models = tuple(
+            kept[m] if exchanged[m] is starts[m] else _model_plan(spec, m, [_pipeline(c, n) for c, n in exchanged[m].pipelines])
+            for m in configs
+        )
+        plans.append(_Solved(min(mp.throughput / spec.weights[mp.name] for mp in models), models, {}))
+    return _better(*plans)
+
+
+EXCHANGE_SHARE = 0.3
+"""Share of the time left that the GPU exchange may take (it usually stops well before)."""
+
+POLISH_SHARE = 0.25
+"""Share of the exchange's time left that one model's polishing MILP may take."""
 
 
 def _solve_full(spec: _Spec, full: _PoolSizing, best: _Solved, bound: float, deadline: float) -> tuple[_Solved, float]:
@@ -582,6 +625,7 @@ class _PoolSizing:
         model.objective = mip.maximize(self.objective)
         model.max_mip_gap = spec.options.gap / 2  # the solver's gap counts the spare bonus too: stop with room to spare
         self.prices: dict[str, float] = {}
+        self.relaxed_gpus: dict[str, dict[str, float]] = {}  # the LP's GPUs per model and type
 
     def relaxation_bound(self) -> float:
         """The LP relaxation's max-min (an upper bound on every plan's objective); it also records
@@ -595,6 +639,9 @@ class _PoolSizing:
             raise PlanError(f"the LP relaxation of the pool-sizing MILP ended {status.name.lower()}")
         bound = float(self.model.objective_value)
         self.prices = {gpu: max(float(row.pi or 0.0), 0.0) for gpu, row in self.gpu_rows.items()}
+        self.relaxed_gpus = {m: {} for m in self.configs}
+        for (m, gpu, _), y in self.physical.items():
+            self.relaxed_gpus[m][gpu] = self.relaxed_gpus[m].get(gpu, 0.0) + float(y.x or 0.0)
         self.model.objective = mip.maximize(self.objective)
         return bound
 
