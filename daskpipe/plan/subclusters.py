@@ -1,0 +1,469 @@
+"""Symphony's sub-cluster partitioning (§4.4, Appendix A): which models each group of GPUs holds.
+
+Every GPU of a sub-cluster pre-loads all of that sub-cluster's models, so one dispatcher can send
+any of its models' batches to any of its GPUs; sub-clusters never share models or GPUs. The split
+balances the models' weights (each GPU of a sub-cluster holds them all) and their request rates
+(each sub-cluster's dispatcher and GPUs carry them) across sub-clusters. Re-run every epoch as
+rates shift, it keeps the models that move few: a model that moves is unloaded from one
+sub-cluster's GPUs and loaded on another's, and serves nowhere meanwhile.
+
+Appendix A's MILP, over x_ij (model i in sub-cluster j), with rates r_i, weights s_i, runtime memory
+d_i and means R = sum r / l, S = sum s / l::
+
+    minimize   dR / R + w dS / S + p (models moved) / m
+    subject to sum_j x_ij = 1                        every model in one sub-cluster        (8)
+               |sum_i r_i x_ij - R| <= dR            rates near the mean                   (6)
+               |sum_i s_i x_ij - S| <= dS            weights near the mean                 (7)
+               sum_i s_i x_ij + D_j <= S_max,  D_j >= d_i x_ij   fits a GPU (optional)    (5)
+               sum_i r_i x_ij <= R_max               a dispatcher's rate (optional)        (4)
+               sum_i (1 - x_{i,j'(i)}) <= C_max      models moved since the last epoch     (10)
+
+Where it departs from the paper: the deviations are relative to the means (the paper's dR + w dS
+mixes req/s with bytes, so its w carries the units; here w = 1 weighs a point of rate imbalance
+like a point of memory imbalance); the disruption bound (10) counts moved models (c_ij = 1/2: a
+move is one unload plus one load), and a small penalty p per move in the objective keeps models in
+place when moving them buys no balance; x_ij = 0 for j > i breaks the sub-clusters' symmetry on a
+first split. CBC (or HiGHS) starts from a greedy split (the previous one, on a re-run) and returns
+the best it holds at the time limit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from daskpipe.plan.milp import SOLVING_SHARE, new_model
+from daskpipe.plan.options import SOLVERS
+from daskpipe.plan.schema import PlanError
+
+NEIGHBOURHOOD = 4
+"""Sub-clusters re-split together by one MILP of :meth:`_Problem.improve`: about 160 models (640
+binaries) at 800 over 20, which CBC solves in well under a second where the whole 16 000 binaries
+stall at the warm start (docs/batching.md#sub-clusters)."""
+
+SUBSOLVE_S = 1.0
+"""Most seconds one neighbourhood's MILP may take."""
+
+MOVE_PENALTY = 0.01
+"""Objective cost of moving every model (a tenth of it per 10% moved): far below a point of
+imbalance, so balance comes first and, among splits about as balanced, the one that moves fewest."""
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """What a model asks of the sub-cluster it is in: ``rate`` (req/s, or any load measure
+    summed across models), ``weight_bytes`` (loaded on every GPU of it) and ``runtime_bytes``
+    (activations at its largest batch: one model at a time runs on a GPU, so a sub-cluster needs
+    only its models' largest)."""
+
+    name: str
+    rate: float
+    weight_bytes: int
+    runtime_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SubclusterPlan:
+    """Models per sub-cluster, and how balanced the split is.
+
+    The imbalance factors are Symphony's Fig. 16: (max - min) / mean of the sub-clusters' total
+    rates and weights. ``moved`` counts models whose sub-cluster changed from ``previous``.
+    ``status`` is the solver's (``optimal``, ``feasible``) or ``random`` for the random search.
+    """
+
+    subclusters: tuple[tuple[str, ...], ...]
+    rate_imbalance: float
+    memory_imbalance: float
+    moved: int
+    objective: float
+    status: str
+    solver: str
+    seconds: float
+
+    @property
+    def assignment(self) -> dict[str, int]:
+        """Each model's sub-cluster index."""
+        return {name: j for j, names in enumerate(self.subclusters) for name in names}
+
+
+def imbalance(totals: Sequence[float]) -> float:
+    """(max - min) / mean of per-sub-cluster totals; 0 when they are all zero."""
+    mean = sum(totals) / len(totals)
+    return (max(totals) - min(totals)) / mean if mean > 0 else 0.0
+
+
+def partition(
+    models: Sequence[ModelDemand],
+    n_subclusters: int,
+    *,
+    previous: Mapping[str, int] | None = None,
+    max_moves: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    max_rate: float | None = None,
+    memory_weight: float = 1.0,
+    time_limit_s: float = 10.0,
+    solver: str = "auto",
+) -> SubclusterPlan:
+    """Split ``models`` into ``n_subclusters`` with Appendix A's MILP within ``time_limit_s`` (the
+    whole call: building the model, the warm start and the solve).
+
+    ``previous`` maps model names to their sub-cluster in the last epoch (models new since then
+    have none; names it has that ``models`` lacks were removed and are ignored); ``max_moves`` then
+    bounds how many of them may change sub-cluster. ``gpu_memory_bytes`` is what one GPU can give
+    the models (after the CUDA context): a sub-cluster's weights plus its largest runtime memory
+    must fit it. ``max_rate`` bounds a sub-cluster's total rate (a dispatcher's capacity).
+
+    Raises ``ValueError`` (:class:`PlanError`) naming a bad input, a model or a split that cannot
+    fit, or a time limit too short for the solver to return any split.
+    """
+    started = time.perf_counter()
+    _check(models, n_subclusters, previous=previous, max_moves=max_moves, gpu_memory_bytes=gpu_memory_bytes, max_rate=max_rate)
+    _check_number(memory_weight, "memory_weight", allow_zero=True)
+    _check_number(time_limit_s, "time_limit_s")
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    problem = _Problem(models, n_subclusters, previous, max_moves, gpu_memory_bytes, max_rate, memory_weight, solver)
+    current = problem.start()
+    deadline = started + SOLVING_SHARE * time_limit_s
+    status = "feasible"
+    if n_subclusters <= NEIGHBOURHOOD or not problem.feasible(current):
+        current, status = problem.solve(range(n_subclusters), current, deadline)
+    if n_subclusters > NEIGHBOURHOOD:
+        current = problem.improve(current, deadline)
+    return _plan(models, current, n_subclusters, previous, status, problem.solver_name, time.perf_counter() - started, memory_weight)
+
+
+def random_partition(
+    models: Sequence[ModelDemand],
+    n_subclusters: int,
+    *,
+    time_limit_s: float = 10.0,
+    gpu_memory_bytes: int | None = None,
+    max_rate: float | None = None,
+    memory_weight: float = 1.0,
+    seed: int = 0,
+) -> SubclusterPlan:
+    """Appendix A.2's baseline: uniformly random splits for ``time_limit_s``, each checked against
+    the constraints and scored with the MILP's objective; the best one found."""
+    started = time.perf_counter()
+    _check(models, n_subclusters, gpu_memory_bytes=gpu_memory_bytes, max_rate=max_rate)
+    _check_number(time_limit_s, "time_limit_s")
+    rates, weights = (np.asarray(shares) for shares in _shares(models, n_subclusters))
+    rate_bound = max_rate * n_subclusters / sum(d.rate for d in models) if max_rate is not None else math.inf
+    weight_bytes = np.array([d.weight_bytes for d in models], dtype=float)
+    runtime_bytes = np.array([d.runtime_bytes for d in models], dtype=float)
+    generator = np.random.default_rng(seed)
+    m, n = len(models), n_subclusters
+    batch = max(1, 200_000 // m)  # splits scored per numpy round
+    offsets = np.arange(batch)[:, None] * n
+    best, best_score, tried = [0] * m, math.inf, 0
+    while tried == 0 or time.perf_counter() - started < time_limit_s:
+        splits = generator.integers(0, n, size=(batch, m))
+        flat = (splits + offsets).ravel()
+
+        def per_subcluster(values: np.ndarray) -> np.ndarray:
+            return np.bincount(flat, np.tile(values, batch), batch * n).reshape(batch, n)
+
+        rate_totals, memory_totals = per_subcluster(rates), per_subcluster(weights)
+        scores = np.abs(rate_totals - 1).max(axis=1) + memory_weight * np.abs(memory_totals - 1).max(axis=1)
+        scores[rate_totals.max(axis=1) > rate_bound * (1 + 1e-9)] = math.inf
+        scores[(np.bincount(flat, minlength=batch * n).reshape(batch, n) == 0).any(axis=1)] = math.inf
+        if gpu_memory_bytes is not None:
+            largest = np.zeros(batch * n)
+            np.maximum.at(largest, flat, np.tile(runtime_bytes, batch))
+            scores[(per_subcluster(weight_bytes) + largest.reshape(batch, n)).max(axis=1) > gpu_memory_bytes] = math.inf
+        tried += batch
+        k = int(np.argmin(scores))
+        if scores[k] < best_score:
+            best, best_score = splits[k].tolist(), float(scores[k])
+    if not math.isfinite(best_score):
+        raise PlanError(f"the random search found no split of {m} models into {n} sub-clusters within the constraints in {tried} tries")
+    return _plan(models, best, n, None, "random", f"random search ({tried} splits)", time.perf_counter() - started, memory_weight)
+
+
+def _check(
+    models: Sequence[ModelDemand],
+    n_subclusters: int,
+    *,
+    previous: Mapping[str, int] | None = None,
+    max_moves: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    max_rate: float | None = None,
+) -> None:
+    """A :class:`PlanError` naming the first bad input."""
+    if not models:
+        raise PlanError("no models to partition")
+    if isinstance(n_subclusters, bool) or not isinstance(n_subclusters, int) or n_subclusters < 1:
+        raise PlanError(f"n_subclusters must be an integer >= 1, got {n_subclusters!r}")
+    if n_subclusters > len(models):
+        raise PlanError(f"n_subclusters ({n_subclusters}) is more than the models ({len(models)}): a sub-cluster would hold none")
+    seen: set[str] = set()
+    for d in models:
+        if not isinstance(d, ModelDemand):
+            raise PlanError(f"models must be ModelDemand, got {type(d).__name__}")
+        if d.name in seen:
+            raise PlanError(f"model {d.name!r} is listed twice")
+        seen.add(d.name)
+        _check_number(d.rate, f"model {d.name!r}'s rate", allow_zero=True)
+        _check_bytes(d.weight_bytes, f"model {d.name!r}'s weight_bytes")
+        _check_bytes(d.runtime_bytes, f"model {d.name!r}'s runtime_bytes", allow_zero=True)
+    if sum(d.rate for d in models) <= 0:
+        raise PlanError("every model's rate is 0: there is no load to balance")
+    if previous is not None:
+        for name, j in previous.items():
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n_subclusters:
+                raise PlanError(f"previous puts model {name!r} in sub-cluster {j!r}; sub-clusters are 0..{n_subclusters - 1}")
+    if max_moves is not None:
+        if previous is None:
+            raise PlanError("max_moves bounds the moves from a previous split: pass previous too")
+        if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 0:
+            raise PlanError(f"max_moves must be an integer >= 0, got {max_moves!r}")
+    if max_rate is not None:
+        _check_number(max_rate, "max_rate")
+    if gpu_memory_bytes is not None:
+        _check_bytes(gpu_memory_bytes, "gpu_memory_bytes")
+        too_big = [d.name for d in models if d.weight_bytes + d.runtime_bytes > gpu_memory_bytes]
+        if too_big:
+            raise PlanError(
+                f"model(s) {too_big} need more than a GPU's {gpu_memory_bytes} bytes on their own (weights plus runtime memory)"
+            )
+        per_subcluster = sum(d.weight_bytes for d in models) / n_subclusters
+        if per_subcluster > gpu_memory_bytes:
+            raise PlanError(
+                f"{len(models)} models' weights over {n_subclusters} sub-clusters are {per_subcluster:.0f} bytes each at best, "
+                f"more than a GPU's {gpu_memory_bytes}: use more sub-clusters"
+            )
+
+
+def _check_number(x: object, what: str, *, allow_zero: bool = False) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise PlanError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number, got {x!r}")
+
+
+def _check_bytes(x: object, what: str, *, allow_zero: bool = False) -> None:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (x == 0 and not allow_zero):
+        raise PlanError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} integer (bytes), got {x!r}")
+
+
+def _shares(models: Sequence[ModelDemand], n_subclusters: int) -> tuple[list[float], list[float]]:
+    """Each model's rate and weight as a share of a sub-cluster's mean (the means become 1)."""
+    rate_mean = sum(d.rate for d in models) / n_subclusters
+    weight_mean = sum(d.weight_bytes for d in models) / n_subclusters
+    return [d.rate / rate_mean for d in models], [d.weight_bytes / weight_mean for d in models]
+
+
+def _greedy(rates: Sequence[float], weights: Sequence[float], n_subclusters: int, *, fixed: Mapping[int, int]) -> list[int]:
+    """The MILP's warm start: ``fixed`` models where they are, then the others, largest first,
+    each into the sub-cluster it leaves least loaded in its worse dimension."""
+    chosen = [-1] * len(rates)
+    rate_totals, weight_totals = [0.0] * n_subclusters, [0.0] * n_subclusters
+    for i, j in fixed.items():
+        chosen[i] = j
+        rate_totals[j] += rates[i]
+        weight_totals[j] += weights[i]
+    for i in sorted((i for i in range(len(rates)) if i not in fixed), key=lambda i: -max(rates[i], weights[i])):
+        j = min(
+            range(n_subclusters),
+            key=lambda j: (max(rate_totals[j] + rates[i], weight_totals[j] + weights[i]), rate_totals[j] + weight_totals[j]),
+        )
+        chosen[i] = j
+        rate_totals[j] += rates[i]
+        weight_totals[j] += weights[i]
+    return chosen
+
+
+def _first_seen_order(chosen: Sequence[int]) -> list[int]:
+    """``chosen`` with sub-clusters renumbered in the order models first use them, so that model i
+    is in sub-cluster <= i (the MILP's symmetry breaking)."""
+    labels: dict[int, int] = {}
+    return [labels.setdefault(j, len(labels)) for j in chosen]
+
+
+def _plan(
+    models: Sequence[ModelDemand],
+    chosen: Sequence[int],
+    n_subclusters: int,
+    previous: Mapping[str, int] | None,
+    status: str,
+    solver: str,
+    seconds: float,
+    memory_weight: float,
+) -> SubclusterPlan:
+    rate_totals, weight_totals = [0.0] * n_subclusters, [0.0] * n_subclusters
+    names: list[list[str]] = [[] for _ in range(n_subclusters)]
+    for d, j in zip(models, chosen):
+        rate_totals[j] += d.rate
+        weight_totals[j] += d.weight_bytes
+        names[j].append(d.name)
+    if not all(names):
+        raise PlanError(f"the split leaves sub-cluster(s) {[j for j, n in enumerate(names) if not n]} without models")
+    moved = sum(1 for d, j in zip(models, chosen) if previous and d.name in previous and previous[d.name] != j)
+    rate_mean, weight_mean = sum(rate_totals) / n_subclusters, sum(weight_totals) / n_subclusters
+    objective = max(abs(t / rate_mean - 1) for t in rate_totals) + memory_weight * max(abs(t / weight_mean - 1) for t in weight_totals)
+    return SubclusterPlan(
+        tuple(tuple(n) for n in names),
+        imbalance(rate_totals),
+        imbalance(weight_totals),
+        moved,
+        objective,
+        status,
+        solver,
+        seconds,
+    )
+
+
+def _infeasible(n_models: int, n_subclusters: int, limits: Mapping[str, float | None]) -> str:
+    given = ", ".join(f"{what} {value}" for what, value in limits.items() if value is not None)
+    return f"no split of {n_models} models into {n_subclusters} sub-clusters meets {given or 'the constraints'}"
+
+
+class _Problem:
+    """Appendix A's MILP over one instance, solved whole or over a few sub-clusters at a time.
+
+    The whole MILP at 800 models over 20 sub-clusters (16 000 binaries) is more than CBC improves
+    in 10 s on two cores; the same MILP restricted to a few sub-clusters (their models, the other
+    sub-clusters held where they are) is small enough to solve, and the deviations it minimizes
+    start at the held sub-clusters' worst, so its objective is the whole split's. :meth:`improve`
+    re-splits the most unbalanced sub-clusters that way until the time is up or no neighbourhood
+    improves (a large-neighbourhood search whose every step is the MILP).
+    """
+
+    def __init__(
+        self,
+        models: Sequence[ModelDemand],
+        n_subclusters: int,
+        previous: Mapping[str, int] | None,
+        max_moves: int | None,
+        gpu_memory_bytes: int | None,
+        max_rate: float | None,
+        memory_weight: float,
+        solver: str,
+    ):
+        self.models, self.n = models, n_subclusters
+        self.rates, self.weights = _shares(models, n_subclusters)
+        self.kept = {i: previous[d.name] for i, d in enumerate(models) if d.name in previous} if previous else {}
+        self.max_moves, self.gpu_memory_bytes, self.memory_weight, self.solver = max_moves, gpu_memory_bytes, memory_weight, solver
+        self.rate_bound = max_rate * n_subclusters / sum(d.rate for d in models) if max_rate is not None else None
+        self.solver_name = "HiGHS" if new_model(solver).solver_name.lower() == "highs" else "CBC"
+        self.generator = random.Random(0)
+        self.limits = {"gpu_memory_bytes": gpu_memory_bytes, "max_rate": max_rate, "max_moves": max_moves}
+
+    def start(self) -> list[int]:
+        """The previous split with new models placed greedily, or (a first split) the greedy one
+        with sub-clusters numbered as the symmetry breaking wants."""
+        chosen = _greedy(self.rates, self.weights, self.n, fixed=self.kept)
+        return chosen if self.kept else _first_seen_order(chosen)
+
+    def totals(self, chosen: Sequence[int]) -> tuple[list[float], list[float]]:
+        rate_totals, weight_totals = [0.0] * self.n, [0.0] * self.n
+        for i, j in enumerate(chosen):
+            rate_totals[j] += self.rates[i]
+            weight_totals[j] += self.weights[i]
+        return rate_totals, weight_totals
+
+    def score(self, chosen: Sequence[int]) -> float:
+        rate_totals, weight_totals = self.totals(chosen)
+        moves = sum(1 for i, j in self.kept.items() if chosen[i] != j)
+        return (
+            max(abs(t - 1) for t in rate_totals)
+            + self.memory_weight * max(abs(t - 1) for t in weight_totals)
+            + MOVE_PENALTY / len(chosen) * moves
+        )
+
+    def feasible(self, chosen: Sequence[int]) -> bool:
+        rate_totals, _ = self.totals(chosen)
+        if self.rate_bound is not None and max(rate_totals) > self.rate_bound * (1 + 1e-9):
+            return False
+        if self.max_moves is not None and sum(1 for i, j in self.kept.items() if chosen[i] != j) > self.max_moves:
+            return False
+        if self.gpu_memory_bytes is not None:
+            used, largest = [0] * self.n, [0] * self.n
+            for d, j in zip(self.models, chosen):
+                used[j] += d.weight_bytes
+                largest[j] = max(largest[j], d.runtime_bytes)
+            return all(u + r <= self.gpu_memory_bytes for u, r in zip(used, largest))
+        return True
+
+    def improve(self, chosen: list[int], deadline: float) -> list[int]:
+        """Re-split neighbourhoods of the worst sub-clusters (plus random ones once those stall)
+        while time is left and one of the last ``n`` neighbourhoods improved the split."""
+        best = self.score(chosen)
+        stalled = 0
+        while stalled < self.n and deadline - time.perf_counter() > 0.05:
+            rate_totals, weight_totals = self.totals(chosen)
+            worst = [min(range(self.n), key=t.__getitem__) for t in (rate_totals, weight_totals)]
+            worst += [max(range(self.n), key=t.__getitem__) for t in (rate_totals, weight_totals)]
+            bins = list(dict.fromkeys(worst if stalled == 0 else self.generator.sample(worst, 2)))
+            others = [j for j in range(self.n) if j not in bins]
+            bins += self.generator.sample(others, NEIGHBOURHOOD - len(bins)) if len(bins) < NEIGHBOURHOOD else []
+            candidate, _ = self.solve(bins, chosen, min(deadline, time.perf_counter() + SUBSOLVE_S))
+            score = self.score(candidate)
+            if score < best - 1e-9:
+                chosen, best, stalled = candidate, score, 0
+            else:
+                stalled += 1
+        return chosen
+
+    def solve(self, bins: Sequence[int], chosen: Sequence[int], deadline: float) -> tuple[list[int], str]:
+        """The MILP over the models in ``bins`` (every other model held where ``chosen`` has it),
+        from ``chosen``; the split and the solver's status."""
+        import mip
+
+        bins = list(bins)
+        whole = len(bins) == self.n
+        free = list(range(len(chosen))) if whole else [i for i, j in enumerate(chosen) if j in bins]
+        rate_totals, weight_totals = self.totals(chosen)
+        held_rate = [abs(rate_totals[j] - 1) for j in range(self.n) if j not in bins]
+        held_weight = [abs(weight_totals[j] - 1) for j in range(self.n) if j not in bins]
+
+        milp = new_model(self.solver, sense=mip.MINIMIZE)
+        milp.verbose = 0
+        symmetric = whole and not self.kept
+        x = {(i, j): milp.add_var(var_type=mip.BINARY, ub=0 if symmetric and j > i else 1) for i in free for j in bins}
+        rate_dev = milp.add_var(lb=max(held_rate, default=0.0))
+        memory_dev = milp.add_var(lb=max(held_weight, default=0.0))
+        for i in free:
+            milp += mip.xsum(x[i, j] for j in bins) == 1
+        for j in bins:
+            milp += mip.xsum(x[i, j] for i in free) >= 1  # a sub-cluster with no models leaves its GPUs idle
+            rate_total = mip.xsum(self.rates[i] * x[i, j] for i in free)
+            memory_total = mip.xsum(self.weights[i] * x[i, j] for i in free)
+            milp += rate_total - 1 <= rate_dev
+            milp += 1 - rate_total <= rate_dev
+            milp += memory_total - 1 <= memory_dev
+            milp += 1 - memory_total <= memory_dev
+            if self.rate_bound is not None:
+                milp += rate_total <= self.rate_bound
+            if self.gpu_memory_bytes is not None:
+                largest_runtime = milp.add_var(lb=0)
+                for i in free:
+                    if self.models[i].runtime_bytes:
+                        milp += largest_runtime >= self.models[i].runtime_bytes * x[i, j]
+                milp += mip.xsum(self.models[i].weight_bytes * x[i, j] for i in free) + largest_runtime <= self.gpu_memory_bytes
+        free_set = set(free)
+        movable = [(i, j) for i, j in self.kept.items() if i in free_set and j in bins]
+        moves = mip.xsum(1 - x[i, j] for i, j in movable)
+        if self.max_moves is not None:
+            moved_elsewhere = sum(1 for i, j in self.kept.items() if chosen[i] != j and (i, j) not in set(movable))
+            milp += moves <= self.max_moves - moved_elsewhere
+        milp.objective = mip.minimize(rate_dev + self.memory_weight * memory_dev + MOVE_PENALTY / len(chosen) * moves)
+        milp.start = [(x[i, chosen[i]], 1.0) for i in free if chosen[i] in bins]
+        status = milp.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
+        if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+            raise PlanError(_infeasible(len(self.models), self.n, self.limits))
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            if not whole:
+                return list(chosen), status.name.lower()
+            raise PlanError(
+                f"{self.solver_name} found no split of {len(chosen)} models into {self.n} sub-clusters "
+                f"in the time limit ({status.name.lower()}); give it longer"
+            )
+        out = list(chosen)
+        for i in free:
+            out[i] = max(bins, key=lambda j: x[i, j].x or 0.0)
+        return out, status.name.lower()
