@@ -41,13 +41,19 @@ from daskpipe.plan.milp import SOLVING_SHARE, new_model
 from daskpipe.plan.options import SOLVERS
 from daskpipe.plan.schema import PlanError
 
-NEIGHBOURHOOD = 4
-"""Sub-clusters re-split together by one MILP of :meth:`_Problem.improve`: about 160 models (640
-binaries) at 800 over 20, which CBC solves in well under a second where the whole 16 000 binaries
-stall at the warm start (docs/batching.md#sub-clusters)."""
+NEIGHBOURHOOD = 2
+"""Sub-clusters re-split together by one MILP of ``_Problem.improve``: a pair (at 800 models over
+20, 80 models and 160 binaries, which CBC solves in a fraction of a second) balances faster in
+10 s than 3, 4 or 6 at a time, and far better than one MILP over all 16 000 binaries, which
+stalls near its warm start (docs/benchmarks.md#sub-cluster-partitioning-daskpipe-bench-subclusters)."""
 
 SUBSOLVE_S = 1.0
 """Most seconds one neighbourhood's MILP may take."""
+
+SPREAD_WEIGHT = 0.1
+"""Objective weight of the sub-clusters' mean deviation beside the worst one: without it, a MILP
+over a few sub-clusters gains nothing from balancing those that are not the worst, and the search
+creeps one extreme at a time (a drifted 800 x 20 split ended at 0.26 rate imbalance in 10 s)."""
 
 MOVE_PENALTY = 0.01
 """Objective cost of moving every model (a tenth of it per 10% moved): far below a point of
@@ -73,7 +79,8 @@ class SubclusterPlan:
 
     The imbalance factors are Symphony's Fig. 16: (max - min) / mean of the sub-clusters' total
     rates and weights. ``moved`` counts models whose sub-cluster changed from ``previous``.
-    ``status`` is the solver's (``optimal``, ``feasible``) or ``random`` for the random search.
+    ``status`` is the solver's (``optimal``, ``feasible``) or ``random`` for the random search,
+    which also says how many random splits it ``tried``.
     """
 
     subclusters: tuple[tuple[str, ...], ...]
@@ -84,6 +91,7 @@ class SubclusterPlan:
     status: str
     solver: str
     seconds: float
+    tried: int | None = None
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -108,6 +116,7 @@ def partition(
     memory_weight: float = 1.0,
     time_limit_s: float = 10.0,
     solver: str = "auto",
+    neighbourhood: int = NEIGHBOURHOOD,
 ) -> SubclusterPlan:
     """Split ``models`` into ``n_subclusters`` with Appendix A's MILP within ``time_limit_s`` (the
     whole call: building the model, the warm start and the solve).
@@ -117,6 +126,8 @@ def partition(
     bounds how many of them may change sub-cluster. ``gpu_memory_bytes`` is what one GPU can give
     the models (after the CUDA context): a sub-cluster's weights plus its largest runtime memory
     must fit it. ``max_rate`` bounds a sub-cluster's total rate (a dispatcher's capacity).
+    ``neighbourhood`` is how many sub-clusters one MILP re-splits at a time; at ``n_subclusters``
+    or more, a single MILP takes them all (the paper's way, too big for CBC at 800 x 20).
 
     Raises ``ValueError`` (:class:`PlanError`) naming a bad input, a model or a split that cannot
     fit, or a time limit too short for the solver to return any split.
@@ -127,14 +138,16 @@ def partition(
     _check_number(time_limit_s, "time_limit_s")
     if solver not in SOLVERS:
         raise PlanError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if isinstance(neighbourhood, bool) or not isinstance(neighbourhood, int) or neighbourhood < 2:
+        raise PlanError(f"neighbourhood must be an integer >= 2 (sub-clusters re-split together), got {neighbourhood!r}")
     problem = _Problem(models, n_subclusters, previous, max_moves, gpu_memory_bytes, max_rate, memory_weight, solver)
     current = problem.start()
     deadline = started + SOLVING_SHARE * time_limit_s
     status = "feasible"
-    if n_subclusters <= NEIGHBOURHOOD or not problem.feasible(current):
+    if n_subclusters <= neighbourhood or not problem.feasible(current):
         current, status = problem.solve(range(n_subclusters), current, deadline)
-    if n_subclusters > NEIGHBOURHOOD:
-        current = problem.improve(current, deadline)
+    if n_subclusters > neighbourhood:
+        current = problem.improve(current, deadline, neighbourhood)
     return _plan(models, current, n_subclusters, previous, status, problem.solver_name, time.perf_counter() - started, memory_weight)
 
 
@@ -183,7 +196,7 @@ def random_partition(
             best, best_score = splits[k].tolist(), float(scores[k])
     if not math.isfinite(best_score):
         raise PlanError(f"the random search found no split of {m} models into {n} sub-clusters within the constraints in {tried} tries")
-    return _plan(models, best, n, None, "random", f"random search ({tried} splits)", time.perf_counter() - started, memory_weight)
+    return _plan(models, best, n, None, "random", "random search", time.perf_counter() - started, memory_weight, tried)
 
 
 def _check(
@@ -293,6 +306,7 @@ def _plan(
     solver: str,
     seconds: float,
     memory_weight: float,
+    tried: int | None = None,
 ) -> SubclusterPlan:
     rate_totals, weight_totals = [0.0] * n_subclusters, [0.0] * n_subclusters
     names: list[list[str]] = [[] for _ in range(n_subclusters)]
@@ -314,6 +328,7 @@ def _plan(
         status,
         solver,
         seconds,
+        tried,
     )
 
 
@@ -369,11 +384,9 @@ class _Problem:
     def score(self, chosen: Sequence[int]) -> float:
         rate_totals, weight_totals = self.totals(chosen)
         moves = sum(1 for i, j in self.kept.items() if chosen[i] != j)
-        return (
-            max(abs(t - 1) for t in rate_totals)
-            + self.memory_weight * max(abs(t - 1) for t in weight_totals)
-            + MOVE_PENALTY / len(chosen) * moves
-        )
+        rate_devs, weight_devs = [abs(t - 1) for t in rate_totals], [abs(t - 1) for t in weight_totals]
+        spread = (sum(rate_devs) + self.memory_weight * sum(weight_devs)) / self.n
+        return max(rate_devs) + self.memory_weight * max(weight_devs) + SPREAD_WEIGHT * spread + MOVE_PENALTY / len(chosen) * moves
 
     def feasible(self, chosen: Sequence[int]) -> bool:
         rate_totals, _ = self.totals(chosen)
@@ -389,18 +402,19 @@ class _Problem:
             return all(u + r <= self.gpu_memory_bytes for u, r in zip(used, largest))
         return True
 
-    def improve(self, chosen: list[int], deadline: float) -> list[int]:
+    def improve(self, chosen: list[int], deadline: float, size: int) -> list[int]:
         """Re-split neighbourhoods of the worst sub-clusters (plus random ones once those stall)
         while time is left and one of the last ``n`` neighbourhoods improved the split."""
         best = self.score(chosen)
         stalled = 0
         while stalled < self.n and deadline - time.perf_counter() > 0.05:
             rate_totals, weight_totals = self.totals(chosen)
-            worst = [min(range(self.n), key=t.__getitem__) for t in (rate_totals, weight_totals)]
-            worst += [max(range(self.n), key=t.__getitem__) for t in (rate_totals, weight_totals)]
-            bins = list(dict.fromkeys(worst if stalled == 0 else self.generator.sample(worst, 2)))
+            extremes = list(
+                dict.fromkeys(pick(range(self.n), key=t.__getitem__) for t in (rate_totals, weight_totals) for pick in (max, min))
+            )
+            bins = extremes[:size] if stalled == 0 else [extremes[stalled % len(extremes)]]
             others = [j for j in range(self.n) if j not in bins]
-            bins += self.generator.sample(others, NEIGHBOURHOOD - len(bins)) if len(bins) < NEIGHBOURHOOD else []
+            bins += self.generator.sample(others, size - len(bins)) if len(bins) < size else []
             candidate, _ = self.solve(bins, chosen, min(deadline, time.perf_counter() + SUBSOLVE_S))
             score = self.score(candidate)
             if score < best - 1e-9:
@@ -429,14 +443,17 @@ class _Problem:
         memory_dev = milp.add_var(lb=max(held_weight, default=0.0))
         for i in free:
             milp += mip.xsum(x[i, j] for j in bins) == 1
+        spread = []
         for j in bins:
             milp += mip.xsum(x[i, j] for i in free) >= 1  # a sub-cluster with no models leaves its GPUs idle
             rate_total = mip.xsum(self.rates[i] * x[i, j] for i in free)
             memory_total = mip.xsum(self.weights[i] * x[i, j] for i in free)
-            milp += rate_total - 1 <= rate_dev
-            milp += 1 - rate_total <= rate_dev
-            milp += memory_total - 1 <= memory_dev
-            milp += 1 - memory_total <= memory_dev
+            rate_off, memory_off = milp.add_var(lb=0), milp.add_var(lb=0)
+            for total, off, worst in ((rate_total, rate_off, rate_dev), (memory_total, memory_off, memory_dev)):
+                milp += total - 1 <= off
+                milp += 1 - total <= off
+                milp += off <= worst
+            spread += [rate_off, self.memory_weight * memory_off]
             if self.rate_bound is not None:
                 milp += rate_total <= self.rate_bound
             if self.gpu_memory_bytes is not None:
@@ -451,7 +468,9 @@ class _Problem:
         if self.max_moves is not None:
             moved_elsewhere = sum(1 for i, j in self.kept.items() if chosen[i] != j and (i, j) not in set(movable))
             milp += moves <= self.max_moves - moved_elsewhere
-        milp.objective = mip.minimize(rate_dev + self.memory_weight * memory_dev + MOVE_PENALTY / len(chosen) * moves)
+        milp.objective = mip.minimize(
+            rate_dev + self.memory_weight * memory_dev + SPREAD_WEIGHT / self.n * mip.xsum(spread) + MOVE_PENALTY / len(chosen) * moves
+        )
         milp.start = [(x[i, chosen[i]], 1.0) for i in free if chosen[i] in bins]
         status = milp.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
         if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
