@@ -29,9 +29,10 @@ Where it departs from the paper, and why:
   start in 10 s on two cores, nor prove a 24 x 4 one optimal in a second, but it solves the same
   MILP over two sub-clusters (their models; the others held, their deviations the floor of dR
   and dS, so the pair's objective is the whole split's) in a fraction of one. ``partition``
-  starts from a greedy split (or the previous one) and re-splits pairs, the most unbalanced
-  first, until the time is up or none improves: a large-neighbourhood search whose steps are
-  Appendix A's MILP. x_ij = 0 for j > i breaks the symmetry of a split solved whole.
+  starts from a greedy split (or the previous one), makes the single model moves that lower the
+  objective most while any does (numpy, milliseconds each), then re-splits pairs, the most
+  unbalanced first, until the time is up or none improves: a large-neighbourhood search whose
+  steps are Appendix A's MILP. x_ij = 0 for j > i breaks the symmetry of a split solved whole.
 """
 
 from __future__ import annotations
@@ -50,17 +51,17 @@ from daskpipe.plan.schema import PlanError
 
 NEIGHBOURHOOD = 2
 """Sub-clusters re-split together by one MILP of ``_Problem.improve``: a pair (at 800 models over
-20, 80 models and 160 binaries, which CBC solves in a fraction of a second) balances faster in
-10 s than 3, 4 or 6 at a time, and far better than one MILP over all 16 000 binaries, which
-stalls near its warm start (docs/benchmarks.md#sub-cluster-partitioning-daskpipe-bench-subclusters)."""
+20, 80 models and 160 binaries, which CBC solves in a fraction of a second) re-balanced a drifted
+split better in 10 s than 3 or 4 at a time, and far better than one MILP over all 16 000
+binaries, which stalls at its warm start (docs/benchmarks.md#sub-cluster-partitioning-daskpipe-bench-subclusters)."""
 
 SUBSOLVE_S = 1.0
 """Most seconds one neighbourhood's MILP may take."""
 
 SPREAD_WEIGHT = 0.1
-"""Objective weight of the sub-clusters' mean deviation beside the worst one: without it, a MILP
-over a few sub-clusters gains nothing from balancing those that are not the worst, and the search
-creeps one extreme at a time (a drifted 800 x 20 split ended at 0.26 rate imbalance in 10 s)."""
+"""Objective weight of the sub-clusters' mean deviation beside the worst one, so that a MILP over
+a pair that holds no worst sub-cluster still gains from balancing it. Five alternating re-splits
+against 0 gave no difference beyond their spread (docs/benchmarks.md); it stays for that reason."""
 
 MOVE_PENALTY = 0.01
 """Objective cost of moving every model (a tenth of it per 10% moved): far below a point of
