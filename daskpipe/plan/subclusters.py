@@ -61,7 +61,7 @@ SUBSOLVE_S = 1.0
 SPREAD_WEIGHT = 0.1
 """Objective weight of the sub-clusters' mean deviation beside the worst one, so that a MILP over
 a pair that holds no worst sub-cluster still gains from balancing it. Five alternating re-splits
-against 0 gave no difference beyond their spread (docs/benchmarks.md); it stays for that reason."""
+against 0 gave no difference beyond their spread (docs/benchmarks.md), so it stays for that."""
 
 MOVE_PENALTY = 0.01
 """Objective cost of moving every model (a tenth of it per 10% moved): far below a point of
@@ -155,7 +155,8 @@ def partition(
     deadline = started + SOLVING_SHARE * time_limit_s
     status = "feasible"
     if n_subclusters <= neighbourhood or not problem.feasible(current):
-        current, status = problem.solve(range(n_subclusters), current, deadline)
+        # a start that breaks a constraint is repaired by the whole MILP; its first split will do when pairs follow
+        current, status = problem.solve(range(n_subclusters), current, deadline, first_found=n_subclusters > neighbourhood)
     if n_subclusters > neighbourhood:
         current = problem.improve(problem.shift(current, deadline), deadline, neighbourhood)
     return _plan(models, current, n_subclusters, previous, status, problem.solver_name, time.perf_counter() - started, memory_weight)
@@ -392,6 +393,9 @@ class _Problem:
         return max(rate_devs) + self.memory_weight * max(weight_devs) + SPREAD_WEIGHT * spread + MOVE_PENALTY / len(chosen) * moves
 
     def feasible(self, chosen: Sequence[int]) -> bool:
+        """Whether ``chosen`` meets every constraint (a previous split may leave a sub-cluster empty)."""
+        if len(set(chosen)) < self.n:
+            return False
         rate_totals, _ = self.totals(chosen)
         if self.rate_bound is not None and max(rate_totals) > self.rate_bound * (1 + 1e-9):
             return False
@@ -474,9 +478,10 @@ class _Problem:
                 stalled += 1
         return chosen
 
-    def solve(self, bins: Sequence[int], chosen: Sequence[int], deadline: float) -> tuple[list[int], str]:
+    def solve(self, bins: Sequence[int], chosen: Sequence[int], deadline: float, *, first_found: bool = False) -> tuple[list[int], str]:
         """The MILP over the models in ``bins`` (every other model held where ``chosen`` has it),
-        from ``chosen``; the split and the solver's status."""
+        from ``chosen``; the split and the solver's status. ``first_found`` stops at the first split
+        that meets the constraints."""
         import mip
 
         bins = list(bins)
@@ -523,7 +528,8 @@ class _Problem:
             rate_dev + self.memory_weight * memory_dev + SPREAD_WEIGHT / self.n * mip.xsum(spread) + MOVE_PENALTY / len(chosen) * moves
         )
         milp.start = [(x[i, chosen[i]], 1.0) for i in free if chosen[i] in bins]
-        status = milp.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
+        seconds = max(deadline - time.perf_counter(), 0.05)
+        status = milp.optimize(max_seconds=seconds, max_solutions=1) if first_found else milp.optimize(max_seconds=seconds)
         if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
             raise PlanError(_infeasible(len(self.models), self.n, self.limits))
         if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):

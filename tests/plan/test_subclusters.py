@@ -133,3 +133,11 @@ def test_a_split_no_gpu_can_hold_is_refused():
         partition(models, 2, gpu_memory_bytes=100 * MB, time_limit_s=2, solver="cbc")
     with pytest.raises(PlanError, match="random search found no split"):
         random_partition(models, 2, gpu_memory_bytes=100 * MB, time_limit_s=0.2)
+
+
+def test_a_resplit_fills_a_subcluster_the_previous_split_left_empty():
+    models = zoo(9, seed=5)
+    previous = {d.name: i % 2 for i, d in enumerate(models)}  # sub-cluster 2 holds nothing yet
+    plan = partition(models, 3, previous=previous, time_limit_s=2, solver="cbc")
+    assert all(plan.subclusters)
+    assert plan.moved >= 1
