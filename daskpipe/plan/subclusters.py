@@ -249,6 +249,14 @@ def _check(
             raise PlanError(f"max_moves must be an integer >= 0, got {max_moves!r}")
     if max_rate is not None:
         _check_number(max_rate, "max_rate")
+        too_busy = [d.name for d in models if d.rate > max_rate]
+        if too_busy:
+            raise PlanError(f"model(s) {too_busy} alone exceed max_rate {max_rate}")
+        total = sum(d.rate for d in models)
+        if max_rate * n_subclusters < total:
+            raise PlanError(
+                f"{n_subclusters} sub-clusters at max_rate {max_rate} carry less than the models' {total:g} req/s: use more sub-clusters"
+            )
     if gpu_memory_bytes is not None:
         _check_bytes(gpu_memory_bytes, "gpu_memory_bytes")
         too_big = [d.name for d in models if d.weight_bytes + d.runtime_bytes > gpu_memory_bytes]

@@ -119,6 +119,8 @@ def test_rate_bound_is_respected():
         (zoo(4), 2, {"time_limit_s": 0}, "time_limit_s must be a positive number"),
         ([ModelDemand("big", 1, 90 * MB, 20 * MB), ModelDemand("b", 1, MB)], 2, {"gpu_memory_bytes": 100 * MB}, r"\['big'\] need more"),
         ([ModelDemand(f"m{i}", 1, 60 * MB) for i in range(4)], 2, {"gpu_memory_bytes": 100 * MB}, "use more sub-clusters"),
+        ([ModelDemand("hot", 9, MB), ModelDemand("b", 1, MB)], 2, {"max_rate": 5}, r"\['hot'\] alone exceed max_rate 5"),
+        ([ModelDemand(f"m{i}", 1, MB) for i in range(4)], 2, {"max_rate": 1.5}, "carry less than the models' 4 req/s"),
     ],
 )
 def test_bad_inputs_are_refused_by_name(models, n, options, message):
