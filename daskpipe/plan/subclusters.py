@@ -418,9 +418,10 @@ class _Problem:
         return True
 
     def shift(self, chosen: list[int], deadline: float) -> list[int]:
-        """``chosen`` improved one model move at a time, the move that lowers the objective most
-        first, within the constraints: milliseconds a move where a pair's MILP takes a tenth of
-        a second, so a drifted split gets most of its moves before the MILPs refine them."""
+        """``chosen`` improved one model move (or, once no move helps, one :meth:`swap`) at a time,
+        the one that lowers the objective most first, within the constraints: milliseconds each
+        where a pair's MILP takes a tenth of a second, so a drifted split gets most of its moves
+        before the MILPs refine them."""
         m, n = len(chosen), self.n
         rates, weights = np.asarray(self.rates), np.asarray(self.weights)
         home = np.full(m, -1)
@@ -451,19 +452,59 @@ class _Problem:
                 scores[moves + change > self.max_moves] = np.inf
             counts = np.bincount(here, minlength=n)
             scores[counts[here] == 1, :] = np.inf  # a sub-cluster keeps at least one model
+            improved = False
             for _ in range(n):
                 i, j = (int(k) for k in np.unravel_index(int(np.argmin(scores)), scores.shape))
                 if scores[i, j] >= best - 1e-9:
-                    return chosen
+                    break
                 candidate = list(chosen)
                 candidate[i] = j
                 if self.feasible(candidate):
-                    chosen, best = candidate, float(scores[i, j])
+                    chosen, best, improved = candidate, float(scores[i, j]), True
                     break
                 scores[i, j] = np.inf
-            else:
-                return chosen
+            if not improved:
+                swapped = self.swap(chosen, best, home)
+                if swapped is None:
+                    return chosen
+                chosen, best = swapped
         return chosen
+
+    def swap(self, chosen: list[int], best: float, home: np.ndarray) -> tuple[list[int], float] | None:
+        """The best exchange of two models between the most and the least loaded sub-cluster of
+        either dimension, if it lowers the objective below ``best``: where no single move helps
+        because it would unbalance the other dimension, an exchange of models of like weight
+        and unlike rate (or the reverse) still does."""
+        here = np.asarray(chosen)
+        totals = np.array(self.totals(chosen))  # [dimension, sub-cluster]
+        shares = np.array([self.rates, self.weights])  # [dimension, model]
+        moved = (home >= 0) & (home != here)
+        found: tuple[list[int], float] | None = None
+        for high, low in {(int(np.argmax(t)), int(np.argmin(t))) for t in totals}:
+            givers, takers = (a.ravel() for a in np.meshgrid(np.flatnonzero(here == high), np.flatnonzero(here == low), indexing="ij"))
+            carried = shares[:, givers] - shares[:, takers]  # [dimension, candidate]: what goes from high to low
+            after = np.repeat(totals[:, None, :], len(givers), axis=1)
+            after[:, :, high] -= carried
+            after[:, :, low] += carried
+            deviation = np.abs(after - 1)
+            change = sum(((home[who] >= 0) & (home[who] != to)).astype(int) - moved[who] for who, to in ((givers, low), (takers, high)))
+            scores = (
+                deviation[0].max(axis=1)
+                + self.memory_weight * deviation[1].max(axis=1)
+                + SPREAD_WEIGHT * (deviation[0].sum(axis=1) + self.memory_weight * deviation[1].sum(axis=1)) / self.n
+                + MOVE_PENALTY / len(chosen) * (moved.sum() + change)
+            )
+            if self.max_moves is not None:
+                scores[moved.sum() + change > self.max_moves] = np.inf
+            for c in np.argsort(scores)[: self.n]:
+                if scores[c] >= (found[1] if found else best) - 1e-9:
+                    break
+                candidate = list(chosen)
+                candidate[givers[c]], candidate[takers[c]] = low, high
+                if self.feasible(candidate):
+                    found = (candidate, float(scores[c]))
+                    break
+        return found
 
     def improve(self, chosen: list[int], deadline: float, size: int) -> list[int]:
         """Re-split neighbourhoods of the worst sub-clusters (plus random ones once those stall)
