@@ -25,6 +25,7 @@ from daskpipe.cli import LazyGroup
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
         "serve": "daskpipe.benchmarks.serve:bench_serve",
         "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
+        "subclusters": "daskpipe.benchmarks.subclusters:bench_subclusters",
     },
 )
 def bench() -> None:

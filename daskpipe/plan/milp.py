@@ -535,7 +535,7 @@ class _Covers:
 
         if not all(self.columns.values()):
             return None
-        model = _new_model(self.spec.options.solver)
+        model = new_model(self.spec.options.solver)
         model.verbose = 0
         z = model.add_var(lb=0)
         chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cols] for m, cols in self.columns.items()}
@@ -574,7 +574,7 @@ class _PoolSizing:
         import mip
 
         self.configs = configs
-        self.model = model = _new_model(spec.options.solver)
+        self.model = model = new_model(spec.options.solver)
         self.solver_name = "HiGHS" if model.solver_name.lower() == "highs" else "CBC"
         model.verbose = 0
         if model.solver_name.lower() == "cbc":
@@ -756,17 +756,17 @@ def _pairing(config: Config, pipeline: Pipeline) -> list[int] | None:
     return pairing
 
 
-def _new_model(choice: str) -> Any:
-    """A maximizing python-mip model on CBC unless HiGHS is asked for: on these pool-sizing MILPs
-    CBC solves faster (docs/plan.md). ``auto`` takes HiGHS where CBC's library does not load
-    (python-mip 2 reads it from cbcbox)."""
+def new_model(choice: str, *, sense: str = "MAX") -> Any:
+    """A python-mip model (``sense`` ``MAX`` or ``MIN``) on CBC unless HiGHS is asked for: on the
+    pool-sizing MILPs CBC solves faster (docs/plan.md). ``auto`` takes HiGHS where CBC's library
+    does not load (python-mip 2 reads it from cbcbox)."""
     import mip
 
     if choice == "cbc":
-        return mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+        return mip.Model(sense=sense, solver_name=mip.CBC)
     for solver in (mip.CBC, mip.HIGHS) if choice == "auto" else (mip.HIGHS,):
         try:
-            return mip.Model(sense=mip.MAXIMIZE, solver_name=solver)
+            return mip.Model(sense=sense, solver_name=solver)
         except Exception as exc:  # python-mip raises bare Exceptions (or a NameError) when a solver's library is missing or broken
             problem = f"{type(exc).__name__}: {exc}"
     if choice == "auto":
