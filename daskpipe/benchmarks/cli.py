@@ -25,6 +25,7 @@ from daskpipe.cli import LazyGroup
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
         "serve": "daskpipe.benchmarks.serve:bench_serve",
         "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
+        "symphony": "daskpipe.benchmarks.symphony:bench_symphony",
     },
 )
 def bench() -> None:
