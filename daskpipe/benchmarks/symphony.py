@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -161,10 +163,16 @@ def goodput(models: Sequence[LinearModel], gpus: int, policy: Policy, trials: Tr
     return round(highest_rate(meets, rate_bound(models, gpus), trials.precision), 1)
 
 
-def compare(models: Sequence[LinearModel], gpus: int, candidates: Sequence[Policy], trials: Trials) -> dict[str, Any]:
+def compare(
+    models: Sequence[LinearModel], gpus: int, candidates: Sequence[Policy], trials: Trials, pool: Executor | None = None
+) -> dict[str, Any]:
     """Every policy's goodput per seed and mean; the best timeout (eager as share 0); deferred's
-    ratio to eager, to the best timeout and to Shepherd."""
-    per_seed = {p.name: [goodput(models, gpus, p, trials, seed) for seed in trials.seeds] for p in candidates}
+    ratio to eager, to the best timeout and to Shepherd. With ``pool``, the searches run in it."""
+    if pool is None:
+        per_seed = {p.name: [goodput(models, gpus, p, trials, seed) for seed in trials.seeds] for p in candidates}
+    else:
+        futures = {p.name: [pool.submit(goodput, models, gpus, p, trials, seed) for seed in trials.seeds] for p in candidates}
+        per_seed = {name: [f.result() for f in fs] for name, fs in futures.items()}
     mean = {name: round(float(np.mean(values)), 1) for name, values in per_seed.items()}
     grid = {0.0: mean["eager"]} | {p.timeout_share: mean[p.name] for p in candidates if p.timeout_share is not None}
     best_share = max(grid, key=lambda share: grid[share])
@@ -191,6 +199,7 @@ def fig6_sweep(
     timeout_shares: Sequence[float],
     trials: Trials,
     progress: Callable[[str], None] = lambda _msg: None,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Fig. 6a (and 6b's grid): deferred against eager and every timeout as beta/alpha grows."""
     cases = []
@@ -199,7 +208,7 @@ def fig6_sweep(
         for beta in betas:
             progress(f"fig. 6: {count} model(s), beta/alpha {beta:g}")
             models = fig6_models(count, beta)
-            result = compare(models, gpus, policies(timeout_shares, shepherd=False), trials)
+            result = compare(models, gpus, policies(timeout_shares, shepherd=False), trials, pool)
             points.append({"beta_over_alpha": beta, "slo_ms": models[0].slo_ms, **result})
         cases.append({"models": count, "gpus": gpus, "points": points})
     return cases
@@ -212,6 +221,7 @@ def zoo_run(
     timeout_shares: Sequence[float],
     trials: Trials,
     progress: Callable[[str], None] = lambda _msg: None,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Fig. 9's settings over a zoo: every policy's goodput, the models sharing ``gpus``."""
     everything = load_zoo(zoo)
@@ -219,7 +229,7 @@ def zoo_run(
     for setting in settings:
         models = zoo_setting(everything, setting)
         progress(f"zoo {zoo}: {setting} ({len(models)} models)")
-        result = compare(models, gpus, policies(timeout_shares, shepherd=True), trials)
+        result = compare(models, gpus, policies(timeout_shares, shepherd=True), trials, pool)
         rows.append({"setting": setting, "models": len(models), "gpus": gpus, **result})
     return rows
 
@@ -263,6 +273,9 @@ QUICK = {
 @click.option("--precision", type=float, default=0.01, show_default=True, help="Bisection stops within this share of the bound.")
 @click.option("--min-requests", type=click.IntRange(min=1), default=500, show_default=True, help="Per model and trial, at the least.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Largest batch of every model.")
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="the CPUs", help="Processes for the searches."
+)
 @click.option("--quick", is_flag=True, help="A tiny sweep for tests: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ".")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Write the results here.")
 def bench_symphony(quick: bool, json_path: str | None, **options: Any) -> None:
@@ -293,10 +306,11 @@ def bench_symphony(quick: bool, json_path: str | None, **options: Any) -> None:
     seeds = split_numbers(options["seeds"], int, "--seeds")
     started = time.perf_counter()
     trials = Trials(tuple(seeds), duration, options["min_requests"], precision, options["max_batch"])
-    with progress_bar("simulating", total=None) as advance:
+    zoo_trials = replace(trials, duration=zoo_duration)
+    with progress_bar("simulating", total=None) as advance, ProcessPoolExecutor(options["jobs"]) as pool:
         note = lambda msg: advance(note=msg)  # noqa: E731
-        fig6 = fig6_sweep(betas, counts, options["gpus"], shares, trials, note)
-        zoo_rows = zoo_run(options["zoo"], settings, options["zoo_gpus"], shares, replace(trials, duration=zoo_duration), note)
+        fig6 = fig6_sweep(betas, counts, options["gpus"], shares, trials, note, pool)
+        zoo_rows = zoo_run(options["zoo"], settings, options["zoo_gpus"], shares, zoo_trials, note, pool)
     out = {
         "settings": {
             "gpus": options["gpus"],
@@ -313,6 +327,7 @@ def bench_symphony(quick: bool, json_path: str | None, **options: Any) -> None:
             "precision": precision,
             "max_batch": options["max_batch"],
             "target": TARGET,
+            "jobs": options["jobs"],
             "seconds": round(time.perf_counter() - started, 1),
         },
         "fig6": fig6,
