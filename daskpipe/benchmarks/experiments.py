@@ -77,22 +77,32 @@ def constant_load(
     return good / count, sum(sizes) / len(sizes)
 
 
+def highest_rate(meets: Callable[[float], bool], upper: float, precision: float) -> float:
+    """Highest rate in ``[0, upper]`` that ``meets`` its target, by bisection (the target assumed
+    met below some rate and missed above it), to ``precision`` x ``upper``; 0 if none is met."""
+    lo, hi = 0.0, upper
+    while hi - lo > precision * upper:
+        mid = (lo + hi) / 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def max_rate(
     model: LinearModel, gpus: int, *, staggered: bool, duration: float = 1.0, target: float = 0.99, precision: float = 0.002
 ) -> tuple[float, float]:
-    """Highest constant rate with ``target`` attainment, by bisection (attainment assumed to fall
-    with the rate), to a relative ``precision``; returns (rate, mean batch there)."""
-    upper = gpus * model.gpu_rate_bound()
-    lo, hi = 0.0, upper
-    batch = math.nan
-    while hi - lo > precision * upper:
-        mid = (lo + hi) / 2
-        attained, mean_batch = constant_load(model, gpus, mid, duration, staggered=staggered)
-        if attained >= target:
-            lo, batch = mid, mean_batch
-        else:
-            hi = mid
-    return lo, batch
+    """Highest constant rate with ``target`` attainment (:func:`highest_rate`); returns (rate, mean
+    batch there)."""
+    batches: dict[float, float] = {}
+
+    def meets(rate: float) -> bool:
+        attained, batches[rate] = constant_load(model, gpus, rate, duration, staggered=staggered)
+        return attained >= target
+
+    rate = highest_rate(meets, gpus * model.gpu_rate_bound(), precision)
+    return rate, batches.get(rate, math.nan)
 
 
 def symphony_table2(gpus: int = 8, duration: float = 1.0, precision: float = 0.002) -> list[dict[str, Any]]:

@@ -16,8 +16,9 @@ Data structures make every request or batch event O(log M + log G): a heap of mo
 of pending candidates by ``latest``, a heap of busy GPUs by free time and a heap of idle GPUs by
 the configured choice (lowest id, or earliest free). Stale heap entries are skipped lazily.
 
-The batch policy is one method, ``_exec_bound``; ``daskpipe.sched.batching`` swaps it for the
-timeout and eager baselines (Symphony §3.4).
+The batch policy is one method, ``_exec_bound``, and the choice among waiting candidates another,
+``_rank``; ``daskpipe.sched.batching`` swaps them for the timeout, eager and Shepherd baselines
+(Symphony §3.4).
 """
 
 from __future__ import annotations
@@ -354,6 +355,11 @@ class DeferredDispatcher(Dispatcher):
     def continue_ids(self, first: int) -> None:
         self._dispatch_ids = itertools.count(first)
 
+    def _rank(self, model: ModelQueue) -> float:
+        """Which waiting candidate a freed GPU takes, lowest first: the most urgent (smallest latest)."""
+        assert model.candidate is not None, "only a candidate is ranked"
+        return model.candidate.latest
+
     # -- candidates (the paper's ModelThread) ------------------------------------------------
     def _meter(self, model: ModelQueue, arrival: Time, now: Time) -> None:
         if self.settings.drop_policy == "window" and self.settings.target_batch is None:
@@ -465,7 +471,7 @@ class DeferredDispatcher(Dispatcher):
         candidate = model.candidate
         assert candidate is not None, "a live model timer belongs to a candidate"
         candidate.pending = True
-        heapq.heappush(self._pending, (candidate.latest, next(self._seq), model.name, model.version))
+        heapq.heappush(self._pending, (self._rank(model), next(self._seq), model.name, model.version))
 
     def _on_gpu_timer(self, unit: _Unit, now: Time, actions: list[Action]) -> None:
         while True:
@@ -482,7 +488,7 @@ class DeferredDispatcher(Dispatcher):
                 self._update_candidate(model, now, actions)
                 if model.candidate is not None and model.candidate.exec <= now:
                     model.candidate.pending = True
-                    heapq.heappush(self._pending, (model.candidate.latest, next(self._seq), name, model.version))
+                    heapq.heappush(self._pending, (self._rank(model), next(self._seq), name, model.version))
                 continue
             if self._dispatch(model, unit, now, actions):
                 return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.sched.api import Dispatch, Request, Slot
-from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
+from daskpipe.sched.batching import EagerDispatcher, ShepherdDispatcher, TimeoutDispatcher
 
 GPUS = [Slot("g0", "X"), Slot("g1", "X")]
 
@@ -56,3 +56,31 @@ def test_timeout_never_waits_past_the_deadline():
 def test_bad_timeout(wait):
     with pytest.raises(ValueError, match="max_wait_s"):
         TimeoutDispatcher({"m": 1.0}, GPUS, latency, max_wait_s=wait)
+
+
+def test_timeout_per_model():
+    d = TimeoutDispatcher({"a": 1.0, "b": 1.0}, GPUS, latency, max_wait_s={"a": 0.010, "b": 0.030}, max_batch=8)
+    d.submit(Request("a0", "a", 0.0, 1.0), 0.0)
+    d.submit(Request("b0", "b", 0.0, 1.0), 0.0)
+    assert d.next_wake() == pytest.approx(0.010)
+    (first,) = d.wake(0.010)
+    assert first.model == "a" and d.next_wake() == pytest.approx(0.030)
+
+
+def test_timeout_per_model_must_name_every_model():
+    with pytest.raises(ValueError, match=r"no timeout for model\(s\) \['b'\]"):
+        TimeoutDispatcher({"a": 1.0, "b": 1.0}, GPUS, latency, max_wait_s={"a": 0.01})
+
+
+@pytest.mark.parametrize("cls, first", [(EagerDispatcher, "urgent"), (ShepherdDispatcher, "large")])
+def test_a_freed_gpu_takes_the_most_urgent_or_the_largest_batch(cls, first):
+    """Both GPUs busy; then one small urgent batch and one large relaxed one wait: eager (Clockwork,
+    Symphony's rule) gives the freed GPU the most urgent, Shepherd the largest."""
+    d = cls({"busy": 1.0, "urgent": 0.05, "large": 1.0}, GPUS, latency)
+    d.submit(Request("x0", "busy", 0.0, 1.0), 0.0)
+    d.submit(Request("x1", "busy", 0.0005, 1.0005), 0.0005)
+    d.submit(Request("u0", "urgent", 0.001, 0.051), 0.001)
+    for i in range(3):
+        d.submit(Request(f"l{i}", "large", 0.001, 1.001), 0.001)
+    (dispatch,) = d.wake(0.006)  # g0 frees (g1 at 0.0065)
+    assert dispatch.model == first
