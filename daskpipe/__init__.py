@@ -11,13 +11,16 @@ from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
 if TYPE_CHECKING:
+    from daskpipe.profiles.memory import ModelMemory
     from daskpipe.runtime.elastic_state import ElasticSettings
+    from daskpipe.runtime.pools import SharedPools, SubCluster
     from daskpipe.runtime.profiling import ProfilingOptions
     from daskpipe.runtime.service import Service, deploy
 
 __all__ = [
     "ConfigError",
     "ElasticSettings",
+    "ModelMemory",
     "Plan",
     "PlanError",
     "PlannerOptions",
@@ -25,6 +28,8 @@ __all__ = [
     "ProfileError",
     "ProfilingOptions",
     "Service",
+    "SharedPools",
+    "SubCluster",
     "dask_setup",
     "deploy",
 ]
@@ -41,6 +46,9 @@ _LAZY = {
     "Service": "daskpipe.runtime.service",
     "ProfilingOptions": "daskpipe.runtime.profiling",
     "ElasticSettings": "daskpipe.runtime.elastic_state",
+    "SharedPools": "daskpipe.runtime.pools",
+    "SubCluster": "daskpipe.runtime.pools",
+    "ModelMemory": "daskpipe.profiles.memory",
 }
 
 

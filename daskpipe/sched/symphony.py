@@ -28,7 +28,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Literal, Mapping, Protocol, Sequence
 
 from daskpipe.sched.api import (
     Action,
@@ -69,6 +69,27 @@ class WholeModelRoute:
     def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
         end = start + self.latency(model, batch)
         return 0, (Hop(0, slot, Reservation(slot, start, end)),), end
+
+    def commit(self, hops: tuple[Hop, ...]) -> None:
+        return None
+
+
+class SharedPoolRoute:
+    """Every model whole on every slot of a sub-cluster (Symphony's setting), on slots of several
+    kinds: a batch runs for its own slot's latency, ``latency(model, slot, batch)``, and on
+    ``pipelines[model][slot]``, the model's pipeline of that slot's kind in the plan (what the
+    executor holds the batch for). The window takes :meth:`slowest`, as Symphony takes the slowest
+    GPU's profile, so a batch sent to a faster slot only ends earlier."""
+
+    def __init__(self, latency: Callable[[str, str, int], float], pipelines: Mapping[str, Mapping[str, int]]) -> None:
+        self.latency, self.pipelines = latency, pipelines
+
+    def slowest(self, model: str, batch: int) -> float:
+        return max(self.latency(model, slot, batch) for slot in self.pipelines[model])
+
+    def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        end = start + self.latency(model, slot, batch)
+        return self.pipelines[model][slot], (Hop(0, slot, Reservation(slot, start, end)),), end
 
     def commit(self, hops: tuple[Hop, ...]) -> None:
         return None
@@ -340,11 +361,14 @@ class DeferredDispatcher(Dispatcher):
             times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU
         return min(times) if times else None
 
-    def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+    def drain(self, now: Time, reason: DropReason = "shutdown", models: Collection[str] | None = None) -> list[Action]:
+        """Drop what is queued; ``models``: only their requests (models leaving a shared pool
+        whose other models stay: those keep their queues and the slots)."""
         actions: list[Action] = []
         for model in self._models.values():
-            self._drop(model.queue.pop(len(model.queue)), reason, "dispatcher drained", actions)
-            self._set_candidate(model, None)
+            if models is None or model.name in models:
+                self._drop(model.queue.pop(len(model.queue)), reason, "dispatcher drained", actions)
+                self._set_candidate(model, None)
         return actions
 
     @property
