@@ -25,6 +25,7 @@ from daskpipe.cli import LazyGroup
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
         "serve": "daskpipe.benchmarks.serve:bench_serve",
         "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
+        "multiplex": "daskpipe.benchmarks.multiplex:bench_multiplex",
     },
 )
 def bench() -> None:

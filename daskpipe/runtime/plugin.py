@@ -284,18 +284,25 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         bw_gbps: float = 10.0,
         max_queued: int | None = None,
         sample_nbytes: dict[str, int] | None = None,
+        timeout_s: float | None = None,
     ) -> str:
         """Start serving a shared pool (:mod:`daskpipe.runtime.pools`): ``models``, each on every
         slot of the pool (``stages[model]``: its rows, as :meth:`serve` takes them), with one
         ``dispatcher`` for all of them, whose dispatches go to the model they are for
         (:meth:`act`). Each model keeps its own requests, counts and control-path margin, all
-        seeded from one measurement of the pool's workers. All of them are served, or none."""
+        seeded from one measurement of the pool's workers. All of them are served, or none.
+        ``timeout_s``: the timeout data plane's wait, before time dilation."""
         addresses = sorted({str(row[2]) for rows in stages.values() for row in rows})
         unknown = [a for a in addresses if a not in self.slots]
         if unknown:
             raise DeployError(f"a shared pool is placed on {unknown}, which are not workers of this cluster")
         shared = pool_dispatcher(
-            dispatcher, plan, {m: profiles[m] for m in models}, [self.slots[a] for a in addresses], time_dilation=time_dilation
+            dispatcher,
+            plan,
+            {m: profiles[m] for m in models},
+            [self.slots[a] for a in addresses],
+            time_dilation=time_dilation,
+            timeout_s=timeout_s,
         )
         round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         started: list[str] = []

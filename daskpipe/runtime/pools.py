@@ -9,6 +9,7 @@ stage per (model, slot); the scheduler plugin's ``serve_pool`` serves each sub-c
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -47,11 +48,14 @@ class SharedPools:
     memory: a model's :class:`~daskpipe.profiles.memory.ModelMemory` as measured on its GPU, in
         place of ``deploy``'s estimate (its weights, and one host forward pass's activations).
     context_bytes: the CUDA context every slot's process holds before any model.
+    timeout_ms: how long the ``timeout`` data plane lets a batch's first request wait (before
+        time dilation), for the baseline's sweep; ``None``: the registry's ``TIMEOUT_S``.
     """
 
     subclusters: tuple[SubCluster, ...] = ()
     memory: Mapping[str, ModelMemory] = field(default_factory=dict)
     context_bytes: int = CUDA_CONTEXT_BYTES
+    timeout_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.subclusters, tuple) or not all(isinstance(s, SubCluster) for s in self.subclusters):
@@ -60,6 +64,10 @@ class SharedPools:
             raise DeployError("SharedPools.memory must map model names to ModelMemory")
         if isinstance(self.context_bytes, bool) or not isinstance(self.context_bytes, int) or self.context_bytes < 0:
             raise DeployError(f"SharedPools.context_bytes must be a number of bytes >= 0, got {self.context_bytes!r}")
+        if self.timeout_ms is not None and (
+            isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)) or not 0 <= self.timeout_ms < math.inf
+        ):
+            raise DeployError(f"SharedPools.timeout_ms must be None or a number of milliseconds >= 0, got {self.timeout_ms!r}")
 
 
 @dataclass(frozen=True)
