@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.sched.api import Dispatch, Dispatcher, Placement, PoolsFixed, Request, Slot
-from daskpipe.sched.registry import DATAPLANES, known, make_dispatcher, register
+from daskpipe.sched.registry import DATAPLANES, MULTIPLEXING, known, make_dispatcher, make_shared_dispatcher, register
 from tests.sim.helpers import toy_plan, toy_profile
 
 
@@ -66,3 +66,39 @@ def test_a_dispatcher_that_cannot_take_over_says_so():
 
     with pytest.raises(NotImplementedError, match="Minimal cannot take over"):
         Minimal().continue_ids(5)
+
+
+def two_kind_pool():
+    """Models "a" and "b" on one T4 and one L4 (twice as fast), as ``daskpipe.plan.shared`` plans them."""
+    from daskpipe.plan.shared import SharedGroup, shared_plan
+    from tests.plan.test_shared import linear
+
+    profiles = {"a": linear("a", 1.0, 5.0, 20.0), "b": linear("b", 2.0, 4.0, 30.0)}
+    plan = shared_plan(profiles, [SharedGroup(("a", "b"), {("T4", 1): 1, ("L4", 1): 1})])
+    slots = [Slot("l4", "L4", 1, "s"), Slot("t4", "T4", 1, "s")]
+    return plan, profiles, slots
+
+
+@pytest.mark.parametrize("name", MULTIPLEXING)
+def test_a_shared_dispatcher_runs_every_model_on_every_slot_timed_by_its_kind(name):
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher(name, {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s=0.001)
+    actions = []
+    for i in range(40):  # more than one slot can take at once: both models on both slots
+        actions += dispatcher.submit(Request(i, "ab"[i % 2], 0.0, 0.1), 0.0)
+    while (wake := dispatcher.next_wake()) is not None:
+        actions += dispatcher.wake(wake)
+    dispatches = [a for a in actions if isinstance(a, Dispatch)]
+    assert sum(len(d.requests) for d in dispatches) == 40
+    assert {d.model for d in dispatches} == {"a", "b"} and {d.hops[0].slot for d in dispatches} == {"l4", "t4"}
+    for d in dispatches:  # the plan's pipeline of the slot's kind, and the kind's own latency
+        pipeline = plan.model(d.model).pipelines[d.pipeline]
+        assert pipeline.partitions[0].gpu == {"l4": "L4", "t4": "T4"}[d.hops[0].slot]
+        compute = d.hops[0].compute
+        assert compute.end - compute.start == pytest.approx(profiles[d.model].latency(pipeline.partitions[0].gpu, 1, d.batch_size) / 1e6)
+
+
+def test_a_shared_pool_refuses_a_data_plane_that_does_not_multiplex():
+    plan, profiles, slots = two_kind_pool()
+    with pytest.raises(ValueError, match="data plane 'ppipe' does not share slots between models"):
+        make_shared_dispatcher("ppipe", {m.name: (m, profiles[m.name]) for m in plan.models}, slots)
