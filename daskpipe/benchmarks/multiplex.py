@@ -201,8 +201,8 @@ def runtime_trial(
         if np.isnan(done):
             lost += 1
         elif future.status == "finished":
-            on_time += done - at <= slos_s[name]
-            late += done - at > slos_s[name]
+            on_time += int(done - at <= slos_s[name])
+            late += int(done - at > slos_s[name])
         elif isinstance(exc := future.exception(), RequestDropped):
             dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
         else:
@@ -320,9 +320,9 @@ def run_multiplex(
 
 
 @click.command("multiplex")
-@click.option("--duration", default=3.0, show_default=True, help="Seconds of arrivals per trial, before time dilation.")
+@click.option("--duration", default=1.0, show_default=True, help="Seconds of arrivals per trial, before time dilation.")
 @click.option("--seed", default=1, show_default=True, help="Seeds the Poisson arrivals.")
-@click.option("--time-dilation", default=4.0, show_default=True, help="Every latency and SLO is this many times longer on the runtime.")
+@click.option("--time-dilation", default=20.0, show_default=True, help="Every latency and SLO is this many times longer on the runtime.")
 @click.option(
     "--timeouts",
     default="1,2,5,10",

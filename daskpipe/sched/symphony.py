@@ -38,6 +38,7 @@ from daskpipe.sched.api import (
     DropReason,
     Hop,
     Placement,
+    PoolsFixed,
     Request,
     Reservation,
     Slot,
@@ -294,6 +295,9 @@ class DeferredDispatcher(Dispatcher):
             self._models[name] = ModelQueue(name, float(slo), table)
         self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
         self._route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
+        # a slot that runs whole models is one unit: it can leave and come back (a plan's route books later pools of its own)
+        self.supports_pools = isinstance(self._route, (WholeModelRoute, SharedPoolRoute))
+        self._gone: set[int] = set()  # units taken out (remove_slot)
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
         self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
         heapq.heapify(self._idle)
@@ -340,6 +344,8 @@ class DeferredDispatcher(Dispatcher):
         actions: list[Action] = []
         if request.size > model.max_batch:
             return self._drop([request], "no-capacity", f"{request.size} samples exceed the largest batch {model.max_batch}", actions)
+        if len(self._gone) == len(self._units):
+            return self._drop([request], "no-capacity", "every slot of its pool is gone", actions)
         model.queue.push(request)
         self._meter(model, request.arrival, now)
         self._update_candidate(model, now, actions)
@@ -377,6 +383,46 @@ class DeferredDispatcher(Dispatcher):
 
     def continue_ids(self, first: int) -> None:
         self._dispatch_ids = itertools.count(first)
+
+    def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
+        """``slot_id`` gets no more batches; with no slot left, everything queued is dropped for
+        ``reason``. Taking out a slot already out does nothing: every model of a shared pool takes
+        it out of the one dispatcher."""
+        unit = self._unit(slot_id, f"take slot {slot_id!r} out of its pools")
+        if unit.index in self._gone:
+            return []
+        self._gone.add(unit.index)
+        if len(self._gone) < len(self._units):
+            return []
+        actions: list[Action] = []
+        for model in self._models.values():
+            self._drop(model.queue.pop(len(model.queue)), reason, "no slot is left to run it", actions)
+            self._set_candidate(model, None)
+        return actions
+
+    def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
+        """A slot taken out comes back, free from ``now`` (``pipeline`` and ``partition``: the
+        route knows them); a ``ValueError`` for one that is in."""
+        unit = self._unit(slot.id, f"add slot {slot.id!r} to its pools")
+        if unit.index not in self._gone:
+            raise ValueError(f"slot {slot.id!r} is in this dispatcher's pool already")
+        self._gone.discard(unit.index)
+        for heap in (self._busy, self._idle):  # what it was doing when it left is over (rare: O(slots))
+            heap[:] = [entry for entry in heap if entry[-1] != unit.index]
+            heapq.heapify(heap)
+        unit.free = now
+        heapq.heappush(self._idle, self._idle_key(unit))
+        actions: list[Action] = []
+        self._advance(now, actions)
+        return actions
+
+    def _unit(self, slot_id: str, change: str) -> _Unit:
+        if not self.supports_pools:
+            raise PoolsFixed(f"{type(self).__name__} on a plan's route cannot {change}")
+        unit = next((u for u in self._units if u.slot == slot_id), None)
+        if unit is None:
+            raise ValueError(f"slot {slot_id!r} is not one of this dispatcher's ({[u.slot for u in self._units]})")
+        return unit
 
     # -- candidates (the paper's ModelThread) ------------------------------------------------
     def _meter(self, model: ModelQueue, arrival: Time, now: Time) -> None:
@@ -471,7 +517,8 @@ class DeferredDispatcher(Dispatcher):
         while True:
             if self._busy and self._busy[0][0] <= now:
                 _, index = heapq.heappop(self._busy)
-                self._on_gpu_timer(self._units[index], now, actions)
+                if index not in self._gone:
+                    self._on_gpu_timer(self._units[index], now, actions)
                 continue
             self._clean(self._model_timers, pending=False)
             if self._model_timers and self._model_timers[0][0] <= now:
@@ -481,6 +528,8 @@ class DeferredDispatcher(Dispatcher):
             return
 
     def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
+        while self._idle and self._idle[0][-1] in self._gone:
+            heapq.heappop(self._idle)
         if self._idle:
             unit = self._units[heapq.heappop(self._idle)[-1]]
             if not self._dispatch(model, unit, now, actions):

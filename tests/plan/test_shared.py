@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from daskpipe.plan.schema import PlanError
 from daskpipe.plan.shared import SharedGroup, check_memory, largest_batch, shared_plan
 from daskpipe.profiles.catalog import load_catalog
 from daskpipe.profiles.memory import ModelMemory
-from daskpipe.profiles.model import Profile
-
-
-def linear(name: str, alpha_ms: float, beta_ms: float, slo_ms: float, kinds=(("T4", 1), ("L4", 1))) -> Profile:
-    """Two blocks, together alpha * b + beta ms at batch b <= 16 on each kind (L4 twice as fast)."""
-    tables = {}
-    for gpu, v in kinds:
-        speed = 2.0 if gpu == "L4" else 1.0
-        total = np.array([(alpha_ms * b + beta_ms) * 1e3 / speed for b in range(1, 17)])
-        tables[(gpu, v)] = np.stack([total / 2, total / 2])
-    return Profile(model=name, slo_us=slo_ms * 1e3, num_blocks=2, latency_us=tables, boundary_bytes=(100.0,))
+from tests.plan.helpers import linear
 
 
 def test_every_model_gets_one_whole_model_pipeline_per_kind_of_its_sub_cluster():

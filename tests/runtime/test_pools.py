@@ -15,6 +15,7 @@ from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.plugin import plugin_of
 from daskpipe.runtime.pools import SharedPools, SubCluster
+from tests.helpers import wait_until
 from tests.runtime.helpers import INPUT, TinyCNN, example
 
 MODELS = 6
@@ -139,12 +140,12 @@ def test_a_slot_killed_under_a_shared_pool_loses_no_request():
         with service:
             futures = [f for i, name in enumerate(models) for f in service.map(name, frames(16, seed=i))]
             victim = next(w for w in cluster.workers.values())
+            address = victim.address
             cluster.sync(victim.close, executor_wait=False)
+            wait_until(lambda: address not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
             later = [f for i, name in enumerate(models) for f in service.map(name, frames(8, seed=10 + i))]
             wait(futures + later, timeout=60)
-            ended = [f.status for f in futures + later]
-            assert all(status in ("finished", "error") for status in ended)  # every request ends
-            reasons = {future.exception().reason for future in futures + later if future.status == "error"}
-            assert all(isinstance(f.exception(), RequestDropped) for f in futures + later if f.status == "error")
-            assert reasons <= {"worker-lost"}  # the dead slot's batches; the live one serves the rest
-            assert sum(status == "finished" for status in ended) > 0
+            assert all(f.status in ("finished", "error") for f in futures)  # every request ends
+            assert all(isinstance(f.exception(), RequestDropped) for f in futures if f.status == "error")
+            assert {f.exception().reason for f in futures if f.status == "error"} <= {"worker-lost"}  # a retry out of time
+            assert [f.status for f in later] == ["finished"] * len(later)  # the dead slot is out of the pool for every model

@@ -200,7 +200,7 @@ def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
 def test_a_shared_pool_serves_every_model_in_one_engine():
     from daskpipe.sched.api import Request
     from daskpipe.sim.simulate import simulate_pool
-    from tests.sched.test_registry import two_kind_pool
+    from tests.sched.helpers import two_kind_pool
 
     plan, profiles, slots = two_kind_pool()
     requests = [Request(i, "ab"[i % 2], i * 1e-3, i * 1e-3 + 0.03) for i in range(600)]  # 1,000 req/s in all
