@@ -184,7 +184,7 @@ def runtime_trial(
 
     collector = threading.Thread(target=collect, name="multiplex-collector", daemon=True)
     collector.start()
-    futures = []
+    futures: list[Any] = []
     for (_, name), at in zip(arrivals, due):
         delay = at - time.perf_counter()
         if delay > 0:
