@@ -11,6 +11,8 @@ from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.profiles.model import Profile, ProfileError
 
 if TYPE_CHECKING:
+    from daskpipe.profiles.memory import ModelMemory
+    from daskpipe.runtime.client.pools import SharedPools, SubCluster
     from daskpipe.runtime.client.service import Service, deploy
     from daskpipe.runtime.deploying.profiling import ProfilingOptions
     from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConfigError",
     "ElasticSettings",
+    "ModelMemory",
     "Plan",
     "PlanError",
     "PlannerOptions",
@@ -25,6 +28,8 @@ __all__ = [
     "ProfileError",
     "ProfilingOptions",
     "Service",
+    "SharedPools",
+    "SubCluster",
     "dask_setup",
     "deploy",
 ]
@@ -41,6 +46,9 @@ _LAZY = {
     "Service": "daskpipe.runtime.client.service",
     "ProfilingOptions": "daskpipe.runtime.deploying.profiling",
     "ElasticSettings": "daskpipe.runtime.scheduler.elastic.state",
+    "SharedPools": "daskpipe.runtime.client.pools",
+    "SubCluster": "daskpipe.runtime.client.pools",
+    "ModelMemory": "daskpipe.profiles.memory",
 }
 
 

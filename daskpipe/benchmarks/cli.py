@@ -26,8 +26,8 @@ from daskpipe.cli import LazyGroup
         "serve": "daskpipe.benchmarks.serve:bench_serve",
         "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
         "subclusters": "daskpipe.benchmarks.subclusters:bench_subclusters",
-
         "symphony": "daskpipe.benchmarks.symphony:bench_symphony",
+        "multiplex": "daskpipe.benchmarks.multiplex:bench_multiplex",
     },
 )
 def bench() -> None:

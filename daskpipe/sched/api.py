@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Hashable, Literal, Union
+from typing import Hashable, Literal, Union
 
 Time = float  # seconds; the simulator's virtual clock or the runtime's monotonic clock
 
@@ -163,8 +163,8 @@ class Dispatcher(ABC):
     ``NotImplementedError`` (a dispatcher that can take over from another must override it).
     """
 
-    supports_pools: ClassVar[bool] = False
-    """Whether ``remove_slot`` and ``add_slot`` work. An executor never calls them otherwise: it
+    supports_pools: bool = False
+    """Whether ``remove_slot`` and ``add_slot`` work (a class's, or one instance's). An executor never calls them otherwise: it
     leaves a lost worker's slot in the pools (its batches are dropped as "worker-lost" until a
     re-plan) and never suspects a slow one (gray failures need a pool to route around it)."""
 

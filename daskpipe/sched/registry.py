@@ -20,23 +20,28 @@ dispatchers with :func:`make_dispatcher`, so each name runs in both. The policie
     The data plane of hybrid (fragment) plans (:mod:`daskpipe.sched.hybrid`): one PPipe per entry
     block over one timeline; on a plan whose pipelines all enter at block 0 it is PPipe.
 
+``deferred``, ``eager`` and ``timeout`` also run *shared pools* (:func:`make_shared_dispatcher`):
+one dispatcher over a sub-cluster's slots, each of which holds every model of the sub-cluster, as
+in Symphony; the simulator and the runtime both build it there.
+
 Tests may add a policy of their own with :func:`register`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
-from daskpipe.sched.api import Dispatcher, Placement
+from daskpipe.sched.api import Dispatcher, Placement, Slot
 from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
 from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.reactive import ReactiveDispatcher
-from daskpipe.sched.symphony import DeferredDispatcher
+from daskpipe.sched.symphony import DeferredDispatcher, SharedPoolRoute
 
 
 class DataPlane(str, Enum):
@@ -52,6 +57,8 @@ class DataPlane(str, Enum):
 
 
 DATAPLANES: tuple[str, ...] = tuple(plane.value for plane in DataPlane)
+MULTIPLEXING: tuple[str, ...] = (DataPlane.DEFERRED.value, DataPlane.EAGER.value, DataPlane.TIMEOUT.value)
+"""The data planes that can serve several models over the same slots (a shared pool)."""
 
 TIMEOUT_S = 0.002
 """The timeout policy's default wait (Triton's and Ray Serve's order of magnitude)."""
@@ -130,3 +137,59 @@ def ppipe_two_pass(model_plan: ModelPlan, placement: Placement, profile: Profile
     """
     two_pass = replace(settings, two_pass_admission=True) if settings is not None else PPipeSettings(two_pass_admission=True)
     return PPipeDispatcher(model_plan, placement, profile, bw_gbps=bw_gbps, settings=two_pass)
+
+
+def make_shared_dispatcher(
+    name: str,
+    models: Mapping[str, tuple[ModelPlan, Profile]],
+    slots: Sequence[Slot],
+    *,
+    timeout_s: float = TIMEOUT_S,
+    max_batch: int | None = None,
+    settings: Any = None,
+) -> DeferredDispatcher:
+    """Data plane ``name`` (one of :data:`MULTIPLEXING`) for a shared pool: every model of
+    ``models`` (name -> its plan and profile) whole on every one of ``slots``.
+
+    Each model's plan has one single-partition pipeline per (GPU, slices) kind of ``slots``
+    (``daskpipe.plan.shared``); a batch is timed on its slot's kind, and a model's largest batch is
+    its pipelines' smallest planned one (what its slowest kind allows within the SLO). ``settings``
+    is a ``DeferredSettings``; ``max_batch`` caps every model's batches.
+    """
+    plane = check_name(name)
+    if plane not in MULTIPLEXING:
+        raise ValueError(f"data plane {name!r} does not share slots between models; a shared pool runs one of {', '.join(MULTIPLEXING)}")
+    kinds = {slot.id: (slot.gpu, slot.slices) for slot in slots}
+    pipelines: dict[str, dict[str, int]] = {}
+    blocks: dict[str, tuple[int, int]] = {}
+    for model, (model_plan, _) in models.items():
+        by_kind = {
+            (pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(model_plan.pipelines) if len(pl.partitions) == 1
+        }
+        missing = sorted({f"{gpu}/v{v}" for gpu, v in kinds.values() if (gpu, v) not in by_kind})
+        if missing:
+            raise ValueError(
+                f"the plan of {model!r} has no whole-model pipeline on {', '.join(missing)}, a kind of its shared pool's slots"
+            )
+        pipelines[model] = {slot: by_kind[kind] for slot, kind in kinds.items()}
+        blocks[model] = model_plan.pipelines[0].partitions[0].blocks
+
+    def latency(model: str, slot: str, batch: int) -> float:
+        gpu, v = kinds[slot]
+        return models[model][1].latency(gpu, v, batch, *blocks[model]) / 1e6
+
+    route = SharedPoolRoute(latency, pipelines)
+    caps = {m: min(min(pl.batch_size for pl in plan.pipelines), max_batch or math.inf) for m, (plan, _) in models.items()}
+    policy: dict[str, Any] = {"max_wait_s": timeout_s} if plane == DataPlane.TIMEOUT else {}
+    kind = {DataPlane.DEFERRED: DeferredDispatcher, DataPlane.EAGER: EagerDispatcher, DataPlane.TIMEOUT: TimeoutDispatcher}[
+        DataPlane(plane)
+    ]
+    return kind(
+        {m: plan.slo_us / 1e6 for m, (plan, _) in models.items()},
+        slots,
+        route.slowest,
+        max_batch={m: int(cap) for m, cap in caps.items()},
+        route=route,
+        settings=settings,
+        **policy,
+    )

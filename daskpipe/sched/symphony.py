@@ -29,7 +29,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Literal, Mapping, Protocol, Sequence
 
 from daskpipe.sched.api import (
     Action,
@@ -39,6 +39,7 @@ from daskpipe.sched.api import (
     DropReason,
     Hop,
     Placement,
+    PoolsFixed,
     Request,
     Reservation,
     Slot,
@@ -70,6 +71,27 @@ class WholeModelRoute:
     def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
         end = start + self.latency(model, batch)
         return 0, (Hop(0, slot, Reservation(slot, start, end)),), end
+
+    def commit(self, hops: tuple[Hop, ...]) -> None:
+        return None
+
+
+class SharedPoolRoute:
+    """Every model whole on every slot of a sub-cluster (Symphony's setting), on slots of several
+    kinds: a batch runs for its own slot's latency, ``latency(model, slot, batch)``, and on
+    ``pipelines[model][slot]``, the model's pipeline of that slot's kind in the plan (what the
+    executor holds the batch for). The window takes :meth:`slowest`, as Symphony takes the slowest
+    GPU's profile, so a batch sent to a faster slot only ends earlier."""
+
+    def __init__(self, latency: Callable[[str, str, int], float], pipelines: Mapping[str, Mapping[str, int]]) -> None:
+        self.latency, self.pipelines = latency, pipelines
+
+    def slowest(self, model: str, batch: int) -> float:
+        return max(self.latency(model, slot, batch) for slot in self.pipelines[model])
+
+    def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
+        end = start + self.latency(model, slot, batch)
+        return self.pipelines[model][slot], (Hop(0, slot, Reservation(slot, start, end)),), end
 
     def commit(self, hops: tuple[Hop, ...]) -> None:
         return None
@@ -274,6 +296,9 @@ class DeferredDispatcher(Dispatcher):
             self._models[name] = ModelQueue(name, float(slo), table)
         self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
         self._route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
+        # a slot that runs whole models is one unit: it can leave and come back (a plan's route books later pools of its own)
+        self.supports_pools = isinstance(self._route, (WholeModelRoute, SharedPoolRoute))
+        self._gone: set[int] = set()  # units taken out (remove_slot)
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
         self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
         heapq.heapify(self._idle)
@@ -320,6 +345,8 @@ class DeferredDispatcher(Dispatcher):
         actions: list[Action] = []
         if request.size > model.max_batch:
             return self._drop([request], "no-capacity", f"{request.size} samples exceed the largest batch {model.max_batch}", actions)
+        if len(self._gone) == len(self._units):
+            return self._drop([request], "no-capacity", "every slot of its pool is gone", actions)
         model.queue.push(request)
         self._meter(model, request.arrival, now)
         self._update_candidate(model, now, actions)
@@ -341,11 +368,14 @@ class DeferredDispatcher(Dispatcher):
             times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU
         return min(times) if times else None
 
-    def drain(self, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+    def drain(self, now: Time, reason: DropReason = "shutdown", models: Collection[str] | None = None) -> list[Action]:
+        """Drop what is queued; ``models``: only their requests (models leaving a shared pool
+        whose other models stay: those keep their queues and the slots)."""
         actions: list[Action] = []
         for model in self._models.values():
-            self._drop(model.queue.pop(len(model.queue)), reason, "dispatcher drained", actions)
-            self._set_candidate(model, None)
+            if models is None or model.name in models:
+                self._drop(model.queue.pop(len(model.queue)), reason, "dispatcher drained", actions)
+                self._set_candidate(model, None)
         return actions
 
     @property
@@ -359,6 +389,46 @@ class DeferredDispatcher(Dispatcher):
         """Which waiting candidate a freed GPU takes, lowest first: the most urgent (smallest latest)."""
         assert model.candidate is not None, "only a candidate is ranked"
         return model.candidate.latest
+
+    def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
+        """``slot_id`` gets no more batches; with no slot left, everything queued is dropped for
+        ``reason``. Taking out a slot already out does nothing: every model of a shared pool takes
+        it out of the one dispatcher."""
+        unit = self._unit(slot_id, f"take slot {slot_id!r} out of its pools")
+        if unit.index in self._gone:
+            return []
+        self._gone.add(unit.index)
+        if len(self._gone) < len(self._units):
+            return []
+        actions: list[Action] = []
+        for model in self._models.values():
+            self._drop(model.queue.pop(len(model.queue)), reason, "no slot is left to run it", actions)
+            self._set_candidate(model, None)
+        return actions
+
+    def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
+        """A slot taken out comes back, free from ``now`` (``pipeline`` and ``partition``: the
+        route knows them); a ``ValueError`` for one that is in."""
+        unit = self._unit(slot.id, f"add slot {slot.id!r} to its pools")
+        if unit.index not in self._gone:
+            raise ValueError(f"slot {slot.id!r} is in this dispatcher's pool already")
+        self._gone.discard(unit.index)
+        for heap in (self._busy, self._idle):  # what it was doing when it left is over (rare: O(slots))
+            heap[:] = [entry for entry in heap if entry[-1] != unit.index]
+            heapq.heapify(heap)
+        unit.free = now
+        heapq.heappush(self._idle, self._idle_key(unit))
+        actions: list[Action] = []
+        self._advance(now, actions)
+        return actions
+
+    def _unit(self, slot_id: str, change: str) -> _Unit:
+        if not self.supports_pools:
+            raise PoolsFixed(f"{type(self).__name__} on a plan's route cannot {change}")
+        unit = next((u for u in self._units if u.slot == slot_id), None)
+        if unit is None:
+            raise ValueError(f"slot {slot_id!r} is not one of this dispatcher's ({[u.slot for u in self._units]})")
+        return unit
 
     # -- candidates (the paper's ModelThread) ------------------------------------------------
     def _meter(self, model: ModelQueue, arrival: Time, now: Time) -> None:
@@ -453,7 +523,8 @@ class DeferredDispatcher(Dispatcher):
         while True:
             if self._busy and self._busy[0][0] <= now:
                 _, index = heapq.heappop(self._busy)
-                self._on_gpu_timer(self._units[index], now, actions)
+                if index not in self._gone:
+                    self._on_gpu_timer(self._units[index], now, actions)
                 continue
             self._clean(self._model_timers, pending=False)
             if self._model_timers and self._model_timers[0][0] <= now:
@@ -463,6 +534,8 @@ class DeferredDispatcher(Dispatcher):
             return
 
     def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
+        while self._idle and self._idle[0][-1] in self._gone:
+            heapq.heappop(self._idle)
         if self._idle:
             unit = self._units[heapq.heappop(self._idle)[-1]]
             if not self._dispatch(model, unit, now, actions):

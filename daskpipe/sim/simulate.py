@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from daskpipe.plan.schema import ModelPlan, Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Dispatch, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.registry import make_dispatcher
+from daskpipe.sched.registry import TIMEOUT_S, make_dispatcher, make_shared_dispatcher
 from daskpipe.sim.config import SimulationConfig
 from daskpipe.sim.engine import Engine, Trace, on_time
 from daskpipe.sim.workload import Trace as ArrivalTrace
@@ -257,6 +257,30 @@ def simulate(
         slots.update(placement.slots)
     cluster, used = _utilization(plan, busy, slots, config.duration)
     return SimResult(config.dataplane, _arrivals_name(setup.arrivals), config.duration, config.seed, results, cluster, used, runs=runs)
+
+
+def simulate_pool(
+    plan: Plan,
+    profiles: Mapping[str, Profile],
+    dataplane: str,
+    slots: Sequence[Slot],
+    requests: Iterable[Request],
+    *,
+    timeout_s: float = TIMEOUT_S,
+    settings: Any = None,
+) -> Trace:
+    """``requests`` (in arrival order) served by a shared pool: every model of ``plan`` (a shared
+    plan, ``daskpipe.plan.shared``) on every one of ``slots``, with one ``dataplane`` dispatcher
+    for all of them (:func:`~daskpipe.sched.registry.make_shared_dispatcher`, as the runtime's
+    ``deploy(..., pools=SharedPools())`` builds it). Models share the slots here, so they run in
+    one engine, not one each as in :func:`simulate`."""
+    bw = float(plan.cluster.get("bw_gbps", 10.0))
+    dispatcher = make_shared_dispatcher(
+        dataplane, {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s=timeout_s, settings=settings
+    )
+    engine = Engine({m.name: dispatcher for m in plan.models}, {s.id: s for s in slots}, ProfileDurations(plan, profiles, bw))
+    engine.add_arrivals(requests)
+    return engine.run()
 
 
 def _arrivals_name(arrivals: str | ArrivalTrace) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.plan.shared import SharedGroup, shared_plan
 from daskpipe.profiles.model import Profile
 from daskpipe.sched.api import Placement, Request, Slot
+from tests.plan.helpers import linear
 
 MS = 1e-3
 # per-block latency (ms) at batch 1..4 on GPU A (block 0) and B (block 1)
@@ -46,3 +48,11 @@ def fig5() -> tuple[ModelPlan, Placement]:
 
 def req(i: int, t: float, slo_ms: float = 200.0, size: int = 1) -> Request:
     return Request(i, "m", t, t + slo_ms * MS, size)
+
+
+def two_kind_pool():
+    """Models "a" and "b" on one T4 and one L4 (twice as fast), as ``daskpipe.plan.shared`` plans them."""
+    profiles = {"a": linear("a", 1.0, 5.0, 20.0), "b": linear("b", 2.0, 4.0, 30.0)}
+    plan = shared_plan(profiles, [SharedGroup(("a", "b"), {("T4", 1): 1, ("L4", 1): 1})])
+    slots = [Slot("l4", "L4", 1, "s"), Slot("t4", "T4", 1, "s")]
+    return plan, profiles, slots

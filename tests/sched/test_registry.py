@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from daskpipe.sched.api import Dispatch, Dispatcher, Placement, PoolsFixed, Request, Slot
-from daskpipe.sched.registry import DATAPLANES, known, make_dispatcher, register
+from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Placement, PoolsFixed, Request, Slot
+from daskpipe.sched.registry import DATAPLANES, MULTIPLEXING, known, make_dispatcher, make_shared_dispatcher, register
+from tests.sched.helpers import two_kind_pool
 from tests.sim.helpers import toy_plan, toy_profile
 
 
@@ -66,3 +67,52 @@ def test_a_dispatcher_that_cannot_take_over_says_so():
 
     with pytest.raises(NotImplementedError, match="Minimal cannot take over"):
         Minimal().continue_ids(5)
+
+
+@pytest.mark.parametrize("name", MULTIPLEXING)
+def test_a_shared_dispatcher_runs_every_model_on_every_slot_timed_by_its_kind(name):
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher(name, {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s=0.001)
+    actions = []
+    for i in range(40):  # more than one slot can take at once: both models on both slots
+        actions += dispatcher.submit(Request(i, "ab"[i % 2], 0.0, 0.1), 0.0)
+    while (wake := dispatcher.next_wake()) is not None:
+        actions += dispatcher.wake(wake)
+    dispatches = [a for a in actions if isinstance(a, Dispatch)]
+    assert sum(len(d.requests) for d in dispatches) == 40
+    assert {d.model for d in dispatches} == {"a", "b"} and {d.hops[0].slot for d in dispatches} == {"l4", "t4"}
+    for d in dispatches:  # the plan's pipeline of the slot's kind, and the kind's own latency
+        pipeline = plan.model(d.model).pipelines[d.pipeline]
+        assert pipeline.partitions[0].gpu == {"l4": "L4", "t4": "T4"}[d.hops[0].slot]
+        compute = d.hops[0].compute
+        assert compute.end - compute.start == pytest.approx(profiles[d.model].latency(pipeline.partitions[0].gpu, 1, d.batch_size) / 1e6)
+
+
+def test_a_shared_pool_refuses_a_data_plane_that_does_not_multiplex():
+    plan, profiles, slots = two_kind_pool()
+    with pytest.raises(ValueError, match="data plane 'ppipe' does not share slots between models"):
+        make_shared_dispatcher("ppipe", {m.name: (m, profiles[m.name]) for m in plan.models}, slots)
+
+
+def test_a_shared_dispatcher_takes_a_lost_slot_out_for_every_model_and_back():
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher("eager", {m.name: (m, profiles[m.name]) for m in plan.models}, slots)
+    assert dispatcher.supports_pools
+    assert dispatcher.remove_slot("l4", 0.0) == [] and dispatcher.remove_slot("l4", 0.0) == []  # once per model: one effect
+    actions = [a for i in range(10) for a in dispatcher.submit(Request(i, "ab"[i % 2], 0.0, 0.1), 0.0)]
+    while (wake := dispatcher.next_wake()) is not None:
+        actions += dispatcher.wake(wake)
+    assert {a.hops[0].slot for a in actions if isinstance(a, Dispatch)} == {"t4"}
+    dispatcher.add_slot(slots[0], 0, 0, 1.0)
+    with pytest.raises(ValueError, match="in this dispatcher's pool already"):
+        dispatcher.add_slot(slots[0], 0, 0, 1.0)
+    later = [a for i in range(10, 14) for a in dispatcher.submit(Request(i, "a", 1.0, 1.1), 1.0)]
+    while (wake := dispatcher.next_wake()) is not None:
+        later += dispatcher.wake(wake)
+    assert "l4" in {a.hops[0].slot for a in later if isinstance(a, Dispatch)}
+    dispatcher.remove_slot("l4", 2.0)
+    ran = dispatcher.submit(Request(99, "b", 2.0, 2.1), 2.0)  # on t4, which is busy with it then
+    dropped = dispatcher.submit(Request(100, "b", 2.0, 2.1), 2.0) + dispatcher.remove_slot("t4", 2.0)
+    dropped += dispatcher.submit(Request(101, "a", 2.0, 2.1), 2.0)
+    assert [a.hops[0].slot for a in ran if isinstance(a, Dispatch)] == ["t4"]
+    assert [(a.request.id, a.reason) for a in dropped if isinstance(a, Drop)] == [(100, "worker-lost"), (101, "no-capacity")]

@@ -195,3 +195,16 @@ def test_every_data_plane_holds_70_percent_of_the_plans_capacity(dataplane):
     tiny = result.models["tiny"]
     assert result.dataplane == dataplane and tiny.submitted > 0.7 * plan.model("tiny").throughput * 5.0 * 0.9
     assert tiny.attainment >= 0.99, tiny
+
+
+def test_a_shared_pool_serves_every_model_in_one_engine():
+    from daskpipe.sched.api import Request
+    from daskpipe.sim.simulate import simulate_pool
+    from tests.sched.helpers import two_kind_pool
+
+    plan, profiles, slots = two_kind_pool()
+    requests = [Request(i, "ab"[i % 2], i * 1e-3, i * 1e-3 + 0.03) for i in range(600)]  # 1,000 req/s in all
+    trace = simulate_pool(plan, profiles, "deferred", slots, requests)
+    assert len(trace.requests) == 600
+    assert all(r.finish is not None or r.dropped is not None for r in trace.requests.values())
+    assert {(d.model, d.hops[0].slot) for _, d in trace.dispatches} == {(m, s.id) for m in "ab" for s in slots}

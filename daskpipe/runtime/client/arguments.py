@@ -17,9 +17,11 @@ from torch import nn
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
+from daskpipe.runtime.client.pools import SharedPools
 from daskpipe.runtime.deploying.profiling import ProfilingOptions
 from daskpipe.runtime.errors import DeployError, check_count, check_positive
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
+from daskpipe.sched.registry import MULTIPLEXING
 
 
 def check_module(what: str, value: Any) -> None:
@@ -80,6 +82,7 @@ def check_deploy_arguments(
     profiles: Any,
     max_queued: Any,
     elastic: Any,
+    pools: Any = None,
 ) -> None:
     """``deploy``'s arguments, each checked for its type and range; the first wrong one fails, named."""
     if not isinstance(models, Mapping):
@@ -119,6 +122,15 @@ def check_deploy_arguments(
         check_count("max_queued (None for the default)", max_queued)
     if elastic is not None and not isinstance(elastic, ElasticSettings):
         raise DeployError(f"elastic must be an ElasticSettings or None, got {type(elastic).__name__}")
+    if pools is not None:
+        if not isinstance(pools, SharedPools):
+            raise DeployError(f"pools must be a SharedPools or None (PPipe's planned pools), got {type(pools).__name__}")
+        if dispatcher not in MULTIPLEXING:
+            raise DeployError(
+                f"a shared pool needs a data plane that shares slots between models ({', '.join(MULTIPLEXING)}), got {dispatcher!r}"
+            )
+        if plan is not None:
+            raise DeployError("pools=SharedPools() makes its own plan (every model on every slot of its sub-cluster); pass no plan=")
 
 
 def check_profile(what: str, value: Any) -> None:

@@ -42,8 +42,9 @@ from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import ProfileStore, configured_store
 from daskpipe.runtime.client.arguments import check_deploy_arguments, check_model_change
 from daskpipe.runtime.client.futures import ClientStream, LandedFutures, ServedFuture
-from daskpipe.runtime.deploying.deployment import pickle_blocks, ppipe_launches, release, start_stages
-from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
+from daskpipe.runtime.client.pools import SharedPools, plan_pools, pool_placement, resolve
+from daskpipe.runtime.deploying.deployment import pickle_blocks, plan_launches, release, start_stages
+from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus, place
 from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
@@ -648,6 +649,7 @@ def deploy(
     max_queued: int | None = None,
     allow_nonfinite: bool = False,
     elastic: ElasticSettings | None = ElasticSettings(),
+    pools: SharedPools | None = None,
 ) -> Service:
     """Profile, plan, place and serve ``models`` (name -> ``nn.Module``) on ``client``'s cluster.
 
@@ -685,6 +687,14 @@ def deploy(
     elastic
         How the scheduler re-plans as workers join and leave or the load mix shifts, and advises
         ``Adaptive`` (:class:`~daskpipe.runtime.scheduler.elastic.state.ElasticSettings`); ``None``: the plan stays.
+        Shared pools are not re-planned.
+    pools
+        ``None`` (default): PPipe's planned pools, each GPU serving one model. A
+        :class:`~daskpipe.runtime.client.pools.SharedPools`: Symphony's shared pools, every model of a
+        sub-cluster whole on every slot of it (within each GPU's memory: a deploy whose models do
+        not fit is refused, naming them), with one ``deferred``, ``eager`` or ``timeout``
+        dispatcher per sub-cluster choosing which model a free slot runs next (docs/batching.md,
+        "Shared pools"). It needs no ``plan=``; a PPipe plan that gives a model no pipeline says so.
 
     Returns
     -------
@@ -712,6 +722,7 @@ def deploy(
         profiles=profiles,
         max_queued=max_queued,
         elastic=elastic,
+        pools=pools,
     )
     try:  # this process's keys: its own (the store, its GC), and those of an in-process scheduler and workers
         check_settings()
@@ -743,7 +754,13 @@ def deploy(
     for name in set(names) - given:  # and is planned for none, whichever model's profiling excluded it
         profiles[name] = on_kinds(profiles[name], slots)
     slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
-    if plan is None:
+    shared = resolve(pools, names, slots) if pools is not None else []
+    if shared and pools is not None:
+        from daskpipe.profiles.memory import measure_memory
+
+        memory = {name: pools.memory.get(name) or measure_memory(models[name], example_inputs[name]) for name in names}
+        plan = plan_pools(shared, profiles, slos_us, memory, pools.context_bytes)
+    elif plan is None:
         from daskpipe.plan.milp import make_plan
 
         plan = make_plan(
@@ -761,7 +778,10 @@ def deploy(
     for name in names:
         model_plan = plan.model(name)
         if not model_plan.pipelines:
-            raise DeployError(f"the plan gives model {name!r} no pipeline on this cluster")
+            raise DeployError(
+                f"the plan gives model {name!r} no pipeline on this cluster; to share GPUs between models, deploy with "
+                f"pools=SharedPools() and dispatcher='deferred' (docs/batching.md, \"Shared pools\")"
+            )
         deepest = max(part.blocks[1] for pipeline in model_plan.pipelines for part in pipeline.partitions)
         if deepest > profiles[name].num_blocks:
             raise DeployError(
@@ -770,9 +790,9 @@ def deploy(
             )
         specs[name] = request_spec(blocked[name], profiles[name], example_inputs[name], model_plan.max_batch, allow_nonfinite)
         queue_bound(model_plan, max_queued)  # a bad bound fails here, before any stage starts
-    launches = ppipe_launches(
+    launches = plan_launches(
         plan,
-        slots,
+        pool_placement(plan, shared) if shared else place(plan, names, slots),
         {name: [blocked[name].input_shape, *blocked[name].boundary_shapes] for name in names},
         {name: str(specs[name].dtype).removeprefix("torch.") for name in names},
     )
@@ -781,8 +801,24 @@ def deploy(
     started = client.sync(start_stages, client, launches, pickled)
     stage_futures, stage_rows = started.futures, started.rows
     served: list[str] = []
+    bw_gbps = float(plan.cluster.get("bw_gbps", planner.bw_gbps))
     try:
-        for name in names:
+        for pool in shared:
+            client.sync(
+                client.scheduler.daskpipe_serve_pool,
+                models=list(pool.models),
+                plan=plan.to_dict(),
+                profiles={name: profiles[name].to_dict() for name in pool.models},
+                stages={name: stage_rows[name] for name in pool.models},
+                dispatcher=dispatcher,
+                time_dilation=float(time_dilation),
+                bw_gbps=bw_gbps,
+                max_queued=max_queued,
+                sample_nbytes={name: specs[name].sample_nbytes for name in pool.models},
+                timeout_s=None if pools is None or pools.timeout_ms is None else pools.timeout_ms * 1e-3,
+            )
+            served.extend(pool.models)
+        for name in names if not shared else ():
             client.sync(
                 client.scheduler.daskpipe_serve,
                 model=name,
@@ -790,20 +826,20 @@ def deploy(
                 profile=profiles[name].to_dict(),
                 stages=stage_rows[name],
                 time_dilation=float(time_dilation),
-                bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps)),
+                bw_gbps=bw_gbps,
                 dispatcher=dispatcher,
                 max_queued=max_queued,
                 sample_nbytes=specs[name].sample_nbytes,
             )
             served.append(name)
-        if elastic is not None:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
+        if elastic is not None and not shared:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
             client.sync(
                 client.scheduler.daskpipe_elastic,
                 group=uuid.uuid4().hex,
                 models={name: scheduler_spec(blocked[name], specs[name], profiles[name], pickled[name]) for name in names},
                 plan=plan.to_dict(),
                 stages=stage_rows,
-                options=replace(planner, bw_gbps=float(plan.cluster.get("bw_gbps", planner.bw_gbps))).to_dict(),
+                options=replace(planner, bw_gbps=bw_gbps).to_dict(),
                 slo_us=slos_us,
                 weights=dict(weights) if weights else None,
                 time_dilation=float(time_dilation),

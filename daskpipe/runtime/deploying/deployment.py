@@ -99,10 +99,21 @@ def ppipe_launches(
     input_dtypes: Mapping[str, str],
 ) -> list[StageLaunch]:
     """The stages of the models of ``input_shapes`` (block i's per-sample input shape, per model) on ``slots``."""
+    return plan_launches(plan, place(plan, list(input_shapes), slots), input_shapes, input_dtypes)
+
+
+def plan_launches(
+    plan: Plan,
+    placed: Mapping[str, Sequence[tuple[int, int, WorkerSlot]]],
+    input_shapes: Mapping[str, Sequence[Sequence[int]]],
+    input_dtypes: Mapping[str, str],
+) -> list[StageLaunch]:
+    """The stages of ``plan``'s pools on the slots ``placed`` gives them (model -> (pipeline,
+    partition, slot) rows): :func:`~daskpipe.runtime.deploying.placement.place`'s, or a shared pool's."""
     from daskpipe.runtime.worker.stage import FEATURE_MAP_DTYPE, Stage
 
     launches = []
-    for name, placements in place(plan, list(input_shapes), slots).items():
+    for name, placements in placed.items():
         pipelines = plan.model(name).pipelines
         for p, q, slot in placements:
             start, end = pipelines[p].partitions[q].blocks

@@ -26,10 +26,11 @@ from daskpipe.runtime.scheduler.served import Served, queue_bound
 from daskpipe.runtime.wire.inputs import HeldInput, held_count
 from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.runtime.wire.streams import ImmediateSend
-from daskpipe.sched.api import Placement, Request, Slot
+from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
 from daskpipe.sched.metrics import ServiceMetrics
-from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher
+from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
+from daskpipe.sched.symphony import DeferredDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,34 @@ def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Pr
     )
 
 
+def check_dilation(time_dilation: Any) -> None:
+    if not time_dilation > 0:
+        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
+
+
+def pool_dispatcher(
+    dispatcher: str, plan: dict, profiles: dict[str, dict], slots: Sequence[WorkerSlot], *, time_dilation: float, timeout_s: float | None
+) -> DeferredDispatcher:
+    """The one dispatcher of a shared pool: every model of ``profiles`` on every one of ``slots``
+    (``daskpipe.sched.registry.make_shared_dispatcher``), time-dilated as :func:`served_from`
+    dilates; ``timeout_s``: the timeout data plane's wait (``None``: ``TIMEOUT_S``)."""
+    check_dilation(time_dilation)
+    check_dispatcher(dispatcher)
+    k = float(time_dilation)
+    whole = Plan.from_dict(plan)
+    models = {name: dilated(whole.model(name), Profile.from_dict(profile), k) for name, profile in profiles.items()}
+    try:
+        wait = TIMEOUT_S if timeout_s is None else float(timeout_s)
+        return make_shared_dispatcher(dispatcher, models, [as_slot(s) for s in slots], timeout_s=wait * k)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
+
+
+def as_slot(slot: WorkerSlot) -> Slot:
+    """What a dispatcher knows of a worker's slot."""
+    return Slot(id=slot.address, gpu=slot.gpu, slices=slot.slices, server=slot.server)
+
+
 def served_from(
     model: str,
     plan: dict,
@@ -209,16 +238,18 @@ def served_from(
     control: ControlPath,
     time_dilation: float,
     bw_gbps: float,
-    dispatcher: str,
+    dispatcher: str | Dispatcher,
     max_queued: int | None,
     sample_nbytes: int,
 ) -> tuple[Served, Placement]:
     """What serving ``model`` on ``stages`` (rows of [pipeline, partition, worker address, actor
     key]) among ``slots`` takes, with its dispatcher's placement; a model that cannot be served
-    is refused with the reason (:func:`check_feasible`). ``control``'s cap is set for it."""
-    if not time_dilation > 0:
-        raise DeployError(f"time_dilation must be > 0, got {time_dilation!r}")
-    check_dispatcher(dispatcher)
+    is refused with the reason (:func:`check_feasible`). ``control``'s cap is set for it.
+    ``dispatcher``: a data plane's name, built here for this model alone, or one built already
+    that other models share (a shared pool, :func:`pool_dispatcher`)."""
+    check_dilation(time_dilation)
+    if isinstance(dispatcher, str):
+        check_dispatcher(dispatcher)
     try:
         gray = GrayPolicy.from_config()
     except ConfigError as exc:
@@ -236,7 +267,7 @@ def served_from(
     placement = Placement(
         model=model,
         pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
-        slots={a: Slot(id=a, gpu=s.gpu, slices=s.slices, server=s.server) for a, s in slot_of.items()},
+        slots={a: as_slot(s) for a, s in slot_of.items()},
     )
     budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
     headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
@@ -245,7 +276,9 @@ def served_from(
     served = Served(
         model=model_plan,
         profile=model_profile,
-        dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k),
+        dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k)
+        if isinstance(dispatcher, str)
+        else dispatcher,
         stages=stage_keys,
         emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
         durations=BatchDurations(

@@ -36,7 +36,7 @@ from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.scheduler.elastic.controller import Elastic
-from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, served_from, sliced_releases
+from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, pool_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.scheduler.keys import err_key
 from daskpipe.runtime.scheduler.lifecycle import Lifecycle
 from daskpipe.runtime.scheduler.served import Flight, Served, queue_bound
@@ -47,6 +47,7 @@ from daskpipe.runtime.wire.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.wire.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
 from daskpipe.sched.metrics import ServiceMetrics
+from daskpipe.sched.symphony import DeferredDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.STREAM: self.open_stream,
                     messages.INVENTORY: self.inventory,
                     messages.SERVE: self.serve,
+                    messages.SERVE_POOL: self.serve_pool,
                     messages.CLOSE: self.close_models,
                     messages.STATUS: self.status,
                     **self.elastic.handlers(),
@@ -273,6 +275,64 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         freeze_heap()
         return "OK"
 
+    async def serve_pool(
+        self,
+        models: list[str],
+        plan: dict,
+        profiles: dict[str, dict],
+        stages: dict[str, list[list]],
+        *,
+        dispatcher: str,
+        time_dilation: float = 1.0,
+        bw_gbps: float = 10.0,
+        max_queued: int | None = None,
+        sample_nbytes: dict[str, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Start serving a shared pool (:mod:`daskpipe.runtime.client.pools`): ``models``, each on every
+        slot of the pool (``stages[model]``: its rows, as :meth:`serve` takes them), with one
+        ``dispatcher`` for all of them, whose dispatches go to the model they are for
+        (:meth:`act`). Each model keeps its own requests, counts and control-path margin, all
+        seeded from one measurement of the pool's workers. All of them are served, or none.
+        ``timeout_s``: the timeout data plane's wait, before time dilation."""
+        addresses = sorted({str(row[2]) for rows in stages.values() for row in rows})
+        unknown = [a for a in addresses if a not in self.slots]
+        if unknown:
+            raise DeployError(f"a shared pool is placed on {unknown}, which are not workers of this cluster")
+        shared = pool_dispatcher(
+            dispatcher,
+            plan,
+            {m: profiles[m] for m in models},
+            [self.slots[a] for a in addresses],
+            time_dilation=time_dilation,
+            timeout_s=timeout_s,
+        )
+        round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
+        started: list[str] = []
+        try:
+            for model in models:
+                control = ControlPath(seed_from_round_trips(round_trips, 3))
+                self.start_serving(
+                    model,
+                    plan,
+                    profiles[model],
+                    stages[model],
+                    control=control,
+                    time_dilation=time_dilation,
+                    bw_gbps=bw_gbps,
+                    dispatcher=shared,
+                    max_queued=max_queued,
+                    sample_nbytes=(sample_nbytes or {}).get(model, 0),
+                )
+                started.append(model)
+        except Exception:
+            for model in started:
+                del self.served[model]
+            raise
+        shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in models))
+        freeze_heap()
+        return "OK"
+
     def start_serving(
         self,
         model: str,
@@ -283,12 +343,13 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         control: ControlPath,
         time_dilation: float = 1.0,
         bw_gbps: float = 10.0,
-        dispatcher: str = "ppipe",
+        dispatcher: str | Dispatcher = "ppipe",
         max_queued: int | None = None,
         sample_nbytes: int = 0,
     ) -> None:
         """Serve ``model`` at once with the control-path estimate ``control`` (a re-plan keeps the
-        model's own). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
+        model's own), on ``dispatcher``: a data plane's name, or a shared pool's dispatcher
+        (:meth:`serve_pool`). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
         ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
         A model closed earlier whose batches have all ended (its owner vanished) is replaced.
         """
@@ -341,13 +402,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             if served is None:
                 continue
             served.closing = True
-            actions = self.step(served, model, lambda: served.dispatcher.drain(now, reason))
+            actions = self.step(served, model, lambda: self._drain(served, model, now, reason))
             self.act(served, model, actions)
             leftover = list(served.inputs)  # anything the dispatcher did not hand back
             for key in leftover:
                 self.drop(served, model, key, reason, "")
             drained[model] = len(actions) + len(leftover)
         return drained
+
+    def _drain(self, served: Served, model: str, now: float, reason: DropReason) -> list:
+        """``model``'s queued requests out of its dispatcher; of a shared pool's, only its own
+        while other models of the pool are still served."""
+        dispatcher = served.dispatcher
+        staying = any(s.dispatcher is dispatcher and not s.closing for s in self.served.values())
+        if staying and isinstance(dispatcher, DeferredDispatcher):
+            return dispatcher.drain(now, reason, models=[model])
+        return dispatcher.drain(now, reason)
 
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
         """Counters per model; ``forget`` removes closed models whose batches have all ended."""
@@ -444,12 +514,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             return []
 
     def act(self, served: Served, model: str, actions: list) -> None:
-        """Carry out what a dispatcher call returned: send its batches, end what it dropped."""
+        """Carry out what a dispatcher call returned: send its batches, end what it dropped. A
+        shared pool's dispatcher decides for all of its models at once: each action goes to the
+        model it is for."""
         for action in actions:
+            owner = action.model if isinstance(action, Dispatch) else action.request.model
+            target = served if owner == model else self.served[owner]
             if isinstance(action, Dispatch):
-                self.batches.dispatch(served, model, action)
-            elif isinstance(action, Drop) and action.request.id in served.inputs:  # else it ended already (released)
-                self.drop(served, model, action.request.id, action.reason, action.detail)
+                self.batches.dispatch(target, owner, action)
+            elif isinstance(action, Drop) and action.request.id in target.inputs:  # else it ended already (released)
+                self.drop(target, owner, action.request.id, action.reason, action.detail)
 
     # -- ending requests -----------------------------------------------------------------------
     def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
@@ -487,14 +561,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     @guarded
     def _on_timer(self) -> None:
         now = time.monotonic()
+        margins: dict[int, float] = {}  # a shared pool's dispatcher: the least margin of its models
+        for served in self.served.values():
+            key = id(served.dispatcher)
+            margins[key] = min(margins.get(key, served.control.margin_s), served.control.margin_s)
         for model, served in list(self.served.items()):
+            if id(served.dispatcher) not in margins:  # a shared pool's, woken already
+                continue
             wake = served.dispatcher.next_wake()
             if wake is not None and wake <= now:
                 # a wake that fires late by up to the margin is given the time it asked for: the margin
                 # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
                 # waiting for a batch's last moment would find it just past, and drop the batch
-                at = max(wake, now - served.control.margin_s)
+                at = max(wake, now - margins.pop(id(served.dispatcher)))
                 self.act(served, model, self.step(served, model, lambda: served.dispatcher.wake(at)))
+            else:
+                margins.pop(id(served.dispatcher))
         self.arm()
 
 

@@ -72,6 +72,7 @@ STREAM = "daskpipe_stream"
 REPLY = "daskpipe_reply"
 INVENTORY = "daskpipe_inventory"
 SERVE = "daskpipe_serve"
+SERVE_POOL = "daskpipe_serve_pool"
 CLOSE = "daskpipe_close"
 STATUS = "daskpipe_status"
 ELASTIC = "daskpipe_elastic"  # deploy hands over what re-planning needs (daskpipe/runtime/scheduler/elastic/controller.py)

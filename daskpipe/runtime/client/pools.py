@@ -1,0 +1,136 @@
+"""Shared-pool deployments: ``deploy(..., pools=SharedPools(...))`` (docs/batching.md, "Shared pools").
+
+Every model of a sub-cluster runs whole on every slot of it, and one multiplexing dispatcher per
+sub-cluster (deferred, eager or timeout: ``daskpipe.sched.registry.make_shared_dispatcher``, the
+one the simulator runs) decides, batch by batch, which model a free slot runs next. This module
+turns the user's sub-clusters into slots, checks that each slot holds its models, and places one
+stage per (model, slot); the scheduler plugin's ``serve_pool`` serves each sub-cluster. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from daskpipe.plan.schema import Plan, PlanError
+from daskpipe.plan.shared import SharedGroup, check_memory, shared_plan
+from daskpipe.profiles.memory import CUDA_CONTEXT_BYTES, ModelMemory
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.wire.messages import WorkerSlot
+
+
+@dataclass(frozen=True)
+class SubCluster:
+    """``models`` sharing ``slots``: that many of the cluster's slots (in server, address order,
+    after those the sub-clusters before it took), or those worker addresses."""
+
+    models: tuple[str, ...]
+    slots: int | tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.models, str) or not self.models or not all(isinstance(m, str) and m for m in self.models):
+            raise DeployError(f"a SubCluster's models must be a non-empty tuple of model names, got {self.models!r}")
+        count = isinstance(self.slots, int) and not isinstance(self.slots, bool) and self.slots >= 1
+        named = isinstance(self.slots, tuple) and self.slots and all(isinstance(a, str) for a in self.slots)
+        if not (count or named):
+            raise DeployError(f"a SubCluster's slots must be a count >= 1 or a tuple of worker addresses, got {self.slots!r}")
+
+
+@dataclass(frozen=True)
+class SharedPools:
+    """How ``deploy`` shares slots between models.
+
+    subclusters: the models of each sub-cluster and its slots; empty: one sub-cluster, every model
+        on every slot. Symphony's partitioning (``daskpipe.plan.subclusters``) makes such a list.
+    memory: a model's :class:`~daskpipe.profiles.memory.ModelMemory` as measured on its GPU, in
+        place of ``deploy``'s estimate (its weights, and one host forward pass's activations).
+    context_bytes: the CUDA context every slot's process holds before any model.
+    timeout_ms: how long the ``timeout`` data plane lets a batch's first request wait (before
+        time dilation), for the baseline's sweep; ``None``: the registry's ``TIMEOUT_S``.
+    """
+
+    subclusters: tuple[SubCluster, ...] = ()
+    memory: Mapping[str, ModelMemory] = field(default_factory=dict)
+    context_bytes: int = CUDA_CONTEXT_BYTES
+    timeout_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.subclusters, tuple) or not all(isinstance(s, SubCluster) for s in self.subclusters):
+            raise DeployError(f"SharedPools.subclusters must be a tuple of SubCluster, got {self.subclusters!r}")
+        if not isinstance(self.memory, Mapping) or not all(isinstance(m, ModelMemory) for m in self.memory.values()):
+            raise DeployError("SharedPools.memory must map model names to ModelMemory")
+        if isinstance(self.context_bytes, bool) or not isinstance(self.context_bytes, int) or self.context_bytes < 0:
+            raise DeployError(f"SharedPools.context_bytes must be a number of bytes >= 0, got {self.context_bytes!r}")
+        if self.timeout_ms is not None and (
+            isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)) or not 0 <= self.timeout_ms < math.inf
+        ):
+            raise DeployError(f"SharedPools.timeout_ms must be None or a number of milliseconds >= 0, got {self.timeout_ms!r}")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One sub-cluster, resolved: its models and its slots."""
+
+    models: tuple[str, ...]
+    slots: tuple[WorkerSlot, ...]
+
+    def group(self) -> SharedGroup:
+        return SharedGroup(self.models, dict(Counter((s.gpu, s.slices) for s in self.slots)))
+
+
+def resolve(pools: SharedPools, names: Sequence[str], slots: Sequence[WorkerSlot]) -> list[Pool]:
+    """``pools``' sub-clusters on ``slots``; every model of ``names`` in exactly one, no slot in two."""
+    if not pools.subclusters:
+        return [Pool(tuple(names), tuple(sorted(slots, key=lambda s: (s.server, s.address))))]
+    placed = [m for sub in pools.subclusters for m in sub.models]
+    twice = sorted({m for m in placed if placed.count(m) > 1})
+    unknown = sorted(set(placed) - set(names))
+    missing = [m for m in names if m not in placed]
+    problems = [f"{what} {models}" for what, models in (("in two:", twice), ("not deployed:", unknown), ("in none:", missing)) if models]
+    if problems:
+        raise DeployError(f"SharedPools.subclusters must hold every deployed model once; models {'; '.join(problems)}")
+    free = {s.address: s for s in sorted(slots, key=lambda s: (s.server, s.address))}
+    resolved = []
+    for index, sub in enumerate(pools.subclusters):
+        if isinstance(sub.slots, int):
+            if sub.slots > len(free):
+                raise DeployError(f"sub-cluster {index} needs {sub.slots} slots, {len(free)} are left of the cluster's {len(slots)}")
+            taken = list(free)[: sub.slots]
+        else:
+            taken = list(sub.slots)
+            gone = [a for a in taken if a not in free]
+            if gone:
+                raise DeployError(f"sub-cluster {index} names {gone}, which are not free slots of this cluster (free: {sorted(free)})")
+        resolved.append(Pool(sub.models, tuple(free.pop(a) for a in taken)))
+    return resolved
+
+
+def pool_placement(plan: Plan, pools: Sequence[Pool]) -> dict[str, list[tuple[int, int, WorkerSlot]]]:
+    """Every model on every slot of its pool, as the stage rows of its plan's pipeline of each slot's kind."""
+    placed = {}
+    for pool in pools:
+        for name in pool.models:
+            pipeline_of = {(pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(plan.model(name).pipelines)}
+            placed[name] = [(pipeline_of[(s.gpu, s.slices)], 0, s) for s in pool.slots]
+    return placed
+
+
+def plan_pools(
+    pools: Sequence[Pool],
+    profiles: Mapping[str, Profile],
+    slo_us: Mapping[str, float],
+    memory: Mapping[str, ModelMemory],
+    context_bytes: int,
+) -> Plan:
+    """The shared plan of ``pools`` (``daskpipe.plan.shared``), refused with a :class:`DeployError`
+    when a model cannot be served there or a slot cannot hold its pool's models."""
+    groups = [pool.group() for pool in pools]
+    try:
+        plan = shared_plan(profiles, groups, slo_us)
+        check_memory(plan, groups, memory, context_bytes)
+    except PlanError as exc:
+        raise DeployError(str(exc)) from None
+    return plan

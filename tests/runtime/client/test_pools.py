@@ -1,0 +1,151 @@
+"""Shared pools on the runtime: every model on every slot, one dispatcher for all of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, wait
+
+import daskpipe
+from daskpipe.profiles.fx import segment_model
+from daskpipe.profiles.memory import ModelMemory
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.client.pools import SharedPools, SubCluster
+from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.errors import DeployError, RequestDropped
+from daskpipe.runtime.scheduler.plugin import plugin_of
+from tests.helpers import wait_until
+from tests.runtime.helpers import INPUT, TinyCNN, example
+
+MODELS = 6
+
+
+def whole_profile(name: str, module: torch.nn.Module, ms: float, slo_ms: float = 400.0) -> Profile:
+    """One block of ``module`` on a whole T4, ``ms * (1 + (b - 1) / 4)`` ms at batch ``b`` <= 8."""
+    segmented = segment_model(module, example())
+    bounds = [0, segmented.num_segments]
+    blocked = segmented.cut(bounds)
+    return Profile(
+        model=name,
+        slo_us=slo_ms * 1e3,
+        num_blocks=1,
+        latency_us={("T4", 1): np.array([[ms * 1e3 * (1 + (b - 1) / 4) for b in range(1, 9)]])},
+        boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
+        input_shape=blocked.input_shape,
+        boundary_shapes=tuple(blocked.boundary_shapes),
+        meta={"segment_boundaries": bounds},
+    )
+
+
+def six_models() -> dict[str, torch.nn.Module]:
+    models = {}
+    for i in range(MODELS):
+        torch.manual_seed(i)
+        models[f"m{i}"] = TinyCNN().eval()
+    return models
+
+
+@pytest.fixture(scope="module")
+def two_t4():
+    with EmulatedCluster({"T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def deploy_six(client, dispatcher: str = "deferred", pools: SharedPools | None = None):
+    models = six_models()
+    profiles = {name: whole_profile(name, module, ms=5.0 + i) for i, (name, module) in enumerate(models.items())}
+    service = daskpipe.deploy(
+        client,
+        models,
+        example_inputs={m: example() for m in models},
+        profiles=profiles,
+        dispatcher=dispatcher,
+        pools=pools or SharedPools(),
+    )
+    return service, models
+
+
+def frames(n: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, *INPUT, generator=generator) for _ in range(n)]
+
+
+def test_six_models_share_two_t4s_under_one_deferred_dispatcher_and_serve_their_own_outputs(two_t4):
+    cluster, client = two_t4
+    service, models = deploy_six(client)
+    plugin = plugin_of(cluster.scheduler)
+    with service:
+        served = [plugin.served[name] for name in models]
+        assert len({id(s.dispatcher) for s in served}) == 1  # one dispatcher for the pool
+        assert all(len({a for _, _, a in s.stages}) == 2 for s in served)  # every model on both slots
+        # full batches (8), which go at once: what is checked is where each batch's outputs go, not the
+        # deferred window, which this loaded 2-core machine's overruns would make late
+        inputs = {name: frames(16, seed=i) for i, name in enumerate(models)}
+        futures = {name: service.map(name, xs) for name, xs in inputs.items()}  # all queued at once
+        for name, module in models.items():
+            with torch.no_grad():
+                expected = [module(x) for x in inputs[name]]
+            for out, ref in zip(client.gather(futures[name]), expected):
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        status = service.status()
+        assert all(status[name]["completed"] == 16 and status[name]["dropped"] == {} for name in models)
+        assert service.plan.strategy == "shared"
+
+
+def test_models_that_do_not_fit_a_gpu_are_refused_naming_them_and_the_figures(two_t4):
+    _, client = two_t4
+    big = {f"m{i}": ModelMemory(weights_bytes=3 * 10**9, activation_bytes=10**6) for i in range(MODELS)}
+    with pytest.raises(DeployError) as info:
+        deploy_six(client, pools=SharedPools(memory=big))
+    message = str(info.value)
+    assert "models ['m0', 'm1', 'm2', 'm3', 'm4', 'm5']" in message and "T4/v1 slot's 16.00 GB" in message
+    assert "weights 18.00 GB" in message and "CUDA context 0.54 GB" in message
+    assert not plugin_of(two_t4[0].scheduler).served or all(s.closing for s in plugin_of(two_t4[0].scheduler).served.values())
+
+
+def test_split_sub_clusters_each_get_their_own_dispatcher_and_slot(two_t4):
+    cluster, client = two_t4
+    addresses = sorted(cluster.scheduler.workers)
+    pools = SharedPools(subclusters=(SubCluster(("m0", "m1", "m2"), (addresses[0],)), SubCluster(("m3", "m4", "m5"), 1)))
+    service, models = deploy_six(client, dispatcher="eager", pools=pools)
+    plugin = plugin_of(cluster.scheduler)
+    with service:
+        first, second = ({id(plugin.served[m].dispatcher) for m in group} for group in (("m0", "m1", "m2"), ("m3", "m4", "m5")))
+        assert len(first) == len(second) == 1 and first != second
+        assert {a for m in ("m0", "m1", "m2") for _, _, a in plugin.served[m].stages} == {addresses[0]}
+        assert {a for m in ("m3", "m4", "m5") for _, _, a in plugin.served[m].stages} == {addresses[1]}
+        xs = frames(4, seed=9)
+        with torch.no_grad():
+            expected = [models["m4"](x) for x in xs]
+        for out, ref in zip(client.gather(service.map("m4", xs)), expected):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sub_cluster_split_that_leaves_a_model_out_is_refused(two_t4):
+    _, client = two_t4
+    with pytest.raises(DeployError, match=r"in none: \['m5'\]"):
+        deploy_six(client, pools=SharedPools(subclusters=(SubCluster(("m0", "m1", "m2", "m3", "m4"), 2),)))
+
+
+def test_a_shared_pool_needs_a_multiplexing_data_plane(two_t4):
+    _, client = two_t4
+    with pytest.raises(DeployError, match="a shared pool needs a data plane that shares slots between models"):
+        deploy_six(client, dispatcher="ppipe")
+
+
+def test_a_slot_killed_under_a_shared_pool_loses_no_request():
+    with EmulatedCluster({"T4": 2}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        service, models = deploy_six(client)
+        with service:
+            futures = [f for i, name in enumerate(models) for f in service.map(name, frames(16, seed=i))]
+            victim = next(w for w in cluster.workers.values())
+            address = victim.address
+            cluster.sync(victim.close, executor_wait=False)
+            wait_until(lambda: address not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
+            later = [f for i, name in enumerate(models) for f in service.map(name, frames(8, seed=10 + i))]
+            wait(futures + later, timeout=60)
+            assert all(f.status in ("finished", "error") for f in futures)  # every request ends
+            assert all(isinstance(f.exception(), RequestDropped) for f in futures if f.status == "error")
+            assert {f.exception().reason for f in futures if f.status == "error"} <= {"worker-lost"}  # a retry out of time
+            assert [f.status for f in later] == ["finished"] * len(later)  # the dead slot is out of the pool for every model
