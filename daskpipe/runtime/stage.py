@@ -29,13 +29,13 @@ import functools
 import itertools
 import logging
 import pickle
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
+import fasteners
 import torch
 from dask.sizeof import sizeof
 from distributed import get_worker
@@ -154,11 +154,13 @@ FEATURE_MAP_DTYPE = torch.float16
 """What a stage hands the next one: half the bytes of fp32 on the wire and on the way to the GPU."""
 CUDA_GRAPHS_CONFIG = "daskpipe.cuda-graphs"
 """Dask config key: whether a real GPU's stages, and their profiles, replay CUDA graphs (docs/tuning.md)."""
-LOADING = threading.Lock()
+TRACING = fasteners.ReaderWriterLock()
 """Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
 the whole process: workers that share a process (``processes=False``) unpickle one stage at a
-time, and no batch computes while one does (a re-plan preloads stages next to serving ones). Only
-the unpickling holds it, so a preload pauses a serving stage for no more than its tracing."""
+time (the write lock), and no batch computes while one does (a re-plan preloads stages next to
+serving ones); batches compute together (the read lock), so a stage hung on an input holds its
+own slot only. Writers go first: a preload waits for the batches computing, then pauses a serving
+stage for no more than its tracing (but for the return of a hung one)."""
 
 
 class BatchExpired(Exception):
@@ -204,7 +206,7 @@ class Stage:
         # itself and its torch threads, torch's kernels; dask's sizeof registrations, ~0.2 s, which
         # storing the outputs would trigger)
         chunks = [modules] if isinstance(modules, bytes) else modules
-        with LOADING:
+        with TRACING.write_lock():
             blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
         self._module = nn.Sequential(*blocks).to(self.device).eval()
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
@@ -405,7 +407,7 @@ class Stage:
         """
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
-            with LOADING:
+            with TRACING.read_lock():
                 y = self._forward(x)
             if split is None:
                 return y.to(FEATURE_MAP_DTYPE).cpu()
