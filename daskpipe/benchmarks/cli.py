@@ -25,6 +25,7 @@ from daskpipe.cli import LazyGroup
         "fidelity": "daskpipe.benchmarks.fidelity:bench_fidelity",
         "serve": "daskpipe.benchmarks.serve:bench_serve",
         "capacity": "daskpipe.benchmarks.capacity:bench_capacity",
+        "tight-slo": "daskpipe.benchmarks.tight_slo:bench_tight_slo",
     },
 )
 def bench() -> None:

@@ -37,12 +37,13 @@ from daskpipe.runtime.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.elastic import Elastic
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
-from daskpipe.runtime.intake import Intake, check_dispatcher, served_from, sliced_releases
+from daskpipe.runtime.intake import Intake, check_dispatcher, check_feasible, served_from, sliced_releases
 from daskpipe.runtime.keys import err_key
 from daskpipe.runtime.messages import WorkerSlot, worker_slot
 from daskpipe.runtime.served import Flight, Served, queue_bound
 from daskpipe.runtime.streams import PEER_HANDSHAKE, ImmediateSend, Pings, Streams
 from daskpipe.runtime.timer import Wakeup
+from daskpipe.runtime.trial import trial_control_path, trial_margin, trial_summary
 from daskpipe.runtime.watch import GrayWatch
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, DropReason, Request
 from daskpipe.sched.metrics import ServiceMetrics
@@ -267,6 +268,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        served = self.served[model]
+        delays = await trial_control_path(served, model, self.batches, self.watch.own_id)
+        if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/trial.py)
+            logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
+            try:
+                k = float(options.get("time_dilation", 1.0))
+                check_feasible(
+                    model,
+                    served.model,
+                    served.profile,
+                    served.budgets,
+                    trial_margin(delays),
+                    bw_gbps=served.durations.bw_gbps,
+                    time_dilation=k,
+                )
+            except DeployError:
+                self.close_models([model], reason="shutdown")
+                raise
         freeze_heap()
         return "OK"
 

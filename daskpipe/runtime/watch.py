@@ -80,6 +80,10 @@ class GrayWatch:
         self._isolation_ids = itertools.count(-1, -1)  # batches the plugin sends itself: ids no dispatcher uses
         self._heard: dict[str, float] = {}  # address -> when its slot last reported a computation (scheduler clock)
 
+    def own_id(self) -> int:
+        """A dispatch id for a batch the plugin sends itself (an isolation, a deploy's trial): one no dispatcher uses."""
+        return next(self._isolation_ids)
+
     # -- batches -------------------------------------------------------------------------------
     def watch_batch(self, served: Served, model: str, dispatch: int, flight: Flight) -> float:
         """``flight`` is being sent: its first hop must report within its bound, its requests
@@ -377,7 +381,7 @@ class GrayWatch:
                 isolating=True,
                 pipeline=pipeline,
             )
-            sent.append((next(self._isolation_ids), isolation))
+            sent.append((self.own_id(), isolation))
         return sent, []
 
     def _send_apart(self, served: Served, model: str, flight: Flight, address: str, now: float) -> bool:
@@ -411,7 +415,7 @@ class GrayWatch:
                 pipeline=flight.pipeline,
                 stalled_on=flight.stalled_on or address,
             )
-            self.plugin.batches.send(served, model, next(self._isolation_ids), part)
+            self.plugin.batches.send(served, model, self.own_id(), part)
         return True
 
     def _lanes(self, served: Served, flight: Flight) -> list[list[str]]:
