@@ -78,6 +78,7 @@ def one_deploy(client: Any, slo_ms: float, rate: float, count: int, seed: int) -
             "refused": True,
             "deploy_s": round(time.monotonic() - started, 2),
             "smallest_ms": float(smallest.group(1)) if smallest else None,
+            "by_trial": "trial of" in str(exc),
             "error": str(exc)[:300],
         }
     deploy_s = time.monotonic() - started
