@@ -28,6 +28,7 @@ from daskpipe.cli import LazyGroup
         "subclusters": "daskpipe.benchmarks.subclusters:bench_subclusters",
         "symphony": "daskpipe.benchmarks.symphony:bench_symphony",
         "multiplex": "daskpipe.benchmarks.multiplex:bench_multiplex",
+        "tight-slo": "daskpipe.benchmarks.tight_slo:bench_tight_slo",
     },
 )
 def bench() -> None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import copy
 import io
 import math
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import fasteners
 import torch
 from torch import fx, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -487,10 +487,14 @@ def example_batch(block: nn.Module, shape: Sequence[int], batch: int, device: st
     return make((batch, *shape), device=device)
 
 
-TRACING = threading.RLock()
-"""Held while torch.fx traces: tracing patches ``nn.Module.__call__`` for the whole process, so a
-module called meanwhile in another thread of it (a stage of an in-process cluster computing its
-batch, :data:`daskpipe.runtime.worker.stage.LOADING`) would be traced instead, and fail."""
+TRACING = fasteners.ReaderWriterLock()
+"""torch.fx tracing patches ``nn.Module.__call__`` for the whole process, so a module called
+meanwhile in another thread of it would be traced instead, and fail. Tracing (here, and unpickling a
+stage, which re-traces it) takes the write lock; stages of an in-process cluster compute their
+batches under the read lock (:mod:`daskpipe.runtime.worker.stage`), together, so a stage hung on an
+input holds its own slot only, and a client in that process tracing a model (``Service.add_model``)
+or a re-plan preloading stages pauses serving stages for no more than its tracing (but for the
+return of a hung one)."""
 
 
 def served_copy(module: nn.Module) -> nn.Module:
@@ -521,7 +525,7 @@ def segment_model(module: nn.Module, example_input: Any, leaf_modules: Iterable[
         return untraced(module, inputs, example_input, leaf_modules, "it is a TorchScript module, and torch.fx traces Python code")
     tracer = LeafTracer(leaf_modules)
     try:
-        with TRACING:
+        with TRACING.write_lock():
             traced = fx.GraphModule(module, tracer.trace(module), class_name=type(module).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
         reason = f"torch.fx cannot trace it: {type(exc).__name__}: {str(exc).splitlines()[0]}"

@@ -42,9 +42,9 @@ def kind_tables(
     from daskpipe.profiles.estimator import estimate_kinds
     from daskpipe.profiles.fx import BlockedModel
     from daskpipe.runtime.deploying.profiling import measure_kind
-    from daskpipe.runtime.worker.stage import LOADING
+    from daskpipe.runtime.worker.stage import TRACING
 
-    with LOADING:  # unpickling re-traces: no stage of this process may compute meanwhile
+    with TRACING.write_lock():  # unpickling re-traces: no stage of this process may compute meanwhile
         modules = [block for chunk in blocks for block in pickle.loads(chunk)]
     blocked = BlockedModel(
         modules,

@@ -135,7 +135,7 @@ class Batches:
         self._feedback(served, model, dispatch, timings, overrun)
         flight = served.flights.pop(dispatch, None)
         delays = flight.control_delays() if flight is not None else None
-        if flight is not None and delays is not None:
+        if flight is not None and delays is not None and not flight.isolating:  # an isolation's plan is the watch's, not a dispatcher's
             served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed, written_s)
         counts = served.counts
         late = 0

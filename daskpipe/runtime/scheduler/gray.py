@@ -21,8 +21,12 @@ A stage that raises fails its batch; the plugin then retries the batch's request
 only an input that fails on its own fails, with its cause (:func:`isolation_split`): in halves
 (bisection, the least compute) when the worst case of bisecting down to one request still ends by
 their deadlines, else each request alone when that still does, the parts spread over the slots of
-the batch's pools. Those retries are bounded: at most ``isolation_share`` of the model's batches, plus a burst
-of ``isolation_burst``, so a stream of poisoned inputs cannot eat the cluster.
+the batch's pools. A stage that hangs on an input raises nothing: its batch stalls (the first
+rule), and a thread cannot be stopped, so the stalled batch's requests are re-dispatched each
+alone on other slots of their pools; one whose slot then computes nothing for a hop bound (while
+the request waits on it) is the input that hangs, and fails alone (:mod:`daskpipe.runtime.scheduler.watch`).
+Those retries are bounded: at most ``isolation_share`` of the model's batches, plus a burst of
+``isolation_burst``, so a stream of poisoned or hanging inputs cannot eat the cluster.
 
 The knobs are Dask config keys under ``daskpipe.gray`` (docs/operations.md), read when a model is
 served.

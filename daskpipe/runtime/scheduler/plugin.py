@@ -36,11 +36,12 @@ from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.scheduler.elastic.controller import Elastic
-from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, pool_dispatcher, served_from, sliced_releases
+from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, check_feasible, pool_dispatcher, served_from, sliced_releases
 from daskpipe.runtime.scheduler.keys import err_key
 from daskpipe.runtime.scheduler.lifecycle import Lifecycle
 from daskpipe.runtime.scheduler.served import Flight, Served, queue_bound
 from daskpipe.runtime.scheduler.timer import Wakeup
+from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, trial_summary
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.messages import WorkerSlot, worker_slot
@@ -272,6 +273,24 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        served = self.served[model]
+        delays = await trial_control_path(served, model, self.batches, self.watch.own_id)
+        if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/scheduler/trial.py)
+            logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
+            try:
+                k = float(options.get("time_dilation", 1.0))
+                check_feasible(
+                    model,
+                    served.model,
+                    served.profile,
+                    served.budgets,
+                    trial_margin(delays),
+                    bw_gbps=served.durations.bw_gbps,
+                    time_dilation=k,
+                )
+            except DeployError as exc:
+                self.close_models([model], reason="shutdown")
+                raise DeployError(f"{exc} (the control path's p99 over a trial of {len(delays)} batches at deploy)") from None
         freeze_heap()
         return "OK"
 

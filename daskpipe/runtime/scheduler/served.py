@@ -42,7 +42,8 @@ class Flight:
     slot_free: dict[int, float] = field(default_factory=dict)  # partition -> when its slot ended the batch before this one
     route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
-    isolating: bool = False  # a part of a failed batch, retried apart (poison isolation)
+    isolating: bool = False  # a part of a failed or stalled batch, retried apart (poison and hang isolation)
+    stalled_on: str = ""  # a request of a batch that stalled on this worker, re-dispatched alone (hang isolation)
     pipeline: int = 0  # the plan's pipeline it runs on
     sources: list[str] = field(
         default_factory=list

@@ -1,5 +1,5 @@
 """The scheduler plugin's watch over its own batches: gray failures, as :mod:`daskpipe.runtime.scheduler.gray`
-describes them (stalled and slow slots, late limits, poison isolation).
+describes them (stalled and slow slots, late limits, poison and hang isolation).
 
 :class:`GrayWatch` keeps one watchlist and one timer for every model: when each hop must have
 reported (two strikes) and when each batch's requests reach their late limit. The per-model state
@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import statistics
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from daskpipe.runtime.errors import guarded
+from daskpipe.runtime.errors import RequestFailed, guarded
 from daskpipe.runtime.scheduler.gray import Suspect, Watchlist, isolation_split
 from daskpipe.runtime.scheduler.served import Flight, Served
 from daskpipe.runtime.wire import messages
@@ -34,6 +35,12 @@ WATCH_TICK_S = 0.005
 """The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
 
 
+class Sending(Protocol):
+    """Where the watch sends the batches it makes itself (:class:`~daskpipe.runtime.scheduler.batches.Batches`)."""
+
+    def send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None: ...
+
+
 class ServingPlugin(Protocol):
     """What the watch needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
     which creates the :class:`GrayWatch`): its models and slots, and the calls that move requests."""
@@ -41,6 +48,10 @@ class ServingPlugin(Protocol):
     scheduler: Any
     served: dict[str, Served]
     slots: dict[str, WorkerSlot]
+    batches: Sending
+    metrics: Any
+
+    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...
 
     def to_worker(self, address: str, message: dict) -> None: ...
 
@@ -67,6 +78,11 @@ class GrayWatch:
         self._fired = 0.0
         self._probe_tokens = itertools.count()
         self._isolation_ids = itertools.count(-1, -1)  # batches the plugin sends itself: ids no dispatcher uses
+        self._heard: dict[str, float] = {}  # address -> when its slot last reported a computation (scheduler clock)
+
+    def own_id(self) -> int:
+        """A dispatch id for a batch the plugin sends itself (an isolation, a deploy's trial): one no dispatcher uses."""
+        return next(self._isolation_ids)
 
     # -- batches -------------------------------------------------------------------------------
     def watch_batch(self, served: Served, model: str, dispatch: int, flight: Flight) -> float:
@@ -117,20 +133,50 @@ class GrayWatch:
             if index == EXPIRY:
                 self._expire(served, model, dispatch, flight, now)
             elif flight.planned[index][0] not in flight.ran:
-                if strike == 1:  # once more: a report that waits behind this loop's own lag gets read meanwhile
-                    self._watch.push(
-                        now + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
-                        (model, dispatch, index, 2),
-                    )
+                bound = served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6)
+                address = flight.route[index]["address"]
+                # once more: a report that waits behind this loop's own lag gets read meanwhile; a
+                # request re-dispatched alone may wait behind what its slot was given before it
+                if strike == 1 or (flight.stalled_on and now - self._heard.get(address, -math.inf) < bound):
+                    self._watch.push(now + bound, (model, dispatch, index, 2))
                     continue
-                partition = flight.planned[index][0]
-                detail = (
-                    f"missed its reservation for stage {partition} of batch {dispatch} twice over "
-                    f"({served.gray.suspect_factor:g}x its planned {flight.spans[index] * 1e3:.1f} ms each)"
-                )
-                self.suspect(served, model, flight.route[index]["address"], detail, now)
+                self._stalled(served, model, dispatch, flight, index, now - self._heard.get(address, -math.inf), now)
         self._arm()
         self.plugin.arm()
+
+    def _stalled(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, silent_s: float, now: float) -> None:
+        """Hop ``index`` of ``flight`` did not report within its bound, twice: its slot stalled, or
+        its stage hangs on an input of the batch. The slot is suspected, and the batch's requests
+        are re-dispatched apart on other slots (:meth:`suspect`). A request re-dispatched alone
+        that way whose slot then computes nothing for a bound is that input: it fails alone."""
+        partition, address = flight.planned[index][0], flight.route[index]["address"]
+        planned_ms = flight.spans[index] * 1e3
+        detail = (
+            f"missed its reservation for stage {partition} of batch {dispatch} twice over "
+            f"({served.gray.suspect_factor:g}x its planned {planned_ms:.1f} ms each)"
+        )
+        hung = [r.id for r, _, _ in flight.retries if r.id in served.deadlines] if flight.stalled_on else []
+        if hung:
+            served.flights.pop(dispatch, None)
+            _abandon(served, dispatch, address)
+            served.counts["failed"] += len(hung)
+            self.plugin.metrics.fail(model, dispatch, len(hung), now)
+            failure = RequestFailed(
+                f"stage {partition} of {model!r} hung on this input: its batch stalled on worker {flight.stalled_on}, and "
+                f"re-dispatched alone it computed nothing on worker {address} for {silent_s * 1e3:.0f} ms (planned "
+                f"{planned_ms:.1f} ms); its batch-mates were re-dispatched apart"
+            )
+            self.plugin.err(served, model, hung, lambda key: failure)
+            logger.warning(
+                "daskpipe: %s: stage %d hung on request %r twice (on %s, then alone on %s); it fails alone",
+                model,
+                partition,
+                hung[0],
+                flight.stalled_on,
+                address,
+            )
+            detail = f"hung on request {hung[0]!r} in stage {partition}"
+        self.suspect(served, model, address, detail, now, stalled=dispatch)
 
     def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
         """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
@@ -164,10 +210,14 @@ class GrayWatch:
         self.plugin.arm()
 
     # -- suspects ------------------------------------------------------------------------------
-    def suspect(self, served: Served, model: str, address: str, detail: str, now: float) -> None:
+    def suspect(self, served: Served, model: str, address: str, detail: str, now: float, stalled: int | None = None) -> None:
         """``address`` stopped keeping its reservations: it gets no new batches, its batches are
         re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
-        and it is probed until it computes in line again. Where its batches have nowhere else to
+        and it is probed until it computes in line again: a probe waits behind what its compute
+        thread still runs, so a thread hung on an input re-admits its slot once it returns. The
+        batch ``stalled`` (the one that did not report), and the requests already re-dispatched
+        alone after a stall, go apart, each alone on another slot (:meth:`_send_apart`), where the
+        dispatcher would batch them again with the input that hangs. Where its batches have nowhere else to
         go, it is not suspected: under a dispatcher whose pools are fixed (``supports_pools``
         false), and when it is the last slot in line of one of its pools (a lone CPU worker that
         fell behind under a burst would otherwise drop every queued request at once). The late
@@ -190,12 +240,20 @@ class GrayWatch:
             )
             plugin.remove_slot(served, model, address, now, "slow-worker")
             self._probe(served, model, address)
-        plugin.retry(served, model, [flight for _, flight in taken], now, "slow-worker", f"worker {address} {detail}")
+        again = [
+            flight
+            for dispatch, flight in taken
+            if not (
+                (dispatch == stalled or flight.stalled_on) and not flight.staged and self._send_apart(served, model, flight, address, now)
+            )
+        ]
+        plugin.retry(served, model, again, now, "slow-worker", f"worker {address} {detail}")
 
     def pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
         """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
         and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
         slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
+        self._heard[address] = now
         gray = served.gray
         ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
         pace = self._pace(served, address, ratio)
@@ -285,7 +343,7 @@ class GrayWatch:
         now = time.monotonic()
         return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
 
-    # -- poison isolation ----------------------------------------------------------------------
+    # -- poison and hang isolation ------------------------------------------------------------
     def isolate(
         self, served: Served, model: str, flight: Flight, live: list[tuple[Request, Any, int]], now: float
     ) -> tuple[list[tuple[int, Flight]], list]:
@@ -295,14 +353,7 @@ class GrayWatch:
         have several, as (dispatch id, flight) to send; and the keys that cannot go."""
         margin, durations, pipeline = served.control.margin_s, served.durations, flight.pipeline
         limit = served.model.pipelines[pipeline].batch_size
-        workers = self.plugin.scheduler.workers
-        lanes_by_hop = [
-            sorted(
-                {hop["address"]}
-                | {a for (p, q, a) in served.stages if (p, q) == (pipeline, hop["partition"]) and a in workers and a not in served.suspects}
-            )
-            for hop in flight.route
-        ]
+        lanes_by_hop = [sorted({hop["address"]} | set(lanes)) for hop, lanes in zip(flight.route, self._lanes(served, flight))]
 
         def hop_s(samples: int) -> list[float]:
             return [durations.compute_s(pipeline, hop["partition"], min(samples, limit)) for hop in flight.route]
@@ -312,7 +363,7 @@ class GrayWatch:
         split = isolation_split([n for _, _, n in live], left, hop_s, min(len(lane) for lane in lanes_by_hop), margin)
         if (
             split is None
-            or not flight.addresses <= set(workers)
+            or not flight.addresses <= set(self.plugin.scheduler.workers)
             or not served.gray.may_isolate(served.counts["isolated"] + len(split) - 1, served.counts["batches"])
         ):
             return [], [r.id for r, _, _ in live]
@@ -320,18 +371,81 @@ class GrayWatch:
         sent = []
         for lane, part in enumerate(split):
             requests = [live[i] for i in part]
-            samples = min(sum(n for _, _, n in requests), limit)
-            route = []
-            for hop, slots in zip(flight.route, lanes_by_hop):
-                address = slots[lane % len(slots)]
-                held = durations.compute_s(pipeline, hop["partition"], samples) if address in served.emulated else 0.0
-                route.append({**hop, "address": address, "stage": served.stages[(pipeline, hop["partition"], address)], "hold_s": held})
-            addresses = frozenset(hop["address"] for hop in route)
+            route, _ = self._route(served, flight, lanes_by_hop, lane, sum(n for _, _, n in requests))
             isolation = Flight(
-                [r.id for r, _, _ in requests], addresses, requests, route=route, spans=flight.spans, isolating=True, pipeline=pipeline
+                [r.id for r, _, _ in requests],
+                frozenset(hop["address"] for hop in route),
+                requests,
+                route=route,
+                spans=flight.spans,
+                isolating=True,
+                pipeline=pipeline,
             )
-            sent.append((next(self._isolation_ids), isolation))
+            sent.append((self.own_id(), isolation))
         return sent, []
+
+    def _send_apart(self, served: Served, model: str, flight: Flight, address: str, now: float) -> bool:
+        """Re-dispatch the requests of ``flight``, which stalled on ``address`` (or was taken from
+        it), each alone on slots in line of its pools, dealt round them and planned one after
+        another on each; each is watched as a batch is, so one that stalls again fails alone
+        (:meth:`_stalled`). Alone at once, not by halves: a round of a hang costs its detection
+        (two hop bounds), not its compute. ``False`` when a pool has no slot in line or the
+        isolation budget is spent: the dispatcher then takes them again."""
+        live = [entry for entry in flight.retries if entry[0].id in served.deadlines]
+        lanes_by_hop = self._lanes(served, flight)
+        if not live:
+            return True
+        if not all(lanes_by_hop) or not served.gray.may_isolate(served.counts["isolated"] + len(live) - 1, served.counts["batches"]):
+            return False
+        served.counts["isolated"] += len(live)
+        queued: dict[str, float] = {}  # first slot -> the planned compute of the parts dealt to it so far
+        for lane, entry in enumerate(live):
+            route, spans = self._route(served, flight, lanes_by_hop, lane, entry[2])
+            first = route[0]["address"]
+            start = now + queued.get(first, 0.0)
+            queued[first] = queued.get(first, 0.0) + spans[0]
+            part = Flight(
+                [entry[0].id],
+                frozenset(hop["address"] for hop in route),
+                [entry],
+                [(hop["partition"], start if i == 0 else -math.inf, 0.0) for i, hop in enumerate(route)],
+                route=route,
+                spans=spans,
+                isolating=True,
+                pipeline=flight.pipeline,
+                stalled_on=flight.stalled_on or address,
+            )
+            self.plugin.batches.send(served, model, self.own_id(), part)
+        return True
+
+    def _lanes(self, served: Served, flight: Flight) -> list[list[str]]:
+        """Per hop of ``flight``: the slots in line of its pool (live, not suspect)."""
+        workers = self.plugin.scheduler.workers
+        return [
+            sorted(
+                a
+                for (p, q, a) in served.stages
+                if (p, q) == (flight.pipeline, hop["partition"]) and a in workers and a not in served.suspects
+            )
+            for hop in flight.route
+        ]
+
+    @staticmethod
+    def _route(
+        served: Served, flight: Flight, lanes_by_hop: list[list[str]], lane: int, samples: int
+    ) -> tuple[list[dict[str, Any]], list[float]]:
+        """``flight``'s route for a part of ``samples`` on lane ``lane`` (of each hop's slots), and
+        its hops' compute seconds (what an emulated slot holds)."""
+        pipeline = flight.pipeline
+        samples = min(samples, served.model.pipelines[pipeline].batch_size)
+        route, spans = [], []
+        for hop, slots in zip(flight.route, lanes_by_hop):
+            address = slots[lane % len(slots)]
+            span = served.durations.compute_s(pipeline, hop["partition"], samples)
+            held = span if address in served.emulated else 0.0
+            route.append({**hop, "address": address, "stage": served.stages[(pipeline, hop["partition"], address)], "hold_s": held})
+            spans.append(span)
+        return route, spans
 
 
 def _abandon(served: Served, dispatch: int, address: str) -> None:

@@ -154,12 +154,6 @@ FEATURE_MAP_DTYPE = torch.float16
 """What a stage hands the next one: half the bytes of fp32 on the wire and on the way to the GPU."""
 CUDA_GRAPHS_CONFIG = "daskpipe.cuda-graphs"
 """Dask config key: whether a real GPU's stages, and their profiles, replay CUDA graphs (docs/tuning.md)."""
-LOADING = TRACING
-"""Unpickling a torch.fx GraphModule re-traces it, and tracing patches ``nn.Module.__call__`` for
-the whole process: workers that share a process (``processes=False``) unpickle one stage at a
-time, and no batch computes while one does, nor while the client in that process traces a model
-(``Service.add_model``; a re-plan preloads stages next to serving ones). Only the unpickling and
-the tracing hold it, so a preload pauses a serving stage for no more than its tracing."""
 
 
 class BatchExpired(Exception):
@@ -205,7 +199,7 @@ class Stage:
         # itself and its torch threads, torch's kernels; dask's sizeof registrations, ~0.2 s, which
         # storing the outputs would trigger)
         chunks = [modules] if isinstance(modules, bytes) else modules
-        with LOADING:
+        with TRACING.write_lock():
             blocks = [block for chunk in chunks for block in pickle.loads(chunk)]
         self._module = nn.Sequential(*blocks).to(self.device).eval()
         self._dtype = next(self._module.parameters(), torch.empty(0)).dtype
@@ -406,7 +400,7 @@ class Stage:
         """
         x = data if isinstance(data, torch.Tensor) else decode_inputs(data, self._input_dtype, self._input_shape)
         with torch.inference_mode():
-            with LOADING:
+            with TRACING.read_lock():
                 y = self._forward(x)
             if split is None:
                 return y.to(FEATURE_MAP_DTYPE).cpu()

@@ -3,6 +3,7 @@ comes later than the late limit (daskpipe/runtime/scheduler/gray.py and the plug
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -16,12 +17,12 @@ from daskpipe.config import ConfigError
 from daskpipe.dashboard.prometheus import DaskpipeCollector
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.errors import RequestDropped
+from daskpipe.runtime.errors import RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.gray import GrayPolicy, Watchlist, isolation_split
 from daskpipe.runtime.scheduler.plugin import plugin_of
 from daskpipe.runtime.worker.stage import slow_down
 from tests.helpers import paced, wait_until
-from tests.runtime.helpers import INPUT, example, frames, reference, tiny_model, two_stage
+from tests.runtime.helpers import INPUT, TinyCNN, example, frames, reference, tiny_model, two_stage
 
 SLO_MS = 400.0
 STAGE_MS = (20.0, 20.0)
@@ -255,3 +256,64 @@ def test_one_poisoned_input_of_eight_fails_alone_at_an_slo_of_three_pipeline_pas
             if i != 5:
                 torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
         assert svc.status()["tiny"]["isolated"] in (6, 8)  # bisected when the margin leaves time for it, else each alone
+
+
+HANG_MARK = 7.0
+"""A sample whose every value is this hangs :class:`HangingCNN`'s first stage until :data:`RELEASE`."""
+RELEASE = threading.Event()
+
+
+def hang_on_mark(x: torch.Tensor) -> torch.Tensor:
+    """Block the compute thread while a sample of ``x`` is all :data:`HANG_MARK` (until released)."""
+    if bool((x.flatten(1) == HANG_MARK).all(dim=1).any()):
+        RELEASE.wait(60)
+    return x
+
+
+torch.fx.wrap("hang_on_mark")  # a call of the traced graph, not traced through
+
+
+class HangingCNN(TinyCNN):
+    """:class:`TinyCNN` (the same weights) whose first stage hangs on a marked input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(hang_on_mark(x))
+
+
+def test_a_stage_hung_on_one_input_fails_only_it_and_its_batch_mates_finish():
+    """A batch of four with one input on which the first stage blocks: the batch stalls, its slot
+    is suspected, its requests go each alone to the pool's other slots; the marked one hangs a
+    second slot and fails alone, naming the hang and the stage, the three others complete; both
+    hung slots rejoin their pool once their compute threads return."""
+    torch.manual_seed(0)
+    model = HangingCNN().eval()
+    profile, plan = two_stage(stage_ms=(10.0, 10.0), slo_ms=SLO_MS, batch=4, vgpus=4, model=model)
+    RELEASE.clear()
+    with (
+        EmulatedCluster({"L4": 4, "T4": 4}, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+        daskpipe.deploy(client, {"tiny": model}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile}) as svc,
+    ):
+        try:
+            for _ in range(3):  # warm the stages
+                wait(svc.map("tiny", frames(4, seed=5)), timeout=30)
+            xs = frames(4)
+            xs[1] = torch.full_like(xs[1], HANG_MARK)
+            batch = svc.map("tiny", xs)
+            wait(batch, timeout=30)
+            failed = [i for i, f in enumerate(batch) if f.status == "error"]
+            assert failed == [1], [(i, repr(batch[i].exception())) for i in failed]
+            error = batch[1].exception()
+            assert isinstance(error, RequestFailed) and "stage 0 of 'tiny' hung on this input" in str(error), repr(error)
+            for i, (future, ref) in enumerate(zip(batch, reference(xs))):
+                if i != 1:
+                    torch.testing.assert_close(future.result(), ref, atol=1e-4, rtol=1e-4)
+            status = svc.status()["tiny"]
+            assert len(status["suspects"]) == 2 and status["failed"] == 1, status  # both hung slots out of service
+            assert status["completed"] == status["submitted"] - 1, status  # nothing else lost
+        finally:
+            RELEASE.set()
+        wait_until(lambda: not svc.status()["tiny"]["suspects"], timeout=10, interval=0.05, what="the hung slots re-admitted")
+        after = svc.map("tiny", frames(8, seed=3))
+        wait(after, timeout=30)
+        assert all(f.status == "finished" for f in after)

@@ -1,0 +1,131 @@
+"""A deploy's trial of its control path: real batches along the model's routes, under load.
+
+Round trips to the stage workers (pings) say little about a batch's path: they skip the compute
+threads' hand-offs, the feature maps' hops and the completion, and twenty of them on a busy
+machine gave a seed anywhere from 0.8x to 6x what serving then measured, so that one deploy at
+5 ms was accepted and dropped everything while another at 25 ms was refused. Before a model takes
+requests, the scheduler plugin therefore sends :func:`trial_batches` batches of one zero sample
+along its pipelines, dealt over every pool's slots, at :data:`TRIAL_LOAD` of the batch rate its
+plan serves (at most :data:`TRIAL_RATE_MAX` a second), and measures each as it measures a served
+batch (:class:`~daskpipe.runtime.scheduler.control.ControlPath`). The deploy is refused when a lone request
+plus the high percentile of those batches' delays (:data:`~daskpipe.runtime.scheduler.control.MARGIN_QUANTILE`)
+does not fit the SLO; else the model starts serving with that percentile as its margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from daskpipe.runtime.scheduler.control import MARGIN_QUANTILE, MAX_SHARE, MIN_BATCHES, MIN_MARGIN_S
+from daskpipe.runtime.scheduler.served import Flight, Served
+from daskpipe.runtime.scheduler.watch import Sending
+from daskpipe.sched.api import Request
+
+TRIAL_BATCHES = 400
+"""Batches a trial sends at most: a p99 of 400 is their fifth largest, stable from run to run
+where a p99 of 100 is their largest."""
+TRIAL_BYTES = 64 * 2**20
+"""The inputs a trial sends through the scheduler at most: a model of large inputs gets fewer batches."""
+TRIAL_LOAD = 0.5
+TRIAL_RATE_MAX = 400.0
+"""Trial batches a second at most (a plan of a tiny model serves more than a scheduler core sends):
+a trial of :data:`TRIAL_BATCHES` takes a second or more, so only a tight SLO has one (:data:`TRIAL_HEADROOM_S`)."""
+TRIAL_HEADROOM_S = 0.25
+TRIAL_SEEDS = 10.0
+"""A model is tried when its tightest budget leaves less than :data:`TRIAL_HEADROOM_S` or this
+many times the pings' seed beyond a lone request. The control path's tail reached 90-250 ms on a
+2-core machine at load averages 10-30 (docs/benchmarks.md), and the pings' seed of the same minute
+said 2-40 ms: a seed says nothing of the next second's load, so an SLO is tried by its headroom,
+and a looser one is decided on the pings alone."""
+TRIAL_TIMEOUT_S = 10.0
+"""For the last trial batches to report, past their sending; one not back by then counts at this."""
+
+
+def trial_batches(served: Served) -> int:
+    """How many batches ``served``'s trial sends: :data:`TRIAL_BATCHES`, fewer for large inputs,
+    never under :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`."""
+    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, TRIAL_BYTES // max(1, served.sample_nbytes))))
+
+
+async def trial_control_path(served: Served, model: str, batches: Sending, ids: Callable[[], int]) -> list[float]:
+    """Send ``served``'s trial (the module docstring) through ``batches`` with dispatch ids from
+    ``ids``, and return each batch's control-path delay (seconds), as ``served.control`` records
+    it; a batch not back within :data:`TRIAL_TIMEOUT_S` counts as that long."""
+    entering = [i for i, p in enumerate(served.model.pipelines) if p.entry_block == 0]
+    if not served.sample_nbytes or not entering:  # no sample to send (a hybrid plan's later entries take parked data)
+        return []
+    headroom = served.control.cap_s / MAX_SHARE  # the cap is MAX_SHARE of the headroom (or of the budget)
+    if headroom >= max(TRIAL_HEADROOM_S, TRIAL_SEEDS * max(served.control.seed_s, MIN_MARGIN_S)):
+        return []
+    pipelines = [served.model.pipelines[i] for i in entering]
+    rate = min(TRIAL_RATE_MAX, TRIAL_LOAD * sum(p.throughput / p.batch_size for p in pipelines))
+    weights = np.array([p.throughput for p in pipelines], dtype=float)
+    count = trial_batches(served)
+    recorded = served.control.recorded
+    sent: list[int] = []
+    started = time.monotonic()
+    for index, pick in enumerate(np.random.default_rng(0).choice(len(weights), size=count, p=weights / weights.sum())):
+        await asyncio.sleep(max(0.0, started + index / rate - time.monotonic()))
+        dispatch = ids()
+        batches.send(served, model, dispatch, trial_flight(served, entering[int(pick)], index, dispatch))
+        sent.append(dispatch)
+    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    while any(d in served.flights for d in sent) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    back = min(served.control.recorded - recorded, len(served.control.batches))
+    totals = [total for _, total in list(served.control.batches)[len(served.control.batches) - back :]]
+    lost = sum(d in served.flights for d in sent)
+    for dispatch in sent:
+        served.flights.pop(dispatch, None)
+    return totals + [TRIAL_TIMEOUT_S] * lost
+
+
+def trial_flight(served: Served, pipeline: int, index: int, dispatch: int) -> Flight:
+    """Trial batch ``index``: one zero sample along ``pipeline``, the ``index``-th slot of each pool."""
+    now = time.monotonic()
+    route: list[dict[str, Any]] = []
+    planned, spans = [], []
+    for partition in range(served.durations.partitions(pipeline)):
+        slots = sorted(a for (p, q, a) in served.stages if (p, q) == (pipeline, partition))
+        address = slots[index % len(slots)]
+        span = served.durations.compute_s(pipeline, partition, 1)
+        transfer = served.durations.transfer_s(pipeline, partition, 1) if partition else 0.0
+        route.append(
+            {
+                "address": address,
+                "stage": served.stages[(pipeline, partition, address)],
+                "partition": partition,
+                "hold_s": span if address in served.emulated else 0.0,
+            }
+        )
+        planned.append((partition, now if partition == 0 else -math.inf, transfer))
+        spans.append(span)
+    key = f"daskpipe-trial-{dispatch}"
+    request = Request(id=key, model=served.model.name, arrival=now, deadline=now + served.budgets.get(0, 0.0))
+    return Flight(
+        [key],
+        frozenset(str(hop["address"]) for hop in route),
+        [(request, bytes(served.sample_nbytes), 1)],
+        planned,
+        route=route,
+        spans=spans,
+        pipeline=pipeline,
+    )
+
+
+def trial_margin(delays_s: list[float]) -> float:
+    """The trial's margin: :data:`~daskpipe.runtime.scheduler.control.MARGIN_QUANTILE` of its batches' delays."""
+    return float(np.quantile(delays_s, MARGIN_QUANTILE)) if delays_s else 0.0
+
+
+def trial_summary(delays_s: list[float]) -> dict[str, Any]:
+    """Milliseconds: the trial's batches, p50, p99 and largest."""
+    if not delays_s:
+        return {"batches": 0}
+    p50, p99 = np.quantile(delays_s, (0.5, MARGIN_QUANTILE))
+    return {"batches": len(delays_s), "p50_ms": float(p50) * 1e3, "p99_ms": float(p99) * 1e3, "max_ms": max(delays_s) * 1e3}

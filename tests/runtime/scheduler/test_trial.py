@@ -1,0 +1,63 @@
+"""A deploy's trial of its control path (daskpipe/runtime/scheduler/trial.py): a tight SLO is decided on
+the tail of real batches sent along the model's routes, a loose one on the pings alone."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from distributed import Client, wait
+
+import daskpipe
+from daskpipe.runtime.cluster import EmulatedCluster
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.scheduler.trial import MIN_BATCHES, TRIAL_BATCHES, trial_batches
+from tests.runtime.helpers import example, frames, tiny_model, two_stage
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def deploy(client, slo_ms: float):
+    profile, plan = two_stage(stage_ms=(0.5, 0.5), slo_ms=slo_ms)
+    return daskpipe.deploy(client, {"tiny": tiny_model()}, example_inputs={"tiny": example()}, plan=plan, profiles={"tiny": profile})
+
+
+def test_a_loose_slo_is_decided_on_the_pings_alone(cluster_client):
+    _, client = cluster_client
+    with deploy(client, slo_ms=5000.0) as svc:
+        assert svc.status()["tiny"]["control"]["batches"] == 0  # no trial: nothing ran before the first request
+
+
+def test_a_tight_slo_is_served_on_the_trials_measured_tail_or_refused_by_it(cluster_client):
+    """At 10 ms (a lone request takes 1 ms: a headroom under 10x the least seed) the deploy sends
+    its trial: accepted, its margin is the p99 of the trial's batches and none of them counts as
+    a request; refused (a busy machine), the smallest SLO it names is over the SLO asked."""
+    _, client = cluster_client
+    try:
+        svc = deploy(client, slo_ms=10.0)
+    except DeployError as exc:
+        smallest = re.search(r"the smallest SLO it can serve is ([0-9.]+) ms", str(exc))
+        assert smallest and float(smallest.group(1)) > 10.0, str(exc)
+        return
+    with svc:
+        status = svc.status()["tiny"]
+        control = status["control"]
+        assert control["batches"] == TRIAL_BATCHES and status["submitted"] == status["completed"] == 0, status
+        assert min(control["total_p99_ms"], control["cap_ms"]) <= control["margin_ms"] * 1.001 <= control["cap_ms"] * 1.001, control
+        done = svc.map("tiny", frames(8))  # and it serves
+        wait(done, timeout=30)
+        assert all(f.status == "finished" for f in done)
+
+
+def test_a_trial_of_large_inputs_sends_fewer_batches_never_under_what_a_percentile_needs():
+    class Sized:
+        def __init__(self, nbytes: int) -> None:
+            self.sample_nbytes = nbytes
+
+    assert trial_batches(Sized(64)) == TRIAL_BATCHES
+    assert MIN_BATCHES < trial_batches(Sized(602_112)) < TRIAL_BATCHES  # a 3x224x224 float image
+    assert trial_batches(Sized(6_291_456)) == MIN_BATCHES  # a 3x512x1024 float frame
