@@ -55,7 +55,8 @@ def fake_gpu_cluster(monkeypatch, tmp_path):
 
     from distributed import Worker
 
-    from daskpipe.runtime.worker.slots import gpu, worker_specs
+    from daskpipe.runtime.worker import gpu
+    from daskpipe.runtime.worker.slots import worker_specs
 
     monkeypatch.setenv(gpu.FAKE_GPUS_ENV, "NVIDIA L4=23034,Tesla T4=15360")
     os.mkfifo(tmp_path / "control")  # the MPS daemon's control pipe: slices > 1 need it

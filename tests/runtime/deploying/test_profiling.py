@@ -156,7 +156,7 @@ def test_a_kind_timed_on_several_workers_keeps_the_median_of_each_cell():
 
 def test_a_kind_that_cannot_be_profiled_is_excluded_with_the_reason(fake_gpu_cluster, monkeypatch, caplog):
     cluster, client = fake_gpu_cluster
-    from daskpipe.runtime.worker.slots import gpu
+    from daskpipe.runtime.worker import gpu
 
     monkeypatch.setattr(gpu.FakeBackend, "compute_device", lambda self: "cuda:7")  # a device no worker has
     result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2)
