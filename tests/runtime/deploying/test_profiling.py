@@ -111,10 +111,18 @@ def test_a_bad_store_entry_is_moved_aside_and_its_kind_measured_again(cpu_cluste
     table = again.profile.table("cpu", 1)
     assert table.shape == first.profile.table("cpu", 1).shape and table.min() >= MIN_LATENCY_US
     assert len(list(tmp_path.glob("*.rejected"))) == 1 and not list(tmp_path.glob("*.tmp"))
-    if "warning" in again.profile.meta["measurements"]["cpu/1"]["timing"]:  # timed on a busy machine: not kept
-        assert not entry.exists()
-    else:
-        assert entry.is_file() and profiled().profiling_tasks == 0, "the new entry serves the next deploy"
+    assert entry.is_file() and profiled().profiling_tasks == 0, "the new entry serves the next deploy"
+
+
+def test_a_table_timed_on_a_busy_machine_is_said_and_not_stored(cpu_cluster, tmp_path, monkeypatch, caplog):
+    from daskpipe.profiles import profiler
+
+    cluster, client = cpu_cluster
+    monkeypatch.setattr(profiler, "BUSY_CPU_SHARE", 1.01)  # no thread is on its CPU 101% of the time: every timing is busy
+    store = ProfileStore(tmp_path)
+    result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2, store=store)
+    assert "the machine was busy while profiling" in result.profile.meta["measurements"]["cpu/1"]["timing"]["warning"]
+    assert "the table is inflated" in caplog.text and len(store) == 0, "an inflated table is not kept for the next deploy"
 
 
 def test_the_cpu_worker_processes_of_a_host_time_their_kind_together_and_the_table_is_their_median():
