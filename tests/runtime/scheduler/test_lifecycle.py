@@ -155,6 +155,8 @@ def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cl
         assert {a for _, _, a in plugin.served["a"].stages} == set(plugin.slots)  # a plans on the freed slots
         with pytest.raises(DeployError, match="model 'a' is the service's last model; close the service instead"):
             svc.remove_model("a")
+    with deploy(client):  # at once, under the same names: the closed service's re-planned stages go, not only its deploy's
+        only_stages_of(emulated, ["a", "b"])
 
 
 def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_finishes_the_old_ones_on_the_old(cluster):

@@ -153,7 +153,7 @@ class Elastic:
         if settings is not None:
             self.settings = self.load.settings = ElasticSettings.from_dict(settings)  # one set for the controller and its load watch
         for stale in [g for g, dep in self.deployments.items() if set(dep.models) & set(specs)]:
-            del self.deployments[stale]  # a closed service whose model names are deployed again
+            self._end(stale)  # a closed service whose model names are deployed again, before a tick ended it
         self.deployments[group] = Deployment(
             models=specs,
             plan=Plan.from_dict(plan),
@@ -373,6 +373,12 @@ class Elastic:
         """Release the stage actors of ``keys``, whichever client holds them."""
         retire_stages(self.plugin.scheduler, keys, self._stage_futures)
 
+    def _end(self, group: str) -> None:
+        """Forget ``group``'s deployment and release every stage it started, re-plans' included
+        (the service that closed it knew only those of its deploy)."""
+        dep = self.deployments.pop(group)
+        self.retire(row[3] for rows in [*dep.rows.values(), *dep.retiring.values()] for row in rows)
+
     async def _get_client(self) -> Client:
         """The scheduler's own client, for the stages of a re-plan; never the process's default,
         which in-process clusters share with the user's code (its ``wait`` and ``get_client``)."""
@@ -448,8 +454,7 @@ class Elastic:
     def _tick(self, now: float) -> None:
         for group, dep in list(self.deployments.items()):
             if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
-                self.retire(row[3] for rows in [*dep.rows.values(), *dep.retiring.values()] for row in rows)
-                del self.deployments[group]
+                self._end(group)
         self.load.sample(now)
         self.load.check_load_mix(self.deployments.values(), now)
         self.load.check_profiles(self.deployments.values(), now)
