@@ -347,6 +347,9 @@ class Batches:
             "expires": latest + time.time() - time.monotonic(),
             "clients": clients_of(self.plugin.scheduler, self.plugin.client_streams, flight.keys),
         }
+        last = flight.route[-1]["address"]
+        for client in batch["clients"]:  # a stage worker new since its first requests (a re-plan): before it has outputs for it
+            self.plugin.reach(client, [last])
         if not flight.sources:
             first = flight.route[0]["address"]
             inputs: list[Any] = []

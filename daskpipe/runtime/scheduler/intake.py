@@ -406,11 +406,10 @@ class Intake:
         overloaded: list = []
         accepted: list[tuple[Any, Any, int]] = []
         room = served.max_queued - len(served.inputs)
-        holding = False
         for i in self._usable(client, model, keys):
             key, payload, size = keys[i], inputs[i], sizes[i]
             if held_count(payload):  # the client keeps the input; the first stage will fetch it
-                payload, holding = HeldInput(client, payload), True
+                payload = HeldInput(client, payload)
             refusal = served.refusal(payload, size, start_block)
             if refusal is not None:
                 invalid.setdefault(refusal, []).append(key)
@@ -429,7 +428,7 @@ class Intake:
             ("invalid", f"a request of model {model!r} refused by the scheduler: {why}", "", alike) for why, alike in invalid.items()
         ]
         refuse(plugin.scheduler, plugin.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
-        if holding and accepted:  # its streams to the stages' workers open before the first fetch
+        if accepted:  # its streams to the stages' workers open before the first fetch, and before the first outputs
             plugin.reach(client, sorted({address for _, _, address in served.stages}))
         make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
         control = served.control

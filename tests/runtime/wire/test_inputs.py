@@ -188,21 +188,29 @@ def test_a_first_stage_worker_killed_around_its_fetch_loses_nothing(two_first_sl
         client.wait_for_workers(3, timeout=60)  # the Nanny restarts the killed one for the next test
 
 
-def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_computed_them(two_first_slots):
-    """Outputs of 16 KB a request (a batch's over 64 KiB) ride the completion to the client; the
+@pytest.mark.parametrize(
+    ("input_shape", "upsample"),
+    [(FETCHED, 1), ((3, 16, 16), 2)],
+    ids=["fetched inputs", "inline inputs"],
+)
+def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_computed_them(two_first_slots, input_shape, upsample):
+    """Outputs of 32 KB a request (a batch's 128 KB, over the 64 KiB the scheduler relays) ride
+    the completion to the client, the first batch's too: its first submission asked it to open
+    streams to every stage's worker, whether its inputs are fetched or ride the submission. The
     last stage's worker is then killed, and Dask loses their keys: the futures stay finished, with
     their outputs."""
     cluster, client = two_first_slots
-    profile, plan = two_stage("wide", input_shape=FETCHED, slo_ms=3000.0, model=WideOutput())
+    model = WideOutput(upsample)
+    profile, plan = two_stage("wide", input_shape=input_shape, slo_ms=3000.0, stage_ms=(300.0, 5.0), model=model)
     with daskpipe.deploy(
         client,
-        {"wide": WideOutput()},
-        example_inputs={"wide": torch.zeros(1, *FETCHED)},
+        {"wide": model},
+        example_inputs={"wide": torch.zeros(1, *input_shape)},
         plan=plan,
         profiles={"wide": profile},
         elastic=None,
     ) as svc:
-        xs = frames(8, shape=FETCHED)
+        xs = frames(8, shape=input_shape)
         futures = svc.map("wide", xs)
         wait(futures, timeout=60)
         assert all(f.output_in_hand for f in futures)
@@ -210,7 +218,6 @@ def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_compu
         os.kill(client.run(os.getpid, workers=[last])[last], signal.SIGKILL)
         wait_until(lambda: last not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
         time.sleep(0.5)  # Dask's report of the lost keys reaches this client
-        model = WideOutput()
         with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
             patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went to the cluster"))
             for future, x in zip(futures, xs):
@@ -220,13 +227,14 @@ def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_compu
 
 
 class WideOutput(torch.nn.Module):
-    """Two stages whose output is a 16 KB feature map a request."""
+    """Two stages whose output is a 32 KB feature map a request of 3x32x32 inputs, or of 3x16x16
+    ones upsampled twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, upsample: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.head = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU())
-        self.tail = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.head = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU())
+        self.tail = torch.nn.Sequential(torch.nn.Upsample(scale_factor=upsample), torch.nn.Conv2d(8, 8, 3, padding=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tail(self.head(x))
