@@ -310,7 +310,9 @@ class ClientStream:
         """Drop the inputs of requests this client no longer holds a future of."""
         self._held_since_sweep = 0
         futures = self.client.futures
-        for key in [k for k in self.held if k not in futures]:
+        # ``list`` copies the keys at once (no Python code runs meanwhile): the client's loop thread
+        # pops ended requests' inputs while the caller's thread sweeps
+        for key in [k for k in list(self.held) if k not in futures]:
             self.held.pop(key, None)
 
     async def open(self) -> None:
