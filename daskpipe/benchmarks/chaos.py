@@ -336,14 +336,14 @@ def run_chaos(
 def _busy_worker(plugin: Any, among: str | Any, timeout_s: float = 30.0, spare: frozenset[str] = frozenset()) -> tuple[str, str]:
     """(address, name) of a worker while a batch runs through it: of the first pool, when
     ``among`` names its GPU type, else of any stage among the addresses ``among`` holds, but ``spare``."""
-    served = plugin.served[MODEL]
+    ledger = plugin.ledgers[MODEL]
     if isinstance(among, str):
-        pool = sorted({a for (_, q, a) in served.stages if q == 0 and plugin.slots[a].gpu == among})
+        pool = sorted({a for (_, q, a) in ledger.stages if q == 0 and plugin.slots[a].gpu == among})
     else:
-        pool = sorted({a for (_, _, a) in served.stages if a in among and a not in spare})
+        pool = sorted({a for (_, _, a) in ledger.stages if a in among and a not in spare})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = [a for flight in list(served.flights.values()) for a in flight.addresses if a in pool]
+        busy = [a for flight in list(ledger.flights.values()) for a in flight.addresses if a in pool]
         if busy:
             break
         time.sleep(0.001)

@@ -25,15 +25,15 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
     real_send = plugin.to_workers.send
     plugin.to_workers.send = lambda worker, msg: sent.append(msg)
     try:
-        served = plugin.served["a"]
+        ledger = plugin.ledgers["a"]
         requests = [Request(f"colocated-{dilation}-{plan['models'][-1]['name']}-{i}", "a", 0.0, 10.0) for i in range(2)]
         for r in requests:  # as ``on_submit`` queues a request
             dask_scheduler.new_task(r.id, None, "released")
-            served.inputs[r.id] = (b"", 1)
-        plugin.act(served, "a", [Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),))])
+            ledger.queued[r.id] = (b"", 1)
+        plugin.act(ledger, "a", [Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),))])
     finally:
         plugin.to_workers.send = real_send
-        plugin.served.pop("a")
+        plugin.ledgers.pop("a")
     (message,) = sent
     return message["route"][0]["hold_s"]
 

@@ -45,7 +45,7 @@ def test_adaptive_drains_idle_gpus_at_low_load_and_adds_gpus_of_the_served_type_
             # low load: two of the three T4 are surplus; they are planned out, then retired
             wait_until(lambda: workers_after_a_second_at(0.05) == 1, timeout=60, interval=0, what="the surplus T4 retired")
             assert sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) == 1
-            served_by = {a for _, _, a in plugin.served["cnn"].stages}
+            served_by = {a for _, _, a in plugin.ledgers["cnn"].stages}
             assert served_by == set(cluster.scheduler.workers)  # the one left is the one serving
 
             # overload of the one left: more T4 are asked for, join, and are planned in

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from daskpipe.runtime.errors import DeployError, RequestFailed
 from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec, ServingControl
+from daskpipe.runtime.scheduler.ledger import Failed
 from daskpipe.runtime.wire import messages
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Lifecycle:
 
     # -- steps -----------------------------------------------------------------------------------
     def _check_new(self, model: str) -> None:
-        if model in self.plugin.served:
+        if model in self.plugin.ledgers:
             raise DeployError(f"model {model!r} is already served; remove it first, or give the new model another name")
 
     def _deployment(self, models: Sequence[str]) -> tuple[str, Deployment]:
@@ -207,21 +208,20 @@ class Lifecycle:
         and forget it. What is left at ``timeout_s`` ends: queued requests dropped ("shutdown"),
         batches still running after the flush failed, each saying why."""
         plugin = self.plugin
-        served = plugin.served.get(model)
-        if served is None:
+        ledger = plugin.ledgers.get(model)
+        if ledger is None:
             return
         deadline = time.monotonic() + timeout_s
-        while (served.counts["submitted"] < sent or served.inputs or served.flights) and time.monotonic() < deadline:
+        while (ledger.counts["submitted"] < sent or ledger.queued or ledger.flights) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         plugin.close_models([model], reason="shutdown")
         flush_until = time.monotonic() + self.elastic.settings.flush_timeout_s
-        while served.flights and time.monotonic() < flush_until:
+        while ledger.flights and time.monotonic() < flush_until:
             await asyncio.sleep(DRAIN_POLL_S)
-        if served.flights:
-            keys = [key for flight in served.flights.values() for key in flight.keys if key in served.deadlines]
+        if ledger.flights:
+            keys = [key for flight in ledger.flights.values() for key in flight.keys]
             failure = RequestFailed(f"model {model!r} was removed while its batch ran, and the batch did not end within the flush")
-            plugin.err(served, model, keys, lambda key: failure)
-            served.counts["failed"] += len(keys)
-            served.flights.clear()
+            ledger.end(keys, Failed(failure))
+            ledger.flights.clear()
         plugin.status([model], forget=True)
         logger.info("daskpipe: %s ended: its requests ended, its stages are released", model)

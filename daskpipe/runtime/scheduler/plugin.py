@@ -31,15 +31,14 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from daskpipe.config import setting
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed, guarded
+from daskpipe.runtime.errors import DeployError, RequestFailed, guarded
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
 from daskpipe.runtime.scheduler.elastic.controller import Elastic
-from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, check_feasible, pool_dispatcher, served_from, sliced_releases
-from daskpipe.runtime.scheduler.keys import err_key
+from daskpipe.runtime.scheduler.intake import Intake, check_dispatcher, check_feasible, ledger_for, pool_dispatcher, sliced_releases
+from daskpipe.runtime.scheduler.ledger import Dropped, Endings, Failed, Flight, Ledger, client_gone, queue_bound, worker_lost
 from daskpipe.runtime.scheduler.lifecycle import Lifecycle
-from daskpipe.runtime.scheduler.served import Flight, Served, queue_bound
 from daskpipe.runtime.scheduler.timer import Wakeup
 from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, trial_summary
 from daskpipe.runtime.scheduler.watch import GrayWatch
@@ -69,7 +68,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler: Any = None
-        self.served: dict[str, Served] = {}
+        self.ledgers: dict[str, Ledger] = {}  # model -> its ledger: its requests, until each ends
+        self.endings: Endings | None = None  # what ending a request touches on this scheduler, from start
         self.slots: dict[str, WorkerSlot] = {}
         self.wakeup = Wakeup(self._on_timer)  # the earliest next_wake of all dispatchers
         self.client_streams: dict[str, ImmediateSend] = {}  # client id -> its daskpipe stream (RESOLVED goes there)
@@ -87,6 +87,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         try:
             self.scheduler = scheduler
+            self.endings = Endings(scheduler, self.slots, self.to_worker, self.metrics)
             self.to_workers = Streams(scheduler.connection_args, PEER_HANDSHAKE, "daskpipe Scheduler->Worker")
             scheduler.handlers.update(
                 {
@@ -138,46 +139,45 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         if self.slots.pop(worker, None) is None:
             return
         now = time.monotonic()
-        for model, served in list(self.served.items()):
-            self._lose_worker(served, model, worker, now)
+        for model, ledger in list(self.ledgers.items()):
+            self._lose_worker(ledger, model, worker, now)
         self.arm()
         self.elastic.worker_left(worker)
 
-    def _lose_worker(self, served: Served, model: str, worker: str, now: float) -> None:
+    def _lose_worker(self, ledger: Ledger, model: str, worker: str, now: float) -> None:
         """Take ``worker``'s slot out of the dispatcher's pools (its reservations are released) and
         re-dispatch the requests of the batches that ran through it while their deadlines allow;
         a request the retry cannot serve is dropped as "worker-lost", saying why."""
-        lost = [flight for _, flight in served.take_flights(worker)]
-        if served.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
-            self.remove_slot(served, model, worker, now, "worker-lost")
-        for key in [key for key, address in served.parked.items() if address == worker]:
-            self.drop(served, model, key, "worker-lost", f"worker {worker} died holding its data between two stages")
-        self.retry(served, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
+        lost = [flight for _, flight in ledger.take_flights(worker)]
+        if ledger.suspects.pop(worker, None) is None:  # a suspect is out of the pools already
+            self.remove_slot(ledger, model, worker, now, "worker-lost")
+        for key in [key for key, address in ledger.parked.items() if address == worker]:
+            ledger.end([key], worker_lost(f"worker {worker} died holding its data between two stages"))
+        self.retry(ledger, model, lost, now, "worker-lost", f"worker {worker} died while its batch ran")
 
-    def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None:
+    def remove_slot(self, ledger: Ledger, model: str, address: str, now: float, reason: DropReason) -> None:
         """Take ``address`` out of the dispatcher's pools; a dispatcher whose pools are fixed
         (``supports_pools`` false) keeps it, and what it still sends there is dropped as
         "worker-lost" (:meth:`~daskpipe.runtime.scheduler.batches.Batches.dispatch`) until a re-plan."""
-        dispatcher = served.dispatcher
-        if dispatcher.supports_pools and any(a == address for _, _, a in served.stages):
-            self.act(served, model, self.step(served, model, lambda: dispatcher.remove_slot(address, now, reason)))
+        dispatcher = ledger.dispatcher
+        if dispatcher.supports_pools and any(a == address for _, _, a in ledger.stages):
+            self.act(ledger, model, self.step(ledger, model, lambda: dispatcher.remove_slot(address, now, reason)))
 
-    def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
+    def retry(self, ledger: Ledger, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None:
         """Queue the requests of ``flights`` again, with their original deadlines; one the retry
         cannot serve is dropped for ``reason``, with ``why`` and the dispatcher's own reason."""
         for flight in flights:
             for request, payload, size in flight.retries:
                 key = request.id
-                if key not in served.deadlines or key in served.inputs:  # ended meanwhile, or already queued again
+                if not ledger.requeue(key, payload, size):  # ended meanwhile, or already queued again
                     continue
-                served.inputs[key] = (payload, size)
-                served.counts["retried"] = served.counts.get("retried", 0) + 1
+                ledger.counts["retried"] = ledger.counts.get("retried", 0) + 1
                 retry = replace(request)  # its original deadline
-                actions = self.step(served, model, lambda: served.dispatcher.submit(retry, now), failing=[key])
+                actions = self.step(ledger, model, lambda: ledger.dispatcher.submit(retry, now), failing=[key])
                 for action in actions:
                     if isinstance(action, Drop) and action.request.id == key:
                         action.reason, action.detail = reason, f"{why}; the retry was dropped ({action.reason}): {action.detail}"
-                self.act(served, model, actions)
+                self.act(ledger, model, actions)
 
     @guarded
     def remove_client(self, scheduler: Any, client: str) -> None:
@@ -191,10 +191,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             if address in self.slots:
                 self.to_worker(address, {"op": messages.CLIENT_GONE, "client": client})
         tasks = scheduler.tasks
-        for model, served in list(self.served.items()):
-            for key in [k for k in served.inputs if k not in tasks]:
-                self.drop(served, model, key, "client-gone", f"client {client} left")
-            if not served.closing and any(key not in tasks for key in served.stages.values()):
+        for model, ledger in list(self.ledgers.items()):
+            ledger.end([k for k in ledger.queued if k not in tasks], client_gone(f"client {client} left"))
+            if not ledger.closing and any(key not in tasks for key in ledger.stages.values()):
                 logger.warning("daskpipe: the stage actors of %s were released (client %s left); closing it", model, client)
                 self.close_models([model], reason="shutdown")
 
@@ -273,19 +272,19 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.pings.round_trips(self.to_worker, address, PINGS)]
         self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
-        served = self.served[model]
-        delays = await trial_control_path(served, model, self.batches, self.watch.own_id)
+        ledger = self.ledgers[model]
+        delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id)
         if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/scheduler/trial.py)
             logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
             try:
                 k = float(options.get("time_dilation", 1.0))
                 check_feasible(
                     model,
-                    served.model,
-                    served.profile,
-                    served.budgets,
+                    ledger.model,
+                    ledger.profile,
+                    ledger.budgets,
                     trial_margin(delays),
-                    bw_gbps=served.durations.bw_gbps,
+                    bw_gbps=ledger.durations.bw_gbps,
                     time_dilation=k,
                 )
             except DeployError as exc:
@@ -346,7 +345,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 started.append(model)
         except Exception:
             for model in started:
-                del self.served[model]
+                del self.ledgers[model]
             raise
         shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in models))
         freeze_heap()
@@ -372,15 +371,16 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
         A model closed earlier whose batches have all ended (its owner vanished) is replaced.
         """
-        old = self.served.get(model)
+        old = self.ledgers.get(model)
         if old is not None and not (old.closing and not old.flights):
             raise DeployError(f"model {model!r} is already served; close the service that serves it first")
-        served, placement = served_from(
+        assert self.endings is not None, "the plugin has started"
+        ledger, placement = ledger_for(
             model,
             plan,
             profile,
             stages,
-            self.slots,
+            self.endings,
             control=control,
             time_dilation=time_dilation,
             bw_gbps=bw_gbps,
@@ -390,11 +390,11 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         )
         # a closed deployment of the same model may still have batches reporting (a stalled
         # worker's backlog): the new one numbers its batches past every id sent before
-        served.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
-        self.served[model] = served
+        ledger.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
+        self.ledgers[model] = ledger
         self.metrics.serve(
             model,
-            served.model,
+            ledger.model,
             placement,
             control=control.summary,
             suspects=functools.partial(self.watch.suspects, model),
@@ -403,8 +403,8 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         logger.info(
             "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
             model,
-            len(served.stages),
-            len(served.model.pipelines),
+            len(ledger.stages),
+            len(ledger.model.pipelines),
             float(time_dilation),
             control.margin_s * 1e3,
         )
@@ -416,24 +416,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """
         now = time.monotonic()
         drained = {}
-        for model in list(self.served if models is None else models):
-            served = self.served.get(model)
-            if served is None:
+        for model in list(self.ledgers if models is None else models):
+            ledger = self.ledgers.get(model)
+            if ledger is None:
                 continue
-            served.closing = True
-            actions = self.step(served, model, lambda: self._drain(served, model, now, reason))
-            self.act(served, model, actions)
-            leftover = list(served.inputs)  # anything the dispatcher did not hand back
-            for key in leftover:
-                self.drop(served, model, key, reason, "")
+            ledger.closing = True
+            actions = self.step(ledger, model, lambda: self._drain(ledger, model, now, reason))
+            self.act(ledger, model, actions)
+            leftover = ledger.end(list(ledger.queued), Dropped(reason))  # anything the dispatcher did not hand back
             drained[model] = len(actions) + len(leftover)
         return drained
 
-    def _drain(self, served: Served, model: str, now: float, reason: DropReason) -> list:
+    def _drain(self, ledger: Ledger, model: str, now: float, reason: DropReason) -> list:
         """``model``'s queued requests out of its dispatcher; of a shared pool's, only its own
         while other models of the pool are still served."""
-        dispatcher = served.dispatcher
-        staying = any(s.dispatcher is dispatcher and not s.closing for s in self.served.values())
+        dispatcher = ledger.dispatcher
+        staying = any(s.dispatcher is dispatcher and not s.closing for s in self.ledgers.values())
         if staying and isinstance(dispatcher, DeferredDispatcher):
             return dispatcher.drain(now, reason, models=[model])
         return dispatcher.drain(now, reason)
@@ -441,39 +439,39 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]:
         """Counters per model; ``forget`` removes closed models whose batches have all ended."""
         out = {}
-        for model in list(self.served if models is None else models):
-            served = self.served.get(model)
-            if served is None:
+        for model in list(self.ledgers if models is None else models):
+            ledger = self.ledgers.get(model)
+            if ledger is None:
                 continue
             out[model] = {
-                **served.counts,
-                "dropped": dict(served.dropped),
-                "queued": len(served.inputs),
-                "max_queued": served.max_queued,
-                "in_flight": sum(len(f.keys) for f in served.flights.values()),
-                "closing": served.closing,
-                "control": served.control.summary(),
-                "late": served.late.summary(),
-                "measured_ratios": {f"{p}/{q}": ratio for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items())},
+                **ledger.counts,
+                "dropped": dict(ledger.dropped),
+                "queued": len(ledger.queued),
+                "max_queued": ledger.max_queued,
+                "in_flight": sum(len(f.keys) for f in ledger.flights.values()),
+                "closing": ledger.closing,
+                "control": ledger.control.summary(),
+                "late": ledger.late.summary(),
+                "measured_ratios": {f"{p}/{q}": ratio for (p, q), ratio in sorted(ledger.dispatcher.measured_ratios().items())},
                 "suspects": self.watch.suspects(model),
             }
-            if forget and served.closing and not served.flights:
-                del self.served[model]
+            if forget and ledger.closing and not ledger.flights:
+                del self.ledgers[model]
         return out
 
     # -- the control surface of a re-plan (daskpipe.runtime.scheduler.elastic.controller) -----------------------------
     def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]:
         """Put ``holding`` in charge of ``model`` and drain the dispatcher it replaces: returns that
         dispatcher and the queued requests it gave up (they are still in the plugin's care)."""
-        served = self.served[model]
-        old, served.dispatcher = served.dispatcher, holding
-        drained = self.step(served, model, lambda: old.drain(time.monotonic(), "shutdown"))
+        ledger = self.ledgers[model]
+        old, ledger.dispatcher = ledger.dispatcher, holding
+        drained = self.step(ledger, model, lambda: old.drain(time.monotonic(), "shutdown"))
         return old, [action.request for action in drained if isinstance(action, Drop)]
 
     def switch(
         self,
         model: str,
-        held: Served,
+        held: Ledger,
         plan: Plan,
         profile: Profile,
         stages: list[list],
@@ -486,7 +484,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
         path, queue bound and every request in its care; dispatch ids start at ``first_id``. If the
         new plan cannot be served, this raises and ``held`` stays in place."""
-        del self.served[model]
+        del self.ledgers[model]
         explicit_bound = held.max_queued != queue_bound(held.model, None)
         try:
             self.start_serving(
@@ -502,75 +500,51 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 sample_nbytes=held.sample_nbytes,
             )
         except Exception:
-            self.served[model] = held
+            self.ledgers[model] = held
             raise
-        fresh = self.served[model]
+        fresh = self.ledgers[model]
         fresh.carry_over(held)
         fresh.dispatcher.continue_ids(max(first_id, self.batches.next_ids.get(model, 0)))
 
     def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None:
         """Submit the ``requests`` still queued to ``model``'s dispatcher (``dispatcher``, when
         given, first takes charge again: the one :meth:`hold` returned)."""
-        served = self.served[model]
+        ledger = self.ledgers[model]
         if dispatcher is not None:
-            served.dispatcher = dispatcher
+            ledger.dispatcher = dispatcher
         now = time.monotonic()
         for request in requests:
-            if request.id in served.inputs:  # else it ended meanwhile
-                self.act(served, model, self.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[request.id]))
+            if request.id in ledger.queued:  # else it ended meanwhile
+                self.act(ledger, model, self.step(ledger, model, lambda: ledger.dispatcher.submit(request, now), failing=[request.id]))
 
     # -- stepping the dispatcher ---------------------------------------------------------------
-    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list:
+    def step(self, ledger: Ledger, model: str, call: Callable[[], list], failing: list | None = None) -> list:
         """Run one dispatcher call; a dispatcher bug fails the requests at stake, with the cause."""
         try:
             return call()
         except Exception as exc:
             logger.exception("daskpipe: the dispatcher of %s raised", model)
-            stake = list(served.inputs) if failing is None else failing
+            stake = list(ledger.queued) if failing is None else failing
             failure = RequestFailed(f"the dispatcher of {model!r} raised {type(exc).__name__}: {exc}", cause=exc)
-            self.err(served, model, stake, lambda key: failure)
-            served.counts["failed"] += len(stake)
+            ledger.end(stake, Failed(failure))
             return []
 
-    def act(self, served: Served, model: str, actions: list) -> None:
+    def act(self, ledger: Ledger, model: str, actions: list) -> None:
         """Carry out what a dispatcher call returned: send its batches, end what it dropped. A
         shared pool's dispatcher decides for all of its models at once: each action goes to the
         model it is for."""
         for action in actions:
             owner = action.model if isinstance(action, Dispatch) else action.request.model
-            target = served if owner == model else self.served[owner]
+            target = ledger if owner == model else self.ledgers[owner]
             if isinstance(action, Dispatch):
                 self.batches.dispatch(target, owner, action)
-            elif isinstance(action, Drop) and action.request.id in target.inputs:  # else it ended already (released)
-                self.drop(target, owner, action.request.id, action.reason, action.detail)
-
-    # -- ending requests -----------------------------------------------------------------------
-    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None:
-        """End ``key`` as a :class:`~daskpipe.runtime.errors.RequestDropped`, counted."""
-        self.count_drop(served, model, reason, detail)
-        self.err(served, model, [key], lambda key: RequestDropped(reason, detail, model, key))
-
-    def count_drop(self, served: Served, model: str, reason: str, detail: str, count: int = 1) -> None:
-        served.dropped[reason] = served.dropped.get(reason, 0) + count
-        self.metrics.drop(model, reason, count, time.monotonic(), detail)
-
-    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None:
-        """End ``keys`` with ``error(key)``; a worker holding their parked data discards it."""
-        discard: dict[str, list] = {}
-        for key in keys:
-            served.inputs.pop(key, None)
-            served.deadlines.pop(key, None)
-            parked = served.parked.pop(key, None)
-            if parked is not None and parked in self.slots:
-                discard.setdefault(parked, []).append(key)
-            err_key(self.scheduler, key, error(key))
-        for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
-            self.to_worker(address, {"op": messages.DISCARD, "model": model, "keys": parked_keys})
+            elif isinstance(action, Drop) and action.request.id in target.queued:  # else it ended already (released)
+                target.end([action.request.id], Dropped(action.reason, action.detail))
 
     # -- the timer -----------------------------------------------------------------------------
     def arm(self) -> None:
         """Keep one wake-up (:class:`~daskpipe.runtime.scheduler.timer.Wakeup`), at the earliest ``next_wake`` of all dispatchers."""
-        wakes = [w for s in self.served.values() if (w := s.dispatcher.next_wake()) is not None]
+        wakes = [w for s in self.ledgers.values() if (w := s.dispatcher.next_wake()) is not None]
         wake = min(wakes, default=float("inf"))
         if wake < self.wakeup.at:
             self.wakeup.arm(wake)
@@ -581,21 +555,21 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
     def _on_timer(self) -> None:
         now = time.monotonic()
         margins: dict[int, float] = {}  # a shared pool's dispatcher: the least margin of its models
-        for served in self.served.values():
-            key = id(served.dispatcher)
-            margins[key] = min(margins.get(key, served.control.margin_s), served.control.margin_s)
-        for model, served in list(self.served.items()):
-            if id(served.dispatcher) not in margins:  # a shared pool's, woken already
+        for ledger in self.ledgers.values():
+            key = id(ledger.dispatcher)
+            margins[key] = min(margins.get(key, ledger.control.margin_s), ledger.control.margin_s)
+        for model, ledger in list(self.ledgers.items()):
+            if id(ledger.dispatcher) not in margins:  # a shared pool's, woken already
                 continue
-            wake = served.dispatcher.next_wake()
+            wake = ledger.dispatcher.next_wake()
             if wake is not None and wake <= now:
                 # a wake that fires late by up to the margin is given the time it asked for: the margin
                 # pays for it (a late timer is part of the measured dispatch delay); else a dispatcher
                 # waiting for a batch's last moment would find it just past, and drop the batch
-                at = max(wake, now - margins.pop(id(served.dispatcher)))
-                self.act(served, model, self.step(served, model, lambda: served.dispatcher.wake(at)))
+                at = max(wake, now - margins.pop(id(ledger.dispatcher)))
+                self.act(ledger, model, self.step(ledger, model, lambda: ledger.dispatcher.wake(at)))
             else:
-                margins.pop(id(served.dispatcher))
+                margins.pop(id(ledger.dispatcher))
         self.arm()
 
 

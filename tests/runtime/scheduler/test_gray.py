@@ -86,8 +86,8 @@ def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
 
 
 def first_pool_worker(cluster) -> str:
-    served = plugin_of(cluster.scheduler).served["tiny"]
-    return sorted(a for p, q, a in served.stages if q == 0)[0]
+    ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+    return sorted(a for p, q, a in ledger.stages if q == 0)[0]
 
 
 @pytest.mark.parametrize("factor, rule", [(40.0, "twice over"), (3.0, "batches in a row")])
@@ -129,8 +129,8 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
     # before the tests that stall a slot: a stalled slot finishes the hold it started after its test
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        served = plugin_of(cluster.scheduler).served["tiny"]
-        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+        first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         client.run(slow_down, 1.5, 30.0, workers=first_pool)  # both slots: the machine, not one slot
         try:
             sent = offer(svc, rate=60, seconds=2.0)
@@ -145,8 +145,8 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
 def test_requests_that_end_late_are_accounted_to_the_leg_that_lost_the_time(pools_of_two):
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        served = plugin_of(cluster.scheduler).served["tiny"]
-        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+        first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         offer(svc, rate=40, seconds=0.3)  # warm
         client.run(slow_down, 8.0, 30.0, workers=first_pool)  # the whole pool: slow, not suspect
         try:
@@ -203,7 +203,7 @@ def test_a_new_deployment_numbers_its_batches_past_those_of_a_closed_one(pools_o
     sent: list[int] = []
     send = batches.send
     monkeypatch.setattr(
-        batches, "send", lambda served, model, dispatch, flight: (sent.append(dispatch), send(served, model, dispatch, flight))
+        batches, "send", lambda ledger, model, dispatch, flight: (sent.append(dispatch), send(ledger, model, dispatch, flight))
     )
     profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)
     for _ in range(2):

@@ -50,7 +50,7 @@ from daskpipe.runtime.deploying.reprofiling import profile_missing
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.scheduler.elastic.load_watch import LoadWatch
 from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ModelSpec, ServingControl
-from daskpipe.runtime.scheduler.served import Served
+from daskpipe.runtime.scheduler.ledger import Ledger
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Time
@@ -146,7 +146,7 @@ class Elastic:
         """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
         to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``;
         ``options`` are the planner's (:meth:`PlannerOptions.to_dict`)."""
-        missing = [m for m in models if m not in self.plugin.served]
+        missing = [m for m in models if m not in self.plugin.ledgers]
         if missing:
             raise DeployError(f"models {missing} are not served; serve them before making them elastic")
         specs = {name: ModelSpec.from_msg(name, spec) for name, spec in models.items()}
@@ -216,7 +216,7 @@ class Elastic:
 
     # -- re-planning -----------------------------------------------------------------------------
     def _serving_addresses(self) -> set[str]:
-        return {a for served in self.plugin.served.values() for _, _, a in served.stages}
+        return {a for ledger in self.plugin.ledgers.values() for _, _, a in ledger.stages}
 
     def _schedule(self, reason: str) -> None:
         """Re-plan ``debounce_s`` after the last change (a burst of joins makes one re-plan)."""
@@ -248,14 +248,14 @@ class Elastic:
         """The live slots ``dep`` may plan on: not leaving, not serving another deployment (a model
         ``dep`` is retiring serves on its own slots)."""
         plugin = self.plugin
-        others = {a for m, s in plugin.served.items() if m not in dep.models and m not in dep.retiring for _, _, a in s.stages}
+        others = {a for m, s in plugin.ledgers.items() if m not in dep.models and m not in dep.retiring for _, _, a in s.stages}
         slots = [s for a, s in plugin.slots.items() if a in plugin.scheduler.workers and a not in self.leaving and a not in others]
         gpu_slots = [s for s in slots if s.gpu != messages.CPU or s.emulated]
         return gpu_slots or slots
 
     async def _replan(self, group: str, reasons: list[str]) -> None:
         dep = self.deployments[group]
-        if any(self.plugin.served.get(m) is None or self.plugin.served[m].closing for m in dep.models):
+        if any(self.plugin.ledgers.get(m) is None or self.plugin.ledgers[m].closing for m in dep.models):
             return  # closing: the ticker forgets it once its batches have ended
         slots = self.inventory_of(dep)
         if not slots:
@@ -350,7 +350,7 @@ class Elastic:
                     **options,
                 )
         except Exception:
-            self.plugin.close_models([m for m in serve or {} if m in self.plugin.served], reason="shutdown")
+            self.plugin.close_models([m for m in serve or {} if m in self.plugin.ledgers], reason="shutdown")
             self.plugin.status(list(serve or {}), forget=True)
             self.retire(str(future.key) for future in stages.futures)
             raise
@@ -394,24 +394,24 @@ class Elastic:
         ``fresh`` models already serve on ``plan``. Returns how long the requests were held."""
         plugin = self.plugin
         held_at = time.perf_counter()
-        held: dict[str, tuple[Served, Dispatcher, Holding]] = {}
+        held: dict[str, tuple[Ledger, Dispatcher, Holding]] = {}
         for model in set(dep.models) - fresh:
             holding = Holding(model)
             old, drained = plugin.hold(model, holding)
             holding.requests.extend(drained)
-            held[model] = (plugin.served[model], old, holding)
+            held[model] = (plugin.ledgers[model], old, holding)
         flush_until = time.monotonic() + self.settings.flush_timeout_s
-        while any(served.flights for served, _, _ in held.values()) and time.monotonic() < flush_until:
+        while any(ledger.flights for ledger, _, _ in held.values()) and time.monotonic() < flush_until:
             await asyncio.sleep(0.002)
         dep.epoch += 1
         old_keys = [row[3] for model_rows in dep.rows.values() for row in model_rows]
-        for model, (served, old, holding) in held.items():
-            if plugin.served.get(model) is not served or served.closing:
+        for model, (ledger, old, holding) in held.items():
+            if plugin.ledgers.get(model) is not ledger or ledger.closing:
                 continue  # closed during the flush: ``Holding.drain`` dropped what it held
             try:
                 plugin.switch(
                     model,
-                    served,
+                    ledger,
                     plan,
                     dep.models[model].profile,
                     rows[model],
@@ -447,7 +447,7 @@ class Elastic:
 
     def _tick(self, now: float) -> None:
         for group, dep in list(self.deployments.items()):
-            if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
+            if not any(m in self.plugin.ledgers for m in dep.models):  # its service closed and was forgotten
                 self.retire(row[3] for rows in [*dep.rows.values(), *dep.retiring.values()] for row in rows)
                 del self.deployments[group]
         self.load.sample(now)

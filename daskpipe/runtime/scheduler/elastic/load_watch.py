@@ -36,7 +36,7 @@ class LoadWatch:
                 now,
                 {
                     m: (s.counts["submitted"], sum(s.dropped.values()) + s.counts["failed"] + s.counts["completed"] - s.counts["on_time"])
-                    for m, s in self.plugin.served.items()
+                    for m, s in self.plugin.ledgers.items()
                 },
             )
         )
@@ -91,14 +91,14 @@ class LoadWatch:
                 continue
             drifted = []
             for model, spec in dep.models.items():
-                served = self.plugin.served.get(model)
-                if served is None or served.closing:
+                ledger = self.plugin.ledgers.get(model)
+                if ledger is None or ledger.closing:
                     continue
                 factors: dict[tuple[str, int], np.ndarray] = {}
-                for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items()):
+                for (p, q), ratio in sorted(ledger.dispatcher.measured_ratios().items()):
                     if 1 / band <= ratio <= band:
                         continue
-                    part = served.model.pipelines[p].partitions[q]
+                    part = ledger.model.pipelines[p].partitions[q]
                     factors.setdefault((part.gpu, part.slices), np.ones(spec.profile.num_blocks))[part.blocks[0] : part.blocks[1]] = ratio
                     drifted.append(f"{model} blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at {ratio:.2f}x their profile")
                 if factors:
@@ -116,12 +116,12 @@ class LoadWatch:
         ``scale_up_bad_rate``: N·r/(1-r) more of the type most of its stages run on."""
         rates = self.rates()
         wanted: Counter[str] = Counter()
-        for model, served in self.plugin.served.items():
+        for model, ledger in self.plugin.ledgers.items():
             offered, bad = rates.get(model, (0.0, 0.0))
-            if offered > 0 and bad > self.settings.scale_up_bad_rate and served.stages:
-                types = Counter(self.plugin.slots[a].gpu for _, _, a in served.stages if a in self.plugin.slots)
+            if offered > 0 and bad > self.settings.scale_up_bad_rate and ledger.stages:
+                types = Counter(self.plugin.slots[a].gpu for _, _, a in ledger.stages if a in self.plugin.slots)
                 if types:
-                    wanted[types.most_common(1)[0][0]] += math.ceil(len(served.stages) * min(bad, 0.9) / (1 - min(bad, 0.9)))
+                    wanted[types.most_common(1)[0][0]] += math.ceil(len(ledger.stages) * min(bad, 0.9) / (1 - min(bad, 0.9)))
         return dict(wanted)
 
     def surplus(self, now: float, serving: set[str]) -> set[str]:

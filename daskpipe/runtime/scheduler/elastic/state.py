@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.scheduler.served import Served
+from daskpipe.runtime.scheduler.ledger import Ledger
 from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.sched.api import Dispatcher, DropReason, Request
 
@@ -138,7 +138,7 @@ class ServingControl(Protocol):
     and the calls that hand a model from one plan to the next, start and end one."""
 
     scheduler: Any
-    served: dict[str, Served]
+    ledgers: dict[str, Ledger]
     slots: dict[str, WorkerSlot]
     metrics: ServiceMetrics  # the busy time of each slot, for scaling down
 
@@ -147,7 +147,7 @@ class ServingControl(Protocol):
     def switch(
         self,
         model: str,
-        held: Served,
+        held: Ledger,
         plan: Plan,
         profile: Profile,
         stages: list[list],
@@ -167,5 +167,3 @@ class ServingControl(Protocol):
     def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]: ...
 
     def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]: ...
-
-    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...
