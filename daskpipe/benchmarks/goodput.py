@@ -203,7 +203,7 @@ def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
     """On the scheduler: the measured/profiled compute ratios of ``model``'s recent batches, its stages pooled."""
     from daskpipe.runtime.scheduler.plugin import plugin_of
 
-    ledger = plugin_of(dask_scheduler).ledgers.get(model)
+    ledger = plugin_of(dask_scheduler).models.ledgers.get(model)
     return [] if ledger is None else [r for ratios in ledger.dispatcher.ratio_samples().values() for r in ratios]
 
 

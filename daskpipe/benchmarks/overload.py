@@ -109,7 +109,7 @@ class QueueSampler:
     def _take(self) -> None:
         from daskpipe.runtime.scheduler.plugin import plugin_of
 
-        ledger = plugin_of(self.scheduler).ledgers.get(self.model)
+        ledger = plugin_of(self.scheduler).models.ledgers.get(self.model)
         queued = list(ledger.queued.values()) if ledger is not None else []
         sample = {"queued": len(queued), "queued_bytes": sum(len(payload) for payload, _ in queued), "rss": self.process.memory_info().rss}
         self.peaks = {k: max(v, sample[k]) for k, v in self.peaks.items()}

@@ -62,7 +62,7 @@ def test_three_entries_through_one_shared_stage(model_and_profile) -> None:
             wait([f for fs in futures.values() for f in fs], timeout=60)
             for k, fs in futures.items():
                 torch.testing.assert_close(torch.cat(client.gather(fs)), expected[k], rtol=1e-2, atol=1e-2)
-            ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+            ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
             stage_tasks = [pickle.dumps(cluster.scheduler.tasks[key].run_spec) for key in set(ledger.stages.values())]
             assert max(map(len, stage_tasks)) < min(map(len, pickle_blocks(blocked.blocks)))  # blocks travel scattered, once
             dispatcher = ledger.dispatcher

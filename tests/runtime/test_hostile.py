@@ -317,12 +317,14 @@ def vanish_and_redeploy(cluster, client) -> None:
     try:
         assert proc.stdout.readline().strip() == "submitted"
         wait_until(
-            lambda: "vanishing" in plugin.ledgers and len(plugin.ledgers["vanishing"].queued) == 3, timeout=30, what="its requests queued"
+            lambda: "vanishing" in plugin.models.ledgers and len(plugin.models.ledgers["vanishing"].queued) == 3,
+            timeout=30,
+            what="its requests queued",
         )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    ledger = plugin.ledgers["vanishing"]
+    ledger = plugin.models.ledgers["vanishing"]
     wait_until(lambda: ledger.closing, timeout=30, what="its model closed")
     assert ledger.queued == {} and ledger.dropped == {"client-gone": 3} and ledger.counts["batches"] == 0
     wait_until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), timeout=30, what="its keys forgotten")

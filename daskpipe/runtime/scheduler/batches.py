@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import numpy as np
 from distributed.protocol import Serialized
@@ -19,50 +19,31 @@ from distributed.protocol import Serialized
 from daskpipe.runtime.errors import RequestFailed, guarded
 from daskpipe.runtime.scheduler.keys import InMemoryReports, clients_of, err_keys, free_keys, resolve, store
 from daskpipe.runtime.scheduler.ledger import Dropped, Failed, Flight, Ledger, Output, client_gone, worker_lost
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import HeldInput
-from daskpipe.runtime.wire.streams import ImmediateSend
 from daskpipe.sched.api import Dispatch, Feedback
-from daskpipe.sched.metrics import ServiceMetrics
-
-
-class Dispatching(Protocol):
-    """What the batches need of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates :class:`Batches`): its models, the streams, stepping the dispatcher and ending requests."""
-
-    scheduler: Any
-    ledgers: dict[str, Ledger]
-    client_streams: dict[str, ImmediateSend]
-    metrics: ServiceMetrics
-
-    def to_worker(self, address: str, message: dict) -> None: ...
-
-    def step(self, ledger: Ledger, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
-
-    def act(self, ledger: Ledger, model: str, actions: list) -> None: ...
-
-    def arm(self) -> None: ...
-
-    def reach(self, client: str, addresses: list[str]) -> None: ...
 
 
 class Batches:
     """The plugin's batches in flight (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: Dispatching, watch: GrayWatch) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links, watch: GrayWatch) -> None:
+        self.models = models
+        self.links = links
         self.watch = watch
         self.slot_ends: dict[str, float] = {}  # address -> end of the last batch it reported computing (scheduler clock)
         self.next_ids: dict[str, int] = {}  # model -> past the highest dispatch id ever sent for it: reports carry no other tag
-        self.reports = InMemoryReports(plugin.client_streams)
+        self.reports = InMemoryReports(links.client_streams)
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         if ledger is not None and dispatch not in ledger.abandoned:
             self._feedback(ledger, model, dispatch, timings, overrun)
-            self.plugin.arm()
+            self.models.arm()
 
     @guarded
     def on_done(
@@ -85,19 +66,19 @@ class Batches:
         Only the resolutions are sent from here; the bookkeeping (the keys into memory on
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
         No client can act on a resolution before that turn: it takes a round trip."""
-        if worker not in self.plugin.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
+        if worker not in self.models.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
             return
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         if ledger is not None and dispatch in ledger.abandoned:  # retried or dropped meanwhile: discard what it computed
-            free_keys(self.plugin.scheduler, worker, list(keys), "abandoned")
+            free_keys(self.models.scheduler, worker, list(keys), "abandoned")
             return
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
         relayed = False
         if pending:
             relayed = resolve(
-                self.plugin.scheduler,
-                self.plugin.client_streams,
+                self.models.scheduler,
+                self.links.client_streams,
                 pending,
                 dict(zip(keys, outputs)) if outputs is not None else None,
                 worker=worker,
@@ -124,8 +105,8 @@ class Batches:
         """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and
         counts; ``relayed``: a client's futures were resolved from here, after the completion;
         ``written_s``: how long after its compute ended the worker wrote the completion."""
-        store(self.plugin.scheduler, worker, keys, nbytes, self.reports)
-        ledger = self.plugin.ledgers.get(model)
+        store(self.models.scheduler, worker, keys, nbytes, self.reports)
+        ledger = self.models.ledgers.get(model)
         if ledger is None:
             return
         self._feedback(ledger, model, dispatch, timings, overrun)
@@ -138,7 +119,7 @@ class Batches:
         legs = flight.legs(done) if late and flight is not None else None
         if legs is not None:
             ledger.late.add(legs, late)
-        metrics = self.plugin.metrics
+        metrics = self.models.metrics
         arrivals = [r.arrival for r, _, _ in flight.retries if r.id in ended] if flight is not None else None
         if not ended:
             metrics.forget(model, dispatch)
@@ -146,16 +127,16 @@ class Batches:
             metrics.complete(model, [done - arrival for arrival in arrivals or ()], done)
         else:
             metrics.done(model, dispatch, done, arrivals)
-        self.plugin.arm()
+        self.models.arm()
 
     @guarded
     def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
         """A stage raised. A batch of several requests is retried in halves (poison isolation,
         :mod:`daskpipe.runtime.scheduler.gray`); a request that fails alone, or that its deadline or the
         isolation budget leave no retry, errs with the stage's RequestFailed."""
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         if ledger is None:
-            err_keys(self.plugin.scheduler, keys, exception)
+            err_keys(self.models.scheduler, keys, exception)
             return
         if dispatch in ledger.abandoned:  # its requests were retried or dropped when it was taken away
             return
@@ -169,15 +150,15 @@ class Batches:
         else:
             failing = [key for key in keys if key in ledger.deadlines]
         ledger.end(failing, Failed(exception))
-        self.plugin.metrics.forget(model, dispatch)
-        self.plugin.arm()
+        self.models.metrics.forget(model, dispatch)
+        self.models.arm()
 
     @guarded
     def on_unfetched(self, worker: str, model: str, dispatch: int, keys: list, reason: str, detail: str) -> None:
         """The first stage on ``worker`` could not fetch the inputs of ``keys`` from their client: they
         end here, dropped as ``client-gone`` or ``deadline`` (``reason``), or failed with ``detail``;
         the rest of the batch runs."""
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         if ledger is None or dispatch in ledger.abandoned:
             return
         flight = ledger.flights.get(dispatch)
@@ -190,9 +171,9 @@ class Batches:
             if ended:  # nothing of it runs
                 ledger.flights.pop(dispatch, None)
         if ended:
-            self.plugin.metrics.forget(model, dispatch)
+            self.models.metrics.forget(model, dispatch)
         ledger.end(keys, Dropped(reason, detail) if reason in ("client-gone", "deadline") else Failed(RequestFailed(detail)))
-        self.plugin.arm()
+        self.models.arm()
 
     def _feedback(self, ledger: Ledger, model: str, dispatch: int, timings: list, overrun: bool) -> None:
         ledger.counts["overruns"] += bool(overrun)
@@ -219,8 +200,8 @@ class Batches:
                 ):  # before the dispatcher hears of it: it may send the next stage at once
                     self._park(ledger, model, dispatch, flight, now)
                 self.watch.pace(ledger, model, address, fb.end - fb.start, flight.spans[index], now)
-            self.plugin.metrics.feedback(model, fb)
-            self.plugin.act(ledger, model, self.plugin.step(ledger, model, lambda: ledger.dispatcher.feedback(fb, now)))
+            self.models.metrics.feedback(model, fb)
+            self.models.act(ledger, model, ledger.step(lambda: ledger.dispatcher.feedback(fb, now)))
 
     def dispatch(self, ledger: Ledger, model: str, action: Dispatch) -> None:
         """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
@@ -228,14 +209,14 @@ class Batches:
         leaves its requests' intermediate data parked on its last slot; one that starts past
         partition 0 takes each request's data from the slot where it is parked."""
         keys, payloads, sizes = [], [], []
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         for request in action.requests:
             queued = ledger.queued.pop(request.id, None)
             if queued is None:  # it already ended (a dispatcher failure failed it)
                 continue
             if request.id not in tasks:  # its client released it (cancelled, or left): compute nothing for nobody
                 ledger.end([request.id], Dropped("released"))
-            elif isinstance(queued[0], HeldInput) and queued[0].client not in self.plugin.client_streams:
+            elif isinstance(queued[0], HeldInput) and queued[0].client not in self.links.client_streams:
                 ledger.end([request.id], client_gone(f"client {queued[0].client} left holding its input"))
             else:
                 keys.append(request.id)
@@ -271,7 +252,7 @@ class Batches:
             route[-1]["park"] = True
         sources = [address for address in parked_on if address is not None]  # all of them (checked above)
         addresses = frozenset(r["address"] for r in route).union(sources)
-        missing = [a for a in addresses if a not in self.plugin.scheduler.workers]
+        missing = [a for a in addresses if a not in self.models.scheduler.workers]
         if missing:
             ledger.end(keys, worker_lost(f"worker {missing[0]} of its pipeline is gone"))
             return
@@ -282,7 +263,7 @@ class Batches:
         ]
         spans = [h.compute.end - h.compute.start for h in action.hops]
         ledger.counts["batches"] += 1
-        self.plugin.metrics.dispatch(model, action, time.monotonic(), len(ledger.queued))
+        self.models.metrics.dispatch(model, action, time.monotonic(), len(ledger.queued))
         flight = Flight(
             keys,
             addresses,
@@ -305,7 +286,7 @@ class Batches:
         delays = flight.control_delays()
         if delays is not None:
             ledger.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
-        self.plugin.metrics.forget(model, dispatch)
+        self.models.metrics.forget(model, dispatch)
 
     def send(self, ledger: Ledger, model: str, dispatch: int, flight: Flight) -> None:
         """Send ``flight`` to its first stage, and watch it: its first hop must report within
@@ -322,7 +303,7 @@ class Batches:
             "sizes": [n for _, _, n in retries],
             "route": flight.route,
             "expires": latest + time.time() - time.monotonic(),
-            "clients": clients_of(self.plugin.scheduler, self.plugin.client_streams, flight.keys),
+            "clients": clients_of(self.models.scheduler, self.links.client_streams, flight.keys),
         }
         if not flight.sources:
             first = flight.route[0]["address"]
@@ -334,11 +315,11 @@ class Batches:
                     payload = None
                 inputs.append(payload)
             for client in fetch:
-                self.plugin.reach(client, [first])
-            self.plugin.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
+                self.links.reach(client, [first])
+            self.links.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
             return
         parts: dict[str, list] = {}
         for key, source in zip(flight.keys, flight.sources):
             parts.setdefault(source, []).append(key)
         for source, take in parts.items():  # each sends its part to the first stage, which gathers them
-            self.plugin.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
+            self.links.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.config import ConfigError
@@ -23,12 +23,12 @@ from daskpipe.runtime.scheduler.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.scheduler.gray import GrayPolicy
 from daskpipe.runtime.scheduler.keys import Refusal, make_keys, refuse
 from daskpipe.runtime.scheduler.ledger import Endings, Ledger, queue_bound
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire.inputs import HeldInput, held_count
 from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.runtime.wire.streams import ImmediateSend
 from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.metrics import ServiceMetrics
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
 from daskpipe.sched.symphony import DeferredDispatcher
 
@@ -163,7 +163,7 @@ def is_key(key: Any) -> bool:
 
 def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, sent_at: Any, unknown: dict) -> str | None:
     """What is wrong with a submission message as a whole, or ``None``; requests are checked one
-    by one later (``Served.refusal``)."""
+    by one later (``Ledger.refusal``)."""
     if unknown:
         return f"unknown fields {sorted(unknown)}"
     if not isinstance(model, str):
@@ -296,30 +296,13 @@ def ledger_for(
     return ledger, placement
 
 
-class Submitting(Protocol):
-    """What taking submissions needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`Intake`): its models, the clients' streams, and stepping the dispatcher."""
-
-    scheduler: Any
-    ledgers: dict[str, Ledger]
-    client_streams: dict[str, ImmediateSend]
-    metrics: ServiceMetrics
-
-    def step(self, ledger: Ledger, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
-
-    def act(self, ledger: Ledger, model: str, actions: list) -> None: ...
-
-    def arm(self) -> None: ...
-
-    def reach(self, client: str, addresses: list[str]) -> None: ...
-
-
 class Intake:
     """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
     served, queues them and steps the dispatcher; refuses the rest on arrival."""
 
-    def __init__(self, plugin: Submitting) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links) -> None:
+        self.models = models
+        self.links = links
         self.send_clocks = SendClocks()
 
     async def on_submit(
@@ -347,7 +330,7 @@ class Intake:
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
                 return
             problem = malformed(model, keys, inputs, sizes, start_block, sent_at, unknown)
-            ledger = self.plugin.ledgers.get(model) if problem is None else None
+            ledger = self.models.ledgers.get(model) if problem is None else None
             if problem is None and ledger is not None and not ledger.closing and start_block not in ledger.budgets:
                 problem = (
                     f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(ledger.budgets)}"
@@ -362,7 +345,7 @@ class Intake:
             while first < len(keys):
                 if first:
                     await asyncio.sleep(0)
-                    ledger = self.plugin.ledgers.get(model) if problem is None else None  # it may have closed meanwhile
+                    ledger = self.models.ledgers.get(model) if problem is None else None  # it may have closed meanwhile
                 if problem is None and ledger is not None and not ledger.closing:
                     stop = first + SUBMIT_SLICE
                     self._submit_slice(client, model, ledger, keys[first:stop], inputs[first:stop], sizes[first:stop], start_block, arrival)
@@ -375,16 +358,16 @@ class Intake:
                     )
                     sliced = keys[first:stop]
                     usable = [sliced[i] for i in self._usable(client, model, sliced)]
-                    refuse(self.plugin.scheduler, self.plugin.client_streams, client, model, [(*refusal, usable)])
+                    refuse(self.models.scheduler, self.links.client_streams, client, model, [(*refusal, usable)])
                 first = stop
-            self.plugin.arm()
+            self.models.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
     def _usable(self, client: str, model: Any, keys: Sequence) -> list[int]:
         """The indices of those of ``keys`` that can name a new request: keys, and not in use (a
         warning for the others)."""
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         usable = [i for i, k in enumerate(keys) if is_key(k) and k not in tasks]
         if len(usable) < len(keys):
             logger.warning(
@@ -400,7 +383,7 @@ class Intake:
     ) -> None:
         """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.scheduler.keys.refuse`);
         make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
-        plugin = self.plugin
+        models, links = self.models, self.links
         now = time.monotonic()
         invalid: dict[str, list] = {}  # why -> the keys refused for it: a flood of one mistake is one refusal
         overload = f"{ledger.max_queued} requests queued (max_queued)"
@@ -424,10 +407,10 @@ class Intake:
         refusals: list[Refusal] = [
             ("invalid", f"a request of model {model!r} refused by the scheduler: {why}", "", alike) for why, alike in invalid.items()
         ]
-        refuse(plugin.scheduler, plugin.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
+        refuse(models.scheduler, links.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
         if holding and accepted:  # its streams to the stages' workers open before the first fetch
-            plugin.reach(client, sorted({address for _, _, address in ledger.stages}))
-        make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
+            links.reach(client, sorted({address for _, _, address in ledger.stages}))
+        make_keys(models.scheduler, client, [key for key, _, _ in accepted])
         control = ledger.control
         deadline, tolerance = arrival + ledger.budgets[start_block] - control.margin_s, control.tolerance_s
         for key, payload, size in accepted:
@@ -435,5 +418,5 @@ class Intake:
             request = Request(
                 id=key, model=model, arrival=arrival, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance
             )
-            plugin.act(ledger, model, plugin.step(ledger, model, lambda: ledger.dispatcher.submit(request, now), failing=[key]))
-        plugin.metrics.submit(model, len(accepted) + refused + len(overloaded), now, len(ledger.queued))
+            models.act(ledger, model, ledger.step(lambda: ledger.dispatcher.submit(request, now), failing=[key]))
+        models.metrics.submit(model, len(accepted) + refused + len(overloaded), now, len(ledger.queued))

@@ -9,12 +9,13 @@ it ended with; an output's key is in memory already) and counts it, in the ledge
 in the metrics that ``/metrics`` shows, so that the two agree. A key that has ended already is
 skipped: a batch and its retry may both report.
 
-Public, so that a re-plan (:mod:`daskpipe.runtime.scheduler.elastic.controller`) can read a served model's state through
-the plugin's control surface without the plugin's internals.
+The scheduler's parts (:class:`~daskpipe.runtime.scheduler.models.Models`, the batches, the gray
+watch, the re-planner) each act on a model through its ledger.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from distributed.protocol import Serialized
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.errors import DeployError, RequestDropped
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.control import ControlPath
 from daskpipe.runtime.scheduler.gray import GrayPolicy, Suspect
 from daskpipe.runtime.scheduler.keys import err_key, err_keys, serialized
@@ -35,6 +36,8 @@ from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.sched.api import Dispatcher, Request
 from daskpipe.sched.durations import BatchDurations
 from daskpipe.sched.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
 
 QUEUE_SLOS = 2.0
 """The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
@@ -309,6 +312,23 @@ class Ledger:
         for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
             endings.to_worker(address, {"op": messages.DISCARD, "model": name, "keys": parked_keys})
         return ended
+
+    def step(self, call: Callable[[], list], failing: list | None = None) -> list:
+        """Run one call of the dispatcher, returning its actions; a dispatcher bug fails the
+        requests at stake (``failing``, else every queued one), with the cause."""
+        try:
+            return call()
+        except Exception as exc:
+            name = self.model.name
+            logger.exception("daskpipe: the dispatcher of %s raised", name)
+            failure = RequestFailed(f"the dispatcher of {name!r} raised {type(exc).__name__}: {exc}", cause=exc)
+            self.end(list(self.queued) if failing is None else failing, Failed(failure))
+            return []
+
+    def suspect_summaries(self) -> dict[str, dict[str, Any]]:
+        """This model's suspect slots by address: since when (s), why, its probes."""
+        now = time.monotonic()
+        return {address: suspect.summary(now) for address, suspect in self.suspects.items()}
 
     def take_flights(self, address: str) -> list[tuple[int, Flight]]:
         """The batches that run through ``address``, no longer in flight."""

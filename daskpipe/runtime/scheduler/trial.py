@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import MARGIN_QUANTILE, MAX_SHARE, MIN_BATCHES, MIN_MARGIN_S
 from daskpipe.runtime.scheduler.ledger import Flight, Ledger
-from daskpipe.runtime.scheduler.watch import Sending
 from daskpipe.sched.api import Request
 
 TRIAL_BATCHES = 400
@@ -52,7 +52,7 @@ def trial_batches(ledger: Ledger) -> int:
     return int(min(TRIAL_BATCHES, max(MIN_BATCHES, TRIAL_BYTES // max(1, ledger.sample_nbytes))))
 
 
-async def trial_control_path(ledger: Ledger, model: str, batches: Sending, ids: Callable[[], int]) -> list[float]:
+async def trial_control_path(ledger: Ledger, model: str, batches: Batches, ids: Callable[[], int]) -> list[float]:
     """Send ``served``'s trial (the module docstring) through ``batches`` with dispatch ids from
     ``ids``, and return each batch's control-path delay (seconds), as ``served.control`` records
     it; a batch not back within :data:`TRIAL_TIMEOUT_S` counts as that long."""

@@ -3,8 +3,9 @@ describes them (stalled and slow slots, late limits, poison and hang isolation).
 
 :class:`GrayWatch` keeps one watchlist and one timer for every model: when each hop must have
 reported (two strikes) and when each batch's requests reach their late limit. The per-model state
-(suspects, slow streaks, abandoned batches) lives on :class:`~daskpipe.runtime.scheduler.served.Served`.
-The watch acts on the plugin only through :class:`ServingPlugin`.
+(suspects, slow streaks, abandoned batches) lives on each model's :class:`~daskpipe.runtime.scheduler.ledger.Ledger`,
+which ends the requests the watch gives up on; the dispatchers hear of suspect slots through
+:class:`~daskpipe.runtime.scheduler.models.Models`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import logging
 import math
 import statistics
 import time
-from typing import Any, Protocol
+from typing import Any, Callable
 
 from daskpipe.runtime.errors import RequestFailed, guarded
 from daskpipe.runtime.scheduler.gray import Suspect, Watchlist, isolation_split
 from daskpipe.runtime.scheduler.ledger import Dropped, Failed, Flight, Ledger
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
-from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.sched.api import DropReason, Request, Slot
+from daskpipe.sched.api import Request, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -35,38 +37,13 @@ WATCH_TICK_S = 0.005
 """The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
 
 
-class Sending(Protocol):
-    """Where the watch sends the batches it makes itself (:class:`~daskpipe.runtime.scheduler.batches.Batches`)."""
-
-    def send(self, ledger: Ledger, model: str, dispatch: int, flight: Flight) -> None: ...
-
-
-class ServingPlugin(Protocol):
-    """What the watch needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`GrayWatch`): its models and slots, and the calls that move requests."""
-
-    scheduler: Any
-    ledgers: dict[str, Ledger]
-    slots: dict[str, WorkerSlot]
-    batches: Sending
-    metrics: Any
-
-    def to_worker(self, address: str, message: dict) -> None: ...
-
-    def act(self, ledger: Ledger, model: str, actions: list) -> None: ...
-
-    def remove_slot(self, ledger: Ledger, model: str, address: str, now: float, reason: DropReason) -> None: ...
-
-    def retry(self, ledger: Ledger, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None: ...
-
-    def arm(self) -> None: ...
-
-
 class GrayWatch:
     """Watches the plugin's batches and slots (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: ServingPlugin) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links, send: Callable[[Ledger, str, int, Flight], None]) -> None:
+        self.models = models
+        self.links = links
+        self.send = send  # where the batches it makes itself go: the batches' send
         # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
         self._watch: Watchlist[tuple[str, int, int, int]] = Watchlist()
         self._timer: asyncio.TimerHandle | None = None
@@ -122,7 +99,7 @@ class GrayWatch:
         self._timer, self._timer_at = None, float("inf")
         now = self._fired = time.monotonic()
         for model, dispatch, index, strike in self._watch.due(now):
-            ledger = self.plugin.ledgers.get(model)
+            ledger = self.models.ledgers.get(model)
             flight = ledger.flights.get(dispatch) if ledger is not None else None
             if ledger is None or flight is None:
                 continue
@@ -138,7 +115,7 @@ class GrayWatch:
                     continue
                 self._stalled(ledger, model, dispatch, flight, index, now - self._heard.get(address, -math.inf), now)
         self._arm()
-        self.plugin.arm()
+        self.models.arm()
 
     def _stalled(self, ledger: Ledger, model: str, dispatch: int, flight: Flight, index: int, silent_s: float, now: float) -> None:
         """Hop ``index`` of ``flight`` did not report within its bound, twice: its slot stalled, or
@@ -155,7 +132,7 @@ class GrayWatch:
         if hung:
             ledger.flights.pop(dispatch, None)
             _abandon(ledger, dispatch, address)
-            self.plugin.metrics.forget(model, dispatch)
+            self.models.metrics.forget(model, dispatch)
             failure = RequestFailed(
                 f"stage {partition} of {model!r} hung on this input: its batch stalled on worker {flight.stalled_on}, and "
                 f"re-dispatched alone it computed nothing on worker {address} for {silent_s * 1e3:.0f} ms (planned "
@@ -194,13 +171,13 @@ class GrayWatch:
     @guarded
     def on_expired(self, worker: str, model: str, dispatch: int, keys: list) -> None:
         """A stage skipped a batch that reached it past its requests' late limit."""
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         if ledger is None or dispatch in ledger.abandoned:
             return
         ledger.flights.pop(dispatch, None)
         limit = ledger.gray.late_limit_slos
         ledger.end(keys, Dropped("deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived"))
-        self.plugin.arm()
+        self.models.arm()
 
     # -- suspects ------------------------------------------------------------------------------
     def suspect(self, ledger: Ledger, model: str, address: str, detail: str, now: float, stalled: int | None = None) -> None:
@@ -215,11 +192,11 @@ class GrayWatch:
         false), and when it is the last slot in line of one of its pools (a lone CPU worker that
         fell behind under a burst would otherwise drop every queued request at once). The late
         limit still ends what a stalled slot holds."""
-        plugin = self.plugin
-        if address not in plugin.slots or not ledger.dispatcher.supports_pools:  # gone: remove_worker retries its batches
+        models = self.models
+        if address not in models.slots or not ledger.dispatcher.supports_pools:  # gone: remove_worker retries its batches
             return
         mine = {(p, q) for p, q, a in ledger.stages if a == address}
-        in_line = {(p, q) for p, q, a in ledger.stages if a != address and a in plugin.slots and a not in ledger.suspects}
+        in_line = {(p, q) for p, q, a in ledger.stages if a != address and a in models.slots and a not in ledger.suspects}
         if address not in ledger.suspects and not mine <= in_line:
             return
         taken = ledger.take_flights(address)
@@ -231,7 +208,7 @@ class GrayWatch:
             logger.warning(
                 "daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail
             )
-            plugin.remove_slot(ledger, model, address, now, "slow-worker")
+            models.remove_slot(ledger, model, address, now, "slow-worker")
             self._probe(ledger, model, address)
         again = [
             flight
@@ -240,7 +217,7 @@ class GrayWatch:
                 (dispatch == stalled or flight.stalled_on) and not flight.staged and self._send_apart(ledger, model, flight, address, now)
             )
         ]
-        plugin.retry(ledger, model, again, now, "slow-worker", f"worker {address} {detail}")
+        models.retry(ledger, model, again, now, "slow-worker", f"worker {address} {detail}")
 
     def pace(self, ledger: Ledger, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
         """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
@@ -280,7 +257,7 @@ class GrayWatch:
     def _probe(self, ledger: Ledger, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
         suspect = ledger.suspects.get(address)
-        if suspect is None or suspect.probe is not None or address not in self.plugin.slots or self.plugin.ledgers.get(model) is not ledger:
+        if suspect is None or suspect.probe is not None or address not in self.models.slots or self.models.ledgers.get(model) is not ledger:
             return
         p, q = suspect.pools[0]
         profiled = ledger.durations.compute_s(p, q, 1)
@@ -288,14 +265,14 @@ class GrayWatch:
         suspect.probe = (token, profiled)
         suspect.probes += 1
         hold = profiled if address in ledger.emulated else 0.0
-        self.plugin.to_worker(
+        self.links.to_worker(
             address, {"op": messages.PROBE, "model": model, "token": token, "stage": ledger.stages[(p, q, address)], "hold_s": hold}
         )
 
     @guarded
     def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
         """A suspect's probe computed over [start, end): re-admit it when that is in line."""
-        ledger = self.plugin.ledgers.get(model)
+        ledger = self.models.ledgers.get(model)
         suspect = ledger.suspects.get(worker) if ledger is not None else None
         if ledger is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
             return
@@ -309,7 +286,7 @@ class GrayWatch:
 
     def _readmit(self, ledger: Ledger, model: str, address: str) -> None:
         """The suspect ``address`` rejoins its pools."""
-        slot = self.plugin.slots.get(address)
+        slot = self.models.slots.get(address)
         if slot is None:
             return
         suspect = ledger.suspects.pop(address)
@@ -320,7 +297,7 @@ class GrayWatch:
                 actions = ledger.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
             except ValueError:  # a re-plan has put it back already
                 continue
-            self.plugin.act(ledger, model, actions)
+            self.models.act(ledger, model, actions)
         logger.warning(
             "daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again",
             model,
@@ -328,13 +305,7 @@ class GrayWatch:
             suspect.last_ratio,
             now - suspect.since,
         )
-        self.plugin.arm()
-
-    def suspects(self, model: str) -> dict[str, dict[str, Any]]:
-        """``model``'s suspect slots by address: since when (s), why, its probes."""
-        ledger = self.plugin.ledgers.get(model)
-        now = time.monotonic()
-        return {address: suspect.summary(now) for address, suspect in ledger.suspects.items()} if ledger is not None else {}
+        self.models.arm()
 
     # -- poison and hang isolation ------------------------------------------------------------
     def isolate(
@@ -356,7 +327,7 @@ class GrayWatch:
         split = isolation_split([n for _, _, n in live], left, hop_s, min(len(lane) for lane in lanes_by_hop), margin)
         if (
             split is None
-            or not flight.addresses <= set(self.plugin.scheduler.workers)
+            or not flight.addresses <= set(self.models.scheduler.workers)
             or not ledger.gray.may_isolate(ledger.counts["isolated"] + len(split) - 1, ledger.counts["batches"])
         ):
             return [], [r.id for r, _, _ in live]
@@ -408,12 +379,12 @@ class GrayWatch:
                 pipeline=flight.pipeline,
                 stalled_on=flight.stalled_on or address,
             )
-            self.plugin.batches.send(ledger, model, self.own_id(), part)
+            self.send(ledger, model, self.own_id(), part)
         return True
 
     def _lanes(self, ledger: Ledger, flight: Flight) -> list[list[str]]:
         """Per hop of ``flight``: the slots in line of its pool (live, not suspect)."""
-        workers = self.plugin.scheduler.workers
+        workers = self.models.scheduler.workers
         return [
             sorted(
                 a

@@ -86,7 +86,7 @@ def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
 
 
 def first_pool_worker(cluster) -> str:
-    ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+    ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
     return sorted(a for p, q, a in ledger.stages if q == 0)[0]
 
 
@@ -129,7 +129,7 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
     # before the tests that stall a slot: a stalled slot finishes the hold it started after its test
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+        ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
         first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         client.run(slow_down, 1.5, 30.0, workers=first_pool)  # both slots: the machine, not one slot
         try:
@@ -145,7 +145,7 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
 def test_requests_that_end_late_are_accounted_to_the_leg_that_lost_the_time(pools_of_two):
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+        ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
         first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         offer(svc, rate=40, seconds=0.3)  # warm
         client.run(slow_down, 8.0, 30.0, workers=first_pool)  # the whole pool: slow, not suspect

@@ -29,7 +29,7 @@ def test_every_way_a_request_ends_ends_its_key_once_and_the_counts_and_metrics_a
     outputs = svc.map("tiny", frames(3))
     client.gather(outputs)
     counted(svc, "tiny", 3)
-    worker = sorted(plugin_of(cluster.scheduler).slots)[0]
+    worker = sorted(plugin_of(cluster.scheduler).models.slots)[0]
     ways = {
         "deadline": (Dropped("deadline", "a test drops it"), RequestDropped, "a test drops it"),
         "failed": (Failed(RequestFailed("a test fails it")), RequestFailed, "a test fails it"),
@@ -40,7 +40,7 @@ def test_every_way_a_request_ends_ends_its_key_once_and_the_counts_and_metrics_a
     futures = {way: Future(key, client) for way, key in keys.items()}
 
     def end_each_way(client_id: str, dask_scheduler=None) -> list[list]:
-        ledger = plugin_of(dask_scheduler).ledgers["tiny"]
+        ledger = plugin_of(dask_scheduler).models.ledgers["tiny"]
         make_keys(dask_scheduler, client_id, list(keys.values()))
         for key in keys.values():
             ledger.admit(key, b"", 1, time.monotonic() + 60.0)
@@ -58,7 +58,7 @@ def test_every_way_a_request_ends_ends_its_key_once_and_the_counts_and_metrics_a
             assert info.value.reason == way
     tasks = cluster.scheduler.tasks
     assert [tasks[f.key].state for f in outputs] == ["memory"] * 3 and [tasks[key].state for key in keys.values()] == ["erred"] * 4
-    ledger = plugin_of(cluster.scheduler).ledgers["tiny"]
+    ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
     assert not ledger.queued and not ledger.deadlines and not ledger.parked
     status = svc.status()["tiny"]
     assert (status["submitted"], status["completed"], status["failed"]) == (7, 3, 1)
