@@ -28,7 +28,7 @@ from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.control import ControlPath
-from daskpipe.runtime.scheduler.gray import GrayPolicy, Suspect
+from daskpipe.runtime.scheduler.gray import GrayPolicy, SlowSlots, Suspect
 from daskpipe.runtime.scheduler.keys import err_key, err_keys, serialized
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import input_nbytes
@@ -229,9 +229,11 @@ class Ledger:
     late: LateLegs = field(default_factory=LateLegs)  # where the batches that ended late lost their time
     gray: GrayPolicy = field(default_factory=GrayPolicy)
     suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
-    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
-    last_ratios: dict[str, float] = field(default_factory=dict)  # address -> its latest batch's measured / planned compute
+    slow: SlowSlots = field(init=False)  # which of its slots computed slow lately (the gray policy's rule)
     abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
+
+    def __post_init__(self) -> None:
+        self.slow = SlowSlots(self.gray, list(self.stages))
 
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but

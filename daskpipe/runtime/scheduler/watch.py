@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import math
-import statistics
 import time
 from typing import Any, Callable
 
@@ -220,39 +219,13 @@ class GrayWatch:
         models.retry(ledger, model, again, now, "slow-worker", f"worker {address} {detail}")
 
     def pace(self, ledger: Ledger, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
-        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
-        and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
-        slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
+        """``address`` computed a batch in ``seconds``, planned ``planned_s``: suspect it once the
+        slow rule says so (:class:`~daskpipe.runtime.scheduler.gray.SlowSlots`; :meth:`suspect`
+        keeps a pool's last slot in line)."""
         self._heard[address] = now
-        gray = ledger.gray
-        ratio = ledger.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
-        pace = self._pace(ledger, address, ratio)
-        streak = ledger.slow_streaks[address] = ledger.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
-        if streak < gray.slow_batches or address in ledger.suspects:
-            return
-        self.suspect(
-            ledger,
-            model,
-            address,
-            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the "
-            f"last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
-            now,
-        )
-
-    @staticmethod
-    def _pace(ledger: Ledger, address: str, ratio: float) -> float:
-        """What ``address``'s pool-mates measure now (their median ratio, at least 1); looked up
-        only for a batch over ``suspect_factor``, as the pace can only raise the bar: this runs
-        for every batch on the scheduler's event loop."""
-        if ratio <= ledger.gray.suspect_factor:
-            return 1.0
-        mine = {(p, q) for p, q, a in ledger.stages if a == address}
-        mates = [
-            ledger.last_ratios[a]
-            for p, q, a in ledger.stages
-            if (p, q) in mine and a != address and a in ledger.last_ratios and a not in ledger.suspects
-        ]
-        return max(1.0, statistics.median(mates)) if mates else 1.0
+        why = ledger.slow.observe(address, seconds, planned_s, ledger.suspects)
+        if why is not None:
+            self.suspect(ledger, model, address, why, now)
 
     def _probe(self, ledger: Ledger, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
