@@ -373,9 +373,9 @@ def slow_verdicts(slowed_count: int, factor: float = 4.0) -> tuple[set[str], lis
                 verdicts.append((address, now))
         return planning(feedback(fb, now))
 
-    dispatcher.submit = lambda request, now: planning(submit(request, now))  # type: ignore[method-assign]
-    dispatcher.wake = lambda now: planning(wake(now))  # type: ignore[method-assign]
-    dispatcher.feedback = told  # type: ignore[method-assign]
+    dispatcher.submit = lambda request, now: planning(submit(request, now))
+    dispatcher.wake = lambda now: planning(wake(now))
+    dispatcher.feedback = told
     engine = Engine({model.name: dispatcher}, placement.slots, SlowedOn(ProfileDurations(plan, profiles, 10.0), slowed, factor))
     rate, slo_s = model.throughput / 2, model.slo_us * 1e-6
     engine.add_arrivals(Request(i, model.name, i / rate, i / rate + slo_s) for i in range(int(2 * rate)))
