@@ -255,7 +255,7 @@ def run_chaos(
             submitter.start()
             time.sleep(phase_s)
             advance(note="steady phase")
-            victim = _busy_worker(plugin, plugin.slots if fault == "flap" else plan.model(MODEL).pipelines[0].partitions[0].gpu)
+            victim = _busy_worker(plugin, plugin.models.slots if fault == "flap" else plan.model(MODEL).pipelines[0].partitions[0].gpu)
             with _fault(client, victim, fault, plugin):
                 kill_at = time.monotonic()
                 time.sleep(phase_s)
@@ -336,14 +336,14 @@ def run_chaos(
 def _busy_worker(plugin: Any, among: str | Any, timeout_s: float = 30.0, spare: frozenset[str] = frozenset()) -> tuple[str, str]:
     """(address, name) of a worker while a batch runs through it: of the first pool, when
     ``among`` names its GPU type, else of any stage among the addresses ``among`` holds, but ``spare``."""
-    served = plugin.served[MODEL]
+    ledger = plugin.models.ledgers[MODEL]
     if isinstance(among, str):
-        pool = sorted({a for (_, q, a) in served.stages if q == 0 and plugin.slots[a].gpu == among})
+        pool = sorted({a for (_, q, a) in ledger.stages if q == 0 and plugin.models.slots[a].gpu == among})
     else:
-        pool = sorted({a for (_, _, a) in served.stages if a in among and a not in spare})
+        pool = sorted({a for (_, _, a) in ledger.stages if a in among and a not in spare})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = [a for flight in list(served.flights.values()) for a in flight.addresses if a in pool]
+        busy = [a for flight in list(ledger.flights.values()) for a in flight.addresses if a in pool]
         if busy:
             break
         time.sleep(0.001)
@@ -364,11 +364,11 @@ def _fault(client: Any, victim: tuple[str, str], fault: str, plugin: Any) -> Ite
         _kill(client, address)
         if fault == "flap":
             time.sleep(FLAP_S)
-            second, _ = _busy_worker(plugin, plugin.slots)
+            second, _ = _busy_worker(plugin, plugin.models.slots)
             _kill(client, second)
             time.sleep(FLAP_S)
-            pair = [_busy_worker(plugin, plugin.slots)[0]]
-            pair.append(_busy_worker(plugin, plugin.slots, spare=frozenset(pair))[0])
+            pair = [_busy_worker(plugin, plugin.models.slots)[0]]
+            pair.append(_busy_worker(plugin, plugin.models.slots, spare=frozenset(pair))[0])
             for each in pair:
                 _kill(client, each)
         yield

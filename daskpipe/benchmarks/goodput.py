@@ -203,8 +203,8 @@ def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
     """On the scheduler: the measured/profiled compute ratios of ``model``'s recent batches, its stages pooled."""
     from daskpipe.runtime.scheduler.plugin import plugin_of
 
-    served = plugin_of(dask_scheduler).served.get(model)
-    return [] if served is None else [r for ratios in served.dispatcher.ratio_samples().values() for r in ratios]
+    ledger = plugin_of(dask_scheduler).models.ledgers.get(model)
+    return [] if ledger is None else [r for ratios in ledger.dispatcher.ratio_samples().values() for r in ratios]
 
 
 def machine_limit(model: str, image_size: int, processes: int, threads: int, seconds: float) -> float:

@@ -109,8 +109,8 @@ class QueueSampler:
     def _take(self) -> None:
         from daskpipe.runtime.scheduler.plugin import plugin_of
 
-        served = plugin_of(self.scheduler).served.get(self.model)
-        queued = list(served.inputs.values()) if served is not None else []
+        ledger = plugin_of(self.scheduler).models.ledgers.get(self.model)
+        queued = list(ledger.queued.values()) if ledger is not None else []
         sample = {"queued": len(queued), "queued_bytes": sum(len(payload) for payload, _ in queued), "rss": self.process.memory_info().rss}
         self.peaks = {k: max(v, sample[k]) for k, v in self.peaks.items()}
 

@@ -110,7 +110,7 @@ class DaskpipeCollector(PrometheusCollector):
             "Slots that get no batches because they stalled or slowed down, until a probe computes in line (docs/operations.md)",
             labels=["model", "slot"],
         )
-        for model, status in plugin.status().items():
+        for model, status in plugin.models.status().items():
             for slot in status["suspects"]:
                 suspects.add_metric([model, slot], 1.0)
             queue.add_metric([model], status["queued"])

@@ -311,23 +311,26 @@ class ServiceMetrics:
         """``resource`` (a slot, or a ``<server>/ul|dl`` NIC direction) was busy over [start, end)."""
         self.busy.append((resource, start, end))
 
-    def forward(self, model: str, dispatch_id: int) -> None:
-        """A staged batch ended before the pipeline's last partition: its requests go on in later
-        batches (the one that runs their last partition completes them)."""
+    def forget(self, model: str, dispatch_id: int) -> None:
+        """Dispatch ``dispatch_id`` will not complete: it failed, was taken from its slot, or was a
+        staged batch that ended before the pipeline's last partition (its requests go on in later
+        batches; the one that runs their last partition completes them)."""
         metrics = self.models.get(model)
         if metrics is not None:
             metrics.pending.pop(dispatch_id, None)
 
-    def done(self, model: str, dispatch_id: int, now: float) -> None:
+    def done(self, model: str, dispatch_id: int, now: float, arrivals: Sequence[float] | None = None) -> None:
         """The last stage of dispatch ``dispatch_id`` finished: its requests completed, each with
-        its latency split into :data:`PHASES`."""
+        its latency split into :data:`PHASES`; ``arrivals``: those of the requests that completed
+        with it, where not all it was dispatched with (some ended before, by another batch)."""
         metrics = self.models.get(model)
         pending = metrics.pending.pop(dispatch_id, None) if metrics is not None else None
         if pending is None:
             return
         compute_s, transfer_s = pending.compute_s, pending.transfer_s
-        latencies = [now - arrival for arrival in pending.arrivals]
-        queue = [pending.dispatched - arrival for arrival in pending.arrivals]
+        arrivals = pending.arrivals if arrivals is None else arrivals
+        latencies = [now - arrival for arrival in arrivals]
+        queue = [pending.dispatched - arrival for arrival in arrivals]
         other = [max(0.0, latency - waited - compute_s - transfer_s) for latency, waited in zip(latencies, queue)]
         self.complete(model, latencies, now, (queue, [compute_s] * len(queue), [transfer_s] * len(queue), other))
 
@@ -368,12 +371,10 @@ class ServiceMetrics:
         self.model(model).invalid.add(now, count)
         self.last_time = now
 
-    def fail(self, model: str, dispatch_id: int, count: int, now: float, batch_ended: bool = True) -> None:
-        """``count`` requests of dispatch ``dispatch_id`` failed (a stage raised, or their inputs
-        could not be had); ``batch_ended``: none of the batch is still running."""
+    def fail(self, model: str, count: int, now: float) -> None:
+        """``count`` requests failed (a stage or the dispatcher raised, or their inputs could not
+        be had); a batch that ends with them is :meth:`forget`-ed."""
         metrics = self.model(model)
-        if batch_ended:
-            metrics.pending.pop(dispatch_id, None)
         metrics.failed.add(now, count)
         self.last_time = now
 

@@ -19,21 +19,21 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
     """Serve model "a" of ``plan`` on the first emulated L4/2 slot, dispatch one batch of two, and
     return the hold time the plugin sends its worker (runs on the scheduler's event loop)."""
     plugin = plugin_of(dask_scheduler)
-    address = sorted(a for a, s in plugin.slots.items() if s.gpu == "L4" and s.slices == 2)[0]
-    plugin.start_serving("a", plan, profile, [[0, 0, address, "stage-a"]], control=ControlPath(0.0), time_dilation=dilation)
+    address = sorted(a for a, s in plugin.models.slots.items() if s.gpu == "L4" and s.slices == 2)[0]
+    plugin.serving.start_serving("a", plan, profile, [[0, 0, address, "stage-a"]], control=ControlPath(0.0), time_dilation=dilation)
     sent = []
-    real_send = plugin.to_workers.send
-    plugin.to_workers.send = lambda worker, msg: sent.append(msg)
+    real_send = plugin.links.to_workers.send
+    plugin.links.to_workers.send = lambda worker, msg: sent.append(msg)
     try:
-        served = plugin.served["a"]
+        ledger = plugin.models.ledgers["a"]
         requests = [Request(f"colocated-{dilation}-{plan['models'][-1]['name']}-{i}", "a", 0.0, 10.0) for i in range(2)]
         for r in requests:  # as ``on_submit`` queues a request
             dask_scheduler.new_task(r.id, None, "released")
-            served.inputs[r.id] = (b"", 1)
-        plugin.act(served, "a", [Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),))])
+            ledger.queued[r.id] = (b"", 1)
+        plugin.models.act(ledger, "a", [Dispatch(1, "a", 0, 2, requests, (Hop(0, address, Reservation(address, 0.0, 1.0)),))])
     finally:
-        plugin.to_workers.send = real_send
-        plugin.served.pop("a")
+        plugin.links.to_workers.send = real_send
+        plugin.models.ledgers.pop("a")
     (message,) = sent
     return message["route"][0]["hold_s"]
 

@@ -101,7 +101,7 @@ def test_each_view_holds_data_from_the_service(serving):
     assert gpus.nic_source.data["link"]  # the stages sit on two servers: the feature map crosses a NIC
     batches = BatchView(read)
     batches.update()
-    assert sum(batches.histogram_source.data["batches"]) == plugin_of(cluster.scheduler).status()["tiny"]["batches"]
+    assert sum(batches.histogram_source.data["batches"]) == plugin_of(cluster.scheduler).models.status()["tiny"]["batches"]
     assert batches.queue.labels == ["tiny (longest in each second)"] and len(batches.queue.column("tiny (longest in each second)")) > 0
 
 

@@ -62,10 +62,10 @@ def test_three_entries_through_one_shared_stage(model_and_profile) -> None:
             wait([f for fs in futures.values() for f in fs], timeout=60)
             for k, fs in futures.items():
                 torch.testing.assert_close(torch.cat(client.gather(fs)), expected[k], rtol=1e-2, atol=1e-2)
-            served = plugin_of(cluster.scheduler).served["tiny"]
-            stage_tasks = [pickle.dumps(cluster.scheduler.tasks[key].run_spec) for key in set(served.stages.values())]
+            ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
+            stage_tasks = [pickle.dumps(cluster.scheduler.tasks[key].run_spec) for key in set(ledger.stages.values())]
             assert max(map(len, stage_tasks)) < min(map(len, pickle_blocks(blocked.blocks)))  # blocks travel scattered, once
-            dispatcher = served.dispatcher
+            dispatcher = ledger.dispatcher
             shared = [a for w in cluster.workers.values() for a in w.state.actors.values() if isinstance(a, SharedStage)]
             assert len(shared) == 1
             merged = [call for call in shared[0].info()["recent"] if len({dispatcher.entry_of(d) for d in call["dispatches"]}) > 1]

@@ -200,3 +200,20 @@ def serve_at_load_factor(protocol: str, k: float, security=None) -> None:
             scheme = cluster.scheduler_address.split("://")[0]
             peers = client.run(lambda dask_worker: feature_map_peers(dask_worker))
             assert any(peers.values()) and all(a.startswith(f"{scheme}://") for addresses in peers.values() for a in addresses), peers
+
+
+def request_outcomes(scheduler, model: str = "tiny") -> dict[str, float]:
+    """``/metrics``' requests_total of ``model`` by outcome, its drops of every reason summed as
+    "dropped", and each reason's as "dropped/<reason>"."""
+    from daskpipe.dashboard.prometheus import DaskpipeCollector
+
+    families = {family.name: family for family in DaskpipeCollector(scheduler).collect()}
+    outcomes = {
+        sample.labels["outcome"]: sample.value for sample in families["dask_daskpipe_requests"].samples if sample.labels["model"] == model
+    }
+    drops = {
+        f"dropped/{sample.labels['reason']}": sample.value
+        for sample in families["dask_daskpipe_requests_dropped"].samples
+        if sample.labels["model"] == model
+    }
+    return {**outcomes, "dropped": sum(drops.values()), **drops}

@@ -45,12 +45,12 @@ def test_adaptive_drains_idle_gpus_at_low_load_and_adds_gpus_of_the_served_type_
             # low load: two of the three T4 are surplus; they are planned out, then retired
             wait_until(lambda: workers_after_a_second_at(0.05) == 1, timeout=60, interval=0, what="the surplus T4 retired")
             assert sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) == 1
-            served_by = {a for _, _, a in plugin.served["cnn"].stages}
+            served_by = {a for _, _, a in plugin.models.ledgers["cnn"].stages}
             assert served_by == set(cluster.scheduler.workers)  # the one left is the one serving
 
             # overload of the one left: more T4 are asked for, join, and are planned in
             wait_until(lambda: workers_after_a_second_at(0.8) >= 2, timeout=90, interval=0, what="more T4 to join")
-            assert {s.gpu for s in plugin.slots.values()} == {"T4"}
+            assert {s.gpu for s in plugin.models.slots.values()} == {"T4"}
             wait_until(
                 lambda: sum(q.vgpus for p in svc.plan.model("cnn").pipelines for q in p.partitions) >= 2,
                 timeout=60,

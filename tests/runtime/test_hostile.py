@@ -39,6 +39,7 @@ from tests.runtime.helpers import (
     example,
     frames,
     reference,
+    request_outcomes,
     tiny_model,
     two_stage,
 )
@@ -112,20 +113,6 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         assert counted["submitted"] == counted["completed"] + counted["failed"] + counted["invalid"] + counted["dropped"], (
             counted
         )  # every outcome accounted for
-
-
-def request_outcomes(scheduler) -> dict[str, float]:
-    """``/metrics``' requests_total of model "tiny" by outcome, and its drops of every reason as "dropped"."""
-    from daskpipe.dashboard.prometheus import DaskpipeCollector
-
-    families = {family.name: family for family in DaskpipeCollector(scheduler).collect()}
-    outcomes = {
-        sample.labels["outcome"]: sample.value for sample in families["dask_daskpipe_requests"].samples if sample.labels["model"] == "tiny"
-    }
-    outcomes["dropped"] = sum(
-        sample.value for sample in families["dask_daskpipe_requests_dropped"].samples if sample.labels["model"] == "tiny"
-    )
-    return outcomes
 
 
 MALFORMED_FIELDS = {
@@ -330,14 +317,16 @@ def vanish_and_redeploy(cluster, client) -> None:
     try:
         assert proc.stdout.readline().strip() == "submitted"
         wait_until(
-            lambda: "vanishing" in plugin.served and len(plugin.served["vanishing"].inputs) == 3, timeout=30, what="its requests queued"
+            lambda: "vanishing" in plugin.models.ledgers and len(plugin.models.ledgers["vanishing"].queued) == 3,
+            timeout=30,
+            what="its requests queued",
         )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    served = plugin.served["vanishing"]
-    wait_until(lambda: served.closing, timeout=30, what="its model closed")
-    assert served.inputs == {} and served.dropped == {"client-gone": 3} and served.counts["batches"] == 0
+    ledger = plugin.models.ledgers["vanishing"]
+    wait_until(lambda: ledger.closing, timeout=30, what="its model closed")
+    assert ledger.queued == {} and ledger.dropped == {"client-gone": 3} and ledger.counts["batches"] == 0
     wait_until(lambda: not any("vanishing" in str(key) for key in cluster.scheduler.tasks), timeout=30, what="its keys forgotten")
     profile, plan = two_stage("vanishing", gpus=("cpu", "cpu"))  # the name is free again
     with daskpipe.deploy(

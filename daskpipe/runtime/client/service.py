@@ -49,7 +49,8 @@ from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cl
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
-from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, queue_bound
+from daskpipe.runtime.scheduler.ledger import queue_bound
+from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin
 from daskpipe.runtime.wire.messages import WorkerSlot
 
 SUBMIT_CHUNK = 256
@@ -681,7 +682,7 @@ def deploy(
         --dataplane``). An unknown name fails the deploy, listing the known ones.
     max_queued
         Most requests a model queues on the scheduler; one more is dropped with reason
-        "overload" (default: two SLOs' worth at the plan's capacity, see ``plugin.queue_bound``).
+        "overload" (default: two SLOs' worth at the plan's capacity, see ``daskpipe.runtime.scheduler.ledger.queue_bound``).
     allow_nonfinite
         Serve inputs holding NaN or Inf; by default they err with ``InvalidRequest`` at once.
     elastic

@@ -11,62 +11,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import numpy as np
 from distributed.protocol import Serialized
 
 from daskpipe.runtime.errors import RequestFailed, guarded
 from daskpipe.runtime.scheduler.keys import InMemoryReports, clients_of, err_keys, free_keys, resolve, store
-from daskpipe.runtime.scheduler.served import Flight, Served
+from daskpipe.runtime.scheduler.ledger import Dropped, Failed, Flight, Ledger, Output, client_gone, worker_lost
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import HeldInput
-from daskpipe.runtime.wire.streams import ImmediateSend
 from daskpipe.sched.api import Dispatch, Feedback
-from daskpipe.sched.metrics import ServiceMetrics
-
-
-class Dispatching(Protocol):
-    """What the batches need of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates :class:`Batches`): its models, the streams, stepping the dispatcher and ending requests."""
-
-    scheduler: Any
-    served: dict[str, Served]
-    client_streams: dict[str, ImmediateSend]
-    metrics: ServiceMetrics
-
-    def to_worker(self, address: str, message: dict) -> None: ...
-
-    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
-
-    def act(self, served: Served, model: str, actions: list) -> None: ...
-
-    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None: ...
-
-    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...
-
-    def arm(self) -> None: ...
-
-    def reach(self, client: str, addresses: list[str]) -> None: ...
 
 
 class Batches:
     """The plugin's batches in flight (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: Dispatching, watch: GrayWatch) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links, watch: GrayWatch) -> None:
+        self.models = models
+        self.links = links
         self.watch = watch
         self.slot_ends: dict[str, float] = {}  # address -> end of the last batch it reported computing (scheduler clock)
         self.next_ids: dict[str, int] = {}  # model -> past the highest dispatch id ever sent for it: reports carry no other tag
-        self.reports = InMemoryReports(plugin.client_streams)
+        self.reports = InMemoryReports(links.client_streams)
 
     @guarded
     def on_feedback(self, worker: str, model: str, dispatch: int, timings: list, overrun: bool = False) -> None:
-        served = self.plugin.served.get(model)
-        if served is not None and dispatch not in served.abandoned:
-            self._feedback(served, model, dispatch, timings, overrun)
-            self.plugin.arm()
+        ledger = self.models.ledgers.get(model)
+        if ledger is not None and dispatch not in ledger.abandoned:
+            self._feedback(ledger, model, dispatch, timings, overrun)
+            self.models.arm()
 
     @guarded
     def on_done(
@@ -89,19 +66,19 @@ class Batches:
         Only the resolutions are sent from here; the bookkeeping (the keys into memory on
         ``worker``, feedback, counters) runs on the next loop turn, after their write has left.
         No client can act on a resolution before that turn: it takes a round trip."""
-        if worker not in self.plugin.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
+        if worker not in self.models.scheduler.workers:  # it left after sending: its outputs are gone, the retries of its batches run
             return
-        served = self.plugin.served.get(model)
-        if served is not None and dispatch in served.abandoned:  # retried or dropped meanwhile: discard what it computed
-            free_keys(self.plugin.scheduler, worker, list(keys), "abandoned")
+        ledger = self.models.ledgers.get(model)
+        if ledger is not None and dispatch in ledger.abandoned:  # retried or dropped meanwhile: discard what it computed
+            free_keys(self.models.scheduler, worker, list(keys), "abandoned")
             return
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         pending = [k for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
         relayed = False
         if pending:
             relayed = resolve(
-                self.plugin.scheduler,
-                self.plugin.client_streams,
+                self.models.scheduler,
+                self.links.client_streams,
                 pending,
                 dict(zip(keys, outputs)) if outputs is not None else None,
                 worker=worker,
@@ -128,71 +105,63 @@ class Batches:
         """The keys in memory on ``worker`` (as ``scatter`` does), and the batch's feedback and
         counts; ``relayed``: a client's futures were resolved from here, after the completion;
         ``written_s``: how long after its compute ended the worker wrote the completion."""
-        store(self.plugin.scheduler, worker, keys, nbytes, self.reports)
-        served = self.plugin.served.get(model)
-        if served is None:
+        store(self.models.scheduler, worker, keys, nbytes, self.reports)
+        ledger = self.models.ledgers.get(model)
+        if ledger is None:
             return
-        self._feedback(served, model, dispatch, timings, overrun)
-        flight = served.flights.pop(dispatch, None)
+        self._feedback(ledger, model, dispatch, timings, overrun)
+        flight = ledger.flights.pop(dispatch, None)
         delays = flight.control_delays() if flight is not None else None
         if flight is not None and delays is not None and not flight.isolating:  # an isolation's plan is the watch's, not a dispatcher's
-            served.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed, written_s)
-        counts = served.counts
-        late = 0
-        for key in keys:
-            deadline = served.deadlines.pop(key, None)
-            if deadline is None:  # ended already: both a batch and its retry after a worker loss ran
-                continue
-            served.inputs.pop(key, None)  # a retry still queued has nothing left to do
-            counts["completed"] += 1
-            counts["on_time"] += done <= deadline
-            late += done > deadline
+            ledger.control.record(done, *delays, done - flight.ran[flight.planned[-1][0]][1], relayed, written_s)
+        late = sum(done > deadline for key in keys if (deadline := ledger.deadlines.get(key)) is not None)
+        ended = set(ledger.end(keys, Output(done)))  # not those ended already: both a batch and its retry after a worker loss ran
         legs = flight.legs(done) if late and flight is not None else None
         if legs is not None:
-            served.late.add(legs, late)
-        if flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
-            self.plugin.metrics.complete(model, [done - r.arrival for r, _, _ in flight.retries], done)
+            ledger.late.add(legs, late)
+        metrics = self.models.metrics
+        arrivals = [r.arrival for r, _, _ in flight.retries if r.id in ended] if flight is not None else None
+        if not ended:
+            metrics.forget(model, dispatch)
+        elif flight is not None and flight.isolating:  # sent by the plugin, not the dispatcher: the metrics have no batch for it
+            metrics.complete(model, [done - arrival for arrival in arrivals or ()], done)
         else:
-            self.plugin.metrics.done(model, dispatch, done)
-        self.plugin.arm()
+            metrics.done(model, dispatch, done, arrivals)
+        self.models.arm()
 
     @guarded
     def on_failed(self, worker: str, model: str, dispatch: int, keys: list, exception: Serialized) -> None:
         """A stage raised. A batch of several requests is retried in halves (poison isolation,
         :mod:`daskpipe.runtime.scheduler.gray`); a request that fails alone, or that its deadline or the
         isolation budget leave no retry, errs with the stage's RequestFailed."""
-        served = self.plugin.served.get(model)
-        if served is None:
-            err_keys(self.plugin.scheduler, keys, exception)
+        ledger = self.models.ledgers.get(model)
+        if ledger is None:
+            err_keys(self.models.scheduler, keys, exception)
             return
-        if dispatch in served.abandoned:  # its requests were retried or dropped when it was taken away
+        if dispatch in ledger.abandoned:  # its requests were retried or dropped when it was taken away
             return
-        flight = served.flights.pop(dispatch, None)
+        flight = ledger.flights.pop(dispatch, None)
         now = time.monotonic()
-        live = [entry for entry in flight.retries if entry[0].id in served.deadlines] if flight is not None else []
+        live = [entry for entry in flight.retries if entry[0].id in ledger.deadlines] if flight is not None else []
         if flight is not None and len(live) > 1 and not flight.staged:
-            halves, failing = self.watch.isolate(served, model, flight, live, now)
+            halves, failing = self.watch.isolate(ledger, model, flight, live, now)
             for isolation, half in halves:
-                self.send(served, model, isolation, half)
+                self.send(ledger, model, isolation, half)
         else:
-            failing = [key for key in keys if key in served.deadlines]
-        served.counts["failed"] += len(failing)
-        self.plugin.metrics.fail(model, dispatch, len(failing), now)
-        for key in failing:
-            served.deadlines.pop(key, None)
-            served.inputs.pop(key, None)
-        err_keys(self.plugin.scheduler, failing, exception)
-        self.plugin.arm()
+            failing = [key for key in keys if key in ledger.deadlines]
+        ledger.end(failing, Failed(exception))
+        self.models.metrics.forget(model, dispatch)
+        self.models.arm()
 
     @guarded
     def on_unfetched(self, worker: str, model: str, dispatch: int, keys: list, reason: str, detail: str) -> None:
         """The first stage on ``worker`` could not fetch the inputs of ``keys`` from their client: they
         end here, dropped as ``client-gone`` or ``deadline`` (``reason``), or failed with ``detail``;
         the rest of the batch runs."""
-        served = self.plugin.served.get(model)
-        if served is None or dispatch in served.abandoned:
+        ledger = self.models.ledgers.get(model)
+        if ledger is None or dispatch in ledger.abandoned:
             return
-        flight = served.flights.get(dispatch)
+        flight = ledger.flights.get(dispatch)
         ending, ended = set(keys), True
         if flight is not None:
             kept = [i for i, key in enumerate(flight.keys) if key not in ending]
@@ -200,24 +169,17 @@ class Batches:
             flight.retries = [flight.retries[i] for i in kept]
             ended = not kept
             if ended:  # nothing of it runs
-                served.flights.pop(dispatch, None)
-        live = [key for key in keys if key in served.deadlines]
-        failed = 0 if reason in ("client-gone", "deadline") else len(live)
-        self.plugin.metrics.fail(model, dispatch, failed, time.monotonic(), batch_ended=ended)
-        if failed:
-            served.counts["failed"] += failed
-            failure = RequestFailed(detail)
-            self.plugin.err(served, model, live, lambda key: failure)
-        else:
-            for key in live:
-                self.plugin.drop(served, model, key, reason, detail)
-        self.plugin.arm()
+                ledger.flights.pop(dispatch, None)
+        if ended:
+            self.models.metrics.forget(model, dispatch)
+        ledger.end(keys, Dropped(reason, detail) if reason in ("client-gone", "deadline") else Failed(RequestFailed(detail)))
+        self.models.arm()
 
-    def _feedback(self, served: Served, model: str, dispatch: int, timings: list, overrun: bool) -> None:
-        served.counts["overruns"] += bool(overrun)
+    def _feedback(self, ledger: Ledger, model: str, dispatch: int, timings: list, overrun: bool) -> None:
+        ledger.counts["overruns"] += bool(overrun)
         now = time.monotonic()
         offset = now - time.time()  # wall clock on the wire -> this scheduler's monotonic clock
-        flight = served.flights.get(dispatch)
+        flight = ledger.flights.get(dispatch)
         for partition, kind, start, end in timings:
             fb = Feedback(dispatch, int(partition), kind, start + offset, end + offset)
             if flight is not None and kind == "compute":
@@ -232,56 +194,55 @@ class Batches:
                 self.slot_ends[address] = max(fb.end, before)
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
-                    self.watch.watch_hop(served, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
+                    self.watch.watch_hop(ledger, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
                 elif flight.staged and flight.route[-1].get(
                     "park"
                 ):  # before the dispatcher hears of it: it may send the next stage at once
-                    self._park(served, model, dispatch, flight, now)
-                self.watch.pace(served, model, address, fb.end - fb.start, flight.spans[index], now)
-            self.plugin.metrics.feedback(model, fb)
-            self.plugin.act(served, model, self.plugin.step(served, model, lambda: served.dispatcher.feedback(fb, now)))
+                    self._park(ledger, model, dispatch, flight, now)
+                self.watch.pace(ledger, model, address, fb.end - fb.start, flight.spans[index], now)
+            self.models.metrics.feedback(model, fb)
+            self.models.act(ledger, model, ledger.step(lambda: ledger.dispatcher.feedback(fb, now)))
 
-    def dispatch(self, served: Served, model: str, action: Dispatch) -> None:
+    def dispatch(self, ledger: Ledger, model: str, action: Dispatch) -> None:
         """Send ``action``'s batch along its hops. A staged dispatch (hops covering part of the
         pipeline, :class:`~daskpipe.sched.api.Dispatch`) that ends before the last partition
         leaves its requests' intermediate data parked on its last slot; one that starts past
         partition 0 takes each request's data from the slot where it is parked."""
         keys, payloads, sizes = [], [], []
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         for request in action.requests:
-            queued = served.inputs.pop(request.id, None)
+            queued = ledger.queued.pop(request.id, None)
             if queued is None:  # it already ended (a dispatcher failure failed it)
                 continue
             if request.id not in tasks:  # its client released it (cancelled, or left): compute nothing for nobody
-                self.plugin.drop(served, model, request.id, "released", "")
-            elif isinstance(queued[0], HeldInput) and queued[0].client not in self.plugin.client_streams:
-                self.plugin.drop(served, model, request.id, "client-gone", f"client {queued[0].client} left holding its input")
+                ledger.end([request.id], Dropped("released"))
+            elif isinstance(queued[0], HeldInput) and queued[0].client not in self.links.client_streams:
+                ledger.end([request.id], client_gone(f"client {queued[0].client} left holding its input"))
             else:
                 keys.append(request.id)
                 payloads.append(queued[0])
                 sizes.append(queued[1])
         if not keys:
             return
-        pipeline = served.model.pipelines[action.pipeline]
+        pipeline = ledger.model.pipelines[action.pipeline]
         first, last = action.hops[0].partition, action.hops[-1].partition
-        parked_on = [served.parked.pop(key, None) for key in keys] if first > 0 else []
+        parked_on = [ledger.parked.pop(key, None) for key in keys] if first > 0 else []
         samples = sum(sizes)
         try:
             holds = [
-                served.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in served.emulated else 0.0
+                ledger.durations.compute_s(action.pipeline, hop.partition, samples) if hop.slot in ledger.emulated else 0.0
                 for hop in action.hops
             ]
             if None in parked_on:
                 raise ValueError(f"partition {first} for requests that ran no partition {first - 1}")
         except ValueError as exc:  # a dispatcher bug: the batch fails, with the cause
             failure = RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc)
-            self.plugin.err(served, model, keys, lambda key: failure)
-            served.counts["failed"] += len(keys)
+            ledger.end(keys, Failed(failure))
             return
         route: list[dict[str, Any]] = [
             {
                 "address": hop.slot,
-                "stage": served.stages[(action.pipeline, hop.partition, hop.slot)],
+                "stage": ledger.stages[(action.pipeline, hop.partition, hop.slot)],
                 "partition": hop.partition,
                 "hold_s": hold,
             }
@@ -291,10 +252,9 @@ class Batches:
             route[-1]["park"] = True
         sources = [address for address in parked_on if address is not None]  # all of them (checked above)
         addresses = frozenset(r["address"] for r in route).union(sources)
-        missing = [a for a in addresses if a not in self.plugin.scheduler.workers]
+        missing = [a for a in addresses if a not in self.models.scheduler.workers]
         if missing:
-            for key in keys:
-                self.plugin.drop(served, model, key, "worker-lost", f"worker {missing[0]} of its pipeline is gone")
+            ledger.end(keys, worker_lost(f"worker {missing[0]} of its pipeline is gone"))
             return
         requests = {request.id: request for request in action.requests}
         planned = [
@@ -302,8 +262,8 @@ class Batches:
             for h in action.hops
         ]
         spans = [h.compute.end - h.compute.start for h in action.hops]
-        served.counts["batches"] += 1
-        self.plugin.metrics.dispatch(model, action, time.monotonic(), len(served.inputs))
+        ledger.counts["batches"] += 1
+        self.models.metrics.dispatch(model, action, time.monotonic(), len(ledger.queued))
         flight = Flight(
             keys,
             addresses,
@@ -314,29 +274,27 @@ class Batches:
             sources=sources,
             pipeline=action.pipeline,
         )
-        self.send(served, model, action.id, flight)
+        self.send(ledger, model, action.id, flight)
 
-    def _park(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
+    def _park(self, ledger: Ledger, model: str, dispatch: int, flight: Flight, now: float) -> None:
         """A staged batch ended before the pipeline's last partition: its requests queue again (in
         the dispatcher, for their next stage), their data parked on its last slot."""
-        served.flights.pop(dispatch, None)
+        ledger.flights.pop(dispatch, None)
         address = flight.route[-1]["address"]
         for request, payload, size in flight.retries:
-            if request.id in served.deadlines:
-                served.inputs[request.id] = (payload, size)
-                served.parked[request.id] = address
+            ledger.requeue(request.id, payload, size, parked_on=address)
         delays = flight.control_delays()
         if delays is not None:
-            served.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
-        self.plugin.metrics.forward(model, dispatch)
+            ledger.control.record(now, *delays, now - flight.ran[flight.planned[-1][0]][1])
+        self.models.metrics.forget(model, dispatch)
 
-    def send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None:
+    def send(self, ledger: Ledger, model: str, dispatch: int, flight: Flight) -> None:
         """Send ``flight`` to its first stage, and watch it: its first hop must report within
         its bound, its requests within the late limit (:mod:`daskpipe.runtime.scheduler.gray`)."""
-        served.flights[dispatch] = flight
+        ledger.flights[dispatch] = flight
         if dispatch >= self.next_ids.get(model, 0):
             self.next_ids[model] = dispatch + 1
-        latest = self.watch.watch_batch(served, model, dispatch, flight)
+        latest = self.watch.watch_batch(ledger, model, dispatch, flight)
         retries = flight.retries
         batch = {
             "model": model,
@@ -345,11 +303,11 @@ class Batches:
             "sizes": [n for _, _, n in retries],
             "route": flight.route,
             "expires": latest + time.time() - time.monotonic(),
-            "clients": clients_of(self.plugin.scheduler, self.plugin.client_streams, flight.keys),
+            "clients": (clients := clients_of(self.models.scheduler, self.links.client_streams, flight.keys)),
         }
         last = flight.route[-1]["address"]
-        for client in batch["clients"]:  # a stage worker new since its first requests (a re-plan): before it has outputs for it
-            self.plugin.reach(client, [last])
+        for client in clients:  # a stage worker new since its first requests (a re-plan): before it has outputs for it
+            self.links.reach(client, [last])
         if not flight.sources:
             first = flight.route[0]["address"]
             inputs: list[Any] = []
@@ -360,11 +318,11 @@ class Batches:
                     payload = None
                 inputs.append(payload)
             for client in fetch:
-                self.plugin.reach(client, [first])
-            self.plugin.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
+                self.links.reach(client, [first])
+            self.links.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
             return
         parts: dict[str, list] = {}
         for key, source in zip(flight.keys, flight.sources):
             parts.setdefault(source, []).append(key)
         for source, take in parts.items():  # each sends its part to the first stage, which gathers them
-            self.plugin.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
+            self.links.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})

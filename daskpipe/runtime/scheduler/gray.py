@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Collection, Generic, Sequence, TypeVar
 
 from daskpipe.config import check, setting
 
@@ -104,6 +105,45 @@ def isolation_split(
         return [indices[: len(indices) // 2], indices[len(indices) // 2 :]]
     singles = [[i] for i in indices]
     return singles if round_s(singles) <= time_left_s else None
+
+
+@dataclass
+class SlowSlots:
+    """The rule for a slot that slowed down, over one model's ``stages`` ((pipeline, partition,
+    address) each; the module docstring): ``slow_batches`` of its batches in a row computed over
+    ``suspect_factor`` x their planned latency and x the pace its pool-mates keep now. It keeps no
+    clock: what it knows of time comes with each batch it is told of (:meth:`observe`), measured
+    by the runtime's stages or by the simulator's virtual clock alike."""
+
+    policy: GrayPolicy
+    stages: Sequence[tuple[int, int, str]]
+    streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
+    ratios: dict[str, float] = field(default_factory=dict)  # address -> its latest batch's measured / planned compute
+
+    def observe(self, address: str, seconds: float, planned_s: float, out: Collection[str] = ()) -> str | None:
+        """``address`` computed a batch in ``seconds``, planned ``planned_s``: why its slot is slow
+        once it is, else ``None``. Slots ``out`` of line (suspects) are not suspected again, nor
+        counted in their pool-mates' pace."""
+        policy = self.policy
+        ratio = self.ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
+        pace = self._pace(address, ratio, out)
+        streak = self.streaks[address] = self.streaks.get(address, 0) + 1 if ratio > policy.suspect_factor * pace else 0
+        if streak < policy.slow_batches or address in out:
+            return None
+        return (
+            f"computed {streak} batches in a row at over {policy.suspect_factor:g}x their planned latency and its pool-mates' pace (the "
+            f"last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)"
+        )
+
+    def _pace(self, address: str, ratio: float, out: Collection[str]) -> float:
+        """What ``address``'s pool-mates measure now (their median ratio, at least 1); looked up
+        only for a batch over ``suspect_factor``, as the pace can only raise the bar: the runtime
+        runs this for every batch on the scheduler's event loop."""
+        if ratio <= self.policy.suspect_factor:
+            return 1.0
+        mine = {(p, q) for p, q, a in self.stages if a == address}
+        mates = [self.ratios[a] for p, q, a in self.stages if (p, q) in mine and a != address and a in self.ratios and a not in out]
+        return max(1.0, statistics.median(mates)) if mates else 1.0
 
 
 @dataclass

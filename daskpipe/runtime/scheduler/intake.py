@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.config import ConfigError
@@ -22,13 +22,13 @@ from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.scheduler.control import MAX_SHARE, ControlPath
 from daskpipe.runtime.scheduler.gray import GrayPolicy
 from daskpipe.runtime.scheduler.keys import Refusal, make_keys, refuse
-from daskpipe.runtime.scheduler.served import Served, queue_bound
+from daskpipe.runtime.scheduler.ledger import Endings, Ledger, queue_bound
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire.inputs import HeldInput, held_count
 from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.runtime.wire.streams import ImmediateSend
 from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.metrics import ServiceMetrics
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
 from daskpipe.sched.symphony import DeferredDispatcher
 
@@ -163,7 +163,7 @@ def is_key(key: Any) -> bool:
 
 def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, sent_at: Any, unknown: dict) -> str | None:
     """What is wrong with a submission message as a whole, or ``None``; requests are checked one
-    by one later (``Served.refusal``)."""
+    by one later (``Ledger.refusal``)."""
     if unknown:
         return f"unknown fields {sorted(unknown)}"
     if not isinstance(model, str):
@@ -209,7 +209,7 @@ def pool_dispatcher(
     dispatcher: str, plan: dict, profiles: dict[str, dict], slots: Sequence[WorkerSlot], *, time_dilation: float, timeout_s: float | None
 ) -> DeferredDispatcher:
     """The one dispatcher of a shared pool: every model of ``profiles`` on every one of ``slots``
-    (``daskpipe.sched.registry.make_shared_dispatcher``), time-dilated as :func:`served_from`
+    (``daskpipe.sched.registry.make_shared_dispatcher``), time-dilated as :func:`ledger_for`
     dilates; ``timeout_s``: the timeout data plane's wait (``None``: ``TIMEOUT_S``)."""
     check_dilation(time_dilation)
     check_dispatcher(dispatcher)
@@ -228,12 +228,12 @@ def as_slot(slot: WorkerSlot) -> Slot:
     return Slot(id=slot.address, gpu=slot.gpu, slices=slot.slices, server=slot.server)
 
 
-def served_from(
+def ledger_for(
     model: str,
     plan: dict,
     profile: dict,
     stages: list[list],
-    slots: dict[str, WorkerSlot],
+    endings: Endings,
     *,
     control: ControlPath,
     time_dilation: float,
@@ -241,10 +241,11 @@ def served_from(
     dispatcher: str | Dispatcher,
     max_queued: int | None,
     sample_nbytes: int,
-) -> tuple[Served, Placement]:
-    """What serving ``model`` on ``stages`` (rows of [pipeline, partition, worker address, actor
-    key]) among ``slots`` takes, with its dispatcher's placement; a model that cannot be served
-    is refused with the reason (:func:`check_feasible`). ``control``'s cap is set for it.
+) -> tuple[Ledger, Placement]:
+    """The ledger of ``model`` served on ``stages`` (rows of [pipeline, partition, worker address,
+    actor key]) among ``endings.slots``, its requests to end through ``endings``, with its
+    dispatcher's placement; a model that cannot be served is refused with the reason
+    (:func:`check_feasible`). ``control``'s cap is set for it.
     ``dispatcher``: a data plane's name, built here for this model alone, or one built already
     that other models share (a shared pool, :func:`pool_dispatcher`)."""
     check_dilation(time_dilation)
@@ -258,6 +259,7 @@ def served_from(
     whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
     model_plan, model_profile = dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
     stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
+    slots = endings.slots
     pools: dict[tuple[int, int], list[str]] = {}
     for p, q, address in stage_keys:
         if address not in slots:
@@ -273,7 +275,7 @@ def served_from(
     headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
     control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue
     control.refresh(time.monotonic())
-    served = Served(
+    ledger = Ledger(
         model=model_plan,
         profile=model_profile,
         dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k)
@@ -284,41 +286,23 @@ def served_from(
         durations=BatchDurations(
             model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
         ),
+        endings=endings,
         max_queued=queue_bound(model_plan, max_queued),
         sample_nbytes=int(sample_nbytes),
         budgets=budgets,
         control=control,
         gray=gray,
     )
-    return served, placement
-
-
-class Submitting(Protocol):
-    """What taking submissions needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`Intake`): its models, the clients' streams, and stepping the dispatcher."""
-
-    scheduler: Any
-    served: dict[str, Served]
-    client_streams: dict[str, ImmediateSend]
-    metrics: ServiceMetrics
-
-    def step(self, served: Served, model: str, call: Callable[[], list], failing: list | None = None) -> list: ...
-
-    def act(self, served: Served, model: str, actions: list) -> None: ...
-
-    def count_drop(self, served: Served, model: str, reason: str, detail: str, count: int = 1) -> None: ...
-
-    def arm(self) -> None: ...
-
-    def reach(self, client: str, addresses: list[str]) -> None: ...
+    return ledger, placement
 
 
 class Intake:
     """Takes clients' submissions on the scheduler's loop: checks them, makes keys of what can be
     served, queues them and steps the dispatcher; refuses the rest on arrival."""
 
-    def __init__(self, plugin: Submitting) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links) -> None:
+        self.models = models
+        self.links = links
         self.send_clocks = SendClocks()
 
     async def on_submit(
@@ -346,44 +330,44 @@ class Intake:
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
                 return
             problem = malformed(model, keys, inputs, sizes, start_block, sent_at, unknown)
-            served = self.plugin.served.get(model) if problem is None else None
-            if problem is None and served is not None and not served.closing and start_block not in served.budgets:
+            ledger = self.models.ledgers.get(model) if problem is None else None
+            if problem is None and ledger is not None and not ledger.closing and start_block not in ledger.budgets:
                 problem = (
-                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(served.budgets)}"
+                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(ledger.budgets)}"
                 )
             read_at = time.monotonic()
             arrival = read_at
-            if problem is None and served is not None:
+            if problem is None and ledger is not None:
                 delay = self.send_clocks.delay(client, sent_at, read_at)
-                served.control.record_send(delay, len(keys))
+                ledger.control.record_send(delay, len(keys))
                 arrival -= delay
             first = 0
             while first < len(keys):
                 if first:
                     await asyncio.sleep(0)
-                    served = self.plugin.served.get(model) if problem is None else None  # it may have closed meanwhile
-                if problem is None and served is not None and not served.closing:
+                    ledger = self.models.ledgers.get(model) if problem is None else None  # it may have closed meanwhile
+                if problem is None and ledger is not None and not ledger.closing:
                     stop = first + SUBMIT_SLICE
-                    self._submit_slice(client, model, served, keys[first:stop], inputs[first:stop], sizes[first:stop], start_block, arrival)
+                    self._submit_slice(client, model, ledger, keys[first:stop], inputs[first:stop], sizes[first:stop], start_block, arrival)
                 else:
                     stop = first + REFUSAL_SLICE
                     refusal = (
                         ("invalid", f"malformed submission to model {model!r}: {problem}", "")
                         if problem is not None
-                        else ("dropped", "" if served else "no service serves this model", "shutdown")
+                        else ("dropped", "" if ledger else "no service serves this model", "shutdown")
                     )
                     sliced = keys[first:stop]
                     usable = [sliced[i] for i in self._usable(client, model, sliced)]
-                    refuse(self.plugin.scheduler, self.plugin.client_streams, client, model, [(*refusal, usable)])
+                    refuse(self.models.scheduler, self.links.client_streams, client, model, [(*refusal, usable)])
                 first = stop
-            self.plugin.arm()
+            self.models.arm()
         except Exception:
             logger.exception("daskpipe: a submission from client %s failed", client)
 
     def _usable(self, client: str, model: Any, keys: Sequence) -> list[int]:
         """The indices of those of ``keys`` that can name a new request: keys, and not in use (a
         warning for the others)."""
-        tasks = self.plugin.scheduler.tasks
+        tasks = self.models.scheduler.tasks
         usable = [i for i, k in enumerate(keys) if is_key(k) and k not in tasks]
         if len(usable) < len(keys):
             logger.warning(
@@ -395,22 +379,22 @@ class Intake:
         return usable
 
     def _submit_slice(
-        self, client: str, model: str, served: Served, keys: Sequence, inputs: Any, sizes: Any, start_block: int, arrival: float
+        self, client: str, model: str, ledger: Ledger, keys: Sequence, inputs: Any, sizes: Any, start_block: int, arrival: float
     ) -> None:
         """Refuse what cannot be served before it becomes a key (:func:`~daskpipe.runtime.scheduler.keys.refuse`);
         make keys of, queue and dispatch the rest, their deadlines counted from ``arrival``."""
-        plugin = self.plugin
+        models, links = self.models, self.links
         now = time.monotonic()
         invalid: dict[str, list] = {}  # why -> the keys refused for it: a flood of one mistake is one refusal
-        overload = f"{served.max_queued} requests queued (max_queued)"
+        overload = f"{ledger.max_queued} requests queued (max_queued)"
         overloaded: list = []
         accepted: list[tuple[Any, Any, int]] = []
-        room = served.max_queued - len(served.inputs)
+        room = ledger.max_queued - len(ledger.queued)
         for i in self._usable(client, model, keys):
             key, payload, size = keys[i], inputs[i], sizes[i]
             if held_count(payload):  # the client keeps the input; the first stage will fetch it
                 payload = HeldInput(client, payload)
-            refusal = served.refusal(payload, size, start_block)
+            refusal = ledger.refusal(payload, size, start_block)
             if refusal is not None:
                 invalid.setdefault(refusal, []).append(key)
             elif len(accepted) >= room:
@@ -418,26 +402,20 @@ class Intake:
             else:
                 accepted.append((key, payload, size))
         refused = sum(map(len, invalid.values()))
-        served.counts["submitted"] += refused + len(overloaded) + len(accepted)
-        served.counts["invalid"] += refused
-        if refused:
-            plugin.metrics.refuse(model, refused, now)
-        if overloaded:
-            plugin.count_drop(served, model, "overload", overload, len(overloaded))
+        ledger.refuse(refused, len(overloaded), overload)
         refusals: list[Refusal] = [
             ("invalid", f"a request of model {model!r} refused by the scheduler: {why}", "", alike) for why, alike in invalid.items()
         ]
-        refuse(plugin.scheduler, plugin.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
+        refuse(models.scheduler, links.client_streams, client, model, [*refusals, ("dropped", overload, "overload", overloaded)])
         if accepted:  # its streams to the stages' workers open before the first fetch, and before the first outputs
-            plugin.reach(client, sorted({address for _, _, address in served.stages}))
-        make_keys(plugin.scheduler, client, [key for key, _, _ in accepted])
-        control = served.control
-        deadline, tolerance = arrival + served.budgets[start_block] - control.margin_s, control.tolerance_s
+            links.reach(client, sorted({address for _, _, address in ledger.stages}))
+        make_keys(models.scheduler, client, [key for key, _, _ in accepted])
+        control = ledger.control
+        deadline, tolerance = arrival + ledger.budgets[start_block] - control.margin_s, control.tolerance_s
         for key, payload, size in accepted:
-            served.inputs[key] = (payload, size)
-            served.deadlines[key] = arrival + served.budgets[start_block]
+            ledger.admit(key, payload, size, arrival + ledger.budgets[start_block])
             request = Request(
                 id=key, model=model, arrival=arrival, deadline=deadline, size=size, start_block=start_block, tolerance=tolerance
             )
-            plugin.act(served, model, plugin.step(served, model, lambda: served.dispatcher.submit(request, now), failing=[key]))
-        plugin.metrics.submit(model, len(accepted) + refused + len(overloaded), now, len(served.inputs))
+            models.act(ledger, model, ledger.step(lambda: ledger.dispatcher.submit(request, now), failing=[key]))
+        models.metrics.submit(model, len(accepted) + refused + len(overloaded), now, len(ledger.queued))

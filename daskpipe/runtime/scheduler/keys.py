@@ -176,8 +176,13 @@ def refuse(scheduler: Any, streams: dict[str, ImmediateSend], client: str, model
             err_key(scheduler, key, refusal_error(kind, text, reason, model, key))
 
 
+def serialized(exc: Exception) -> Serialized:
+    """``exc`` as Dask keeps a task's exception (serialized once for all the keys it ends)."""
+    return Serialized(*serialize(exc))
+
+
 def err_key(scheduler: Any, key: Any, exc: Exception) -> None:
-    err_keys(scheduler, [key], Serialized(*serialize(exc)))
+    err_keys(scheduler, [key], serialized(exc))
 
 
 def err_keys(scheduler: Any, keys: list, exception: Serialized) -> None:

@@ -34,7 +34,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from daskpipe.runtime.errors import DeployError, RequestFailed
-from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec, ServingControl
+from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec
+from daskpipe.runtime.scheduler.ledger import Failed
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
 
 if TYPE_CHECKING:
@@ -50,8 +52,8 @@ DRAIN_POLL_S = 0.005
 class Lifecycle:
     """The scheduler's handlers for a service's model-set changes (see the module docstring)."""
 
-    def __init__(self, plugin: ServingControl, elastic: Elastic):
-        self.plugin = plugin
+    def __init__(self, models: Models, elastic: Elastic):
+        self.models = models
         self.elastic = elastic
 
     def handlers(self) -> dict[str, Any]:
@@ -168,7 +170,7 @@ class Lifecycle:
 
     # -- steps -----------------------------------------------------------------------------------
     def _check_new(self, model: str) -> None:
-        if model in self.plugin.served:
+        if model in self.models.ledgers:
             raise DeployError(f"model {model!r} is already served; remove it first, or give the new model another name")
 
     def _deployment(self, models: Sequence[str]) -> tuple[str, Deployment]:
@@ -206,22 +208,21 @@ class Lifecycle:
         """Wait for ``model`` to take the ``sent`` requests sent to it and end them all; then close
         and forget it. What is left at ``timeout_s`` ends: queued requests dropped ("shutdown"),
         batches still running after the flush failed, each saying why."""
-        plugin = self.plugin
-        served = plugin.served.get(model)
-        if served is None:
+        models = self.models
+        ledger = models.ledgers.get(model)
+        if ledger is None:
             return
         deadline = time.monotonic() + timeout_s
-        while (served.counts["submitted"] < sent or served.inputs or served.flights) and time.monotonic() < deadline:
+        while (ledger.counts["submitted"] < sent or ledger.queued or ledger.flights) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        plugin.close_models([model], reason="shutdown")
+        models.close([model], reason="shutdown")
         flush_until = time.monotonic() + self.elastic.settings.flush_timeout_s
-        while served.flights and time.monotonic() < flush_until:
+        while ledger.flights and time.monotonic() < flush_until:
             await asyncio.sleep(DRAIN_POLL_S)
-        if served.flights:
-            keys = [key for flight in served.flights.values() for key in flight.keys if key in served.deadlines]
+        if ledger.flights:
+            keys = [key for flight in ledger.flights.values() for key in flight.keys]
             failure = RequestFailed(f"model {model!r} was removed while its batch ran, and the batch did not end within the flush")
-            plugin.err(served, model, keys, lambda key: failure)
-            served.counts["failed"] += len(keys)
-            served.flights.clear()
-        plugin.status([model], forget=True)
+            ledger.end(keys, Failed(failure))
+            ledger.flights.clear()
+        models.status([model], forget=True)
         logger.info("daskpipe: %s ended: its requests ended, its stages are released", model)

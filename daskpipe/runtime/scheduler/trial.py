@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import MARGIN_QUANTILE, MAX_SHARE, MIN_BATCHES, MIN_MARGIN_S
-from daskpipe.runtime.scheduler.served import Flight, Served
-from daskpipe.runtime.scheduler.watch import Sending
+from daskpipe.runtime.scheduler.ledger import Flight, Ledger
 from daskpipe.sched.api import Request
 
 TRIAL_BATCHES = 400
@@ -46,71 +46,71 @@ TRIAL_TIMEOUT_S = 10.0
 """For the last trial batches to report, past their sending; one not back by then counts at this."""
 
 
-def trial_batches(served: Served) -> int:
+def trial_batches(ledger: Ledger) -> int:
     """How many batches ``served``'s trial sends: :data:`TRIAL_BATCHES`, fewer for large inputs,
     never under :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`."""
-    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, TRIAL_BYTES // max(1, served.sample_nbytes))))
+    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, TRIAL_BYTES // max(1, ledger.sample_nbytes))))
 
 
-async def trial_control_path(served: Served, model: str, batches: Sending, ids: Callable[[], int]) -> list[float]:
+async def trial_control_path(ledger: Ledger, model: str, batches: Batches, ids: Callable[[], int]) -> list[float]:
     """Send ``served``'s trial (the module docstring) through ``batches`` with dispatch ids from
     ``ids``, and return each batch's control-path delay (seconds), as ``served.control`` records
     it; a batch not back within :data:`TRIAL_TIMEOUT_S` counts as that long."""
-    entering = [i for i, p in enumerate(served.model.pipelines) if p.entry_block == 0]
-    if not served.sample_nbytes or not entering:  # no sample to send (a hybrid plan's later entries take parked data)
+    entering = [i for i, p in enumerate(ledger.model.pipelines) if p.entry_block == 0]
+    if not ledger.sample_nbytes or not entering:  # no sample to send (a hybrid plan's later entries take parked data)
         return []
-    headroom = served.control.cap_s / MAX_SHARE  # the cap is MAX_SHARE of the headroom (or of the budget)
-    if headroom >= max(TRIAL_HEADROOM_S, TRIAL_SEEDS * max(served.control.seed_s, MIN_MARGIN_S)):
+    headroom = ledger.control.cap_s / MAX_SHARE  # the cap is MAX_SHARE of the headroom (or of the budget)
+    if headroom >= max(TRIAL_HEADROOM_S, TRIAL_SEEDS * max(ledger.control.seed_s, MIN_MARGIN_S)):
         return []
-    pipelines = [served.model.pipelines[i] for i in entering]
+    pipelines = [ledger.model.pipelines[i] for i in entering]
     rate = min(TRIAL_RATE_MAX, TRIAL_LOAD * sum(p.throughput / p.batch_size for p in pipelines))
     weights = np.array([p.throughput for p in pipelines], dtype=float)
-    count = trial_batches(served)
-    recorded = served.control.recorded
+    count = trial_batches(ledger)
+    recorded = ledger.control.recorded
     sent: list[int] = []
     started = time.monotonic()
     for index, pick in enumerate(np.random.default_rng(0).choice(len(weights), size=count, p=weights / weights.sum())):
         await asyncio.sleep(max(0.0, started + index / rate - time.monotonic()))
         dispatch = ids()
-        batches.send(served, model, dispatch, trial_flight(served, entering[int(pick)], index, dispatch))
+        batches.send(ledger, model, dispatch, trial_flight(ledger, entering[int(pick)], index, dispatch))
         sent.append(dispatch)
     deadline = time.monotonic() + TRIAL_TIMEOUT_S
-    while any(d in served.flights for d in sent) and time.monotonic() < deadline:
+    while any(d in ledger.flights for d in sent) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    back = min(served.control.recorded - recorded, len(served.control.batches))
-    totals = [total for _, total in list(served.control.batches)[len(served.control.batches) - back :]]
-    lost = sum(d in served.flights for d in sent)
+    back = min(ledger.control.recorded - recorded, len(ledger.control.batches))
+    totals = [total for _, total in list(ledger.control.batches)[len(ledger.control.batches) - back :]]
+    lost = sum(d in ledger.flights for d in sent)
     for dispatch in sent:
-        served.flights.pop(dispatch, None)
+        ledger.flights.pop(dispatch, None)
     return totals + [TRIAL_TIMEOUT_S] * lost
 
 
-def trial_flight(served: Served, pipeline: int, index: int, dispatch: int) -> Flight:
+def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int) -> Flight:
     """Trial batch ``index``: one zero sample along ``pipeline``, the ``index``-th slot of each pool."""
     now = time.monotonic()
     route: list[dict[str, Any]] = []
     planned, spans = [], []
-    for partition in range(served.durations.partitions(pipeline)):
-        slots = sorted(a for (p, q, a) in served.stages if (p, q) == (pipeline, partition))
+    for partition in range(ledger.durations.partitions(pipeline)):
+        slots = sorted(a for (p, q, a) in ledger.stages if (p, q) == (pipeline, partition))
         address = slots[index % len(slots)]
-        span = served.durations.compute_s(pipeline, partition, 1)
-        transfer = served.durations.transfer_s(pipeline, partition, 1) if partition else 0.0
+        span = ledger.durations.compute_s(pipeline, partition, 1)
+        transfer = ledger.durations.transfer_s(pipeline, partition, 1) if partition else 0.0
         route.append(
             {
                 "address": address,
-                "stage": served.stages[(pipeline, partition, address)],
+                "stage": ledger.stages[(pipeline, partition, address)],
                 "partition": partition,
-                "hold_s": span if address in served.emulated else 0.0,
+                "hold_s": span if address in ledger.emulated else 0.0,
             }
         )
         planned.append((partition, now if partition == 0 else -math.inf, transfer))
         spans.append(span)
     key = f"daskpipe-trial-{dispatch}"
-    request = Request(id=key, model=served.model.name, arrival=now, deadline=now + served.budgets.get(0, 0.0))
+    request = Request(id=key, model=ledger.model.name, arrival=now, deadline=now + ledger.budgets.get(0, 0.0))
     return Flight(
         [key],
         frozenset(str(hop["address"]) for hop in route),
-        [(request, bytes(served.sample_nbytes), 1)],
+        [(request, bytes(ledger.sample_nbytes), 1)],
         planned,
         route=route,
         spans=spans,

@@ -3,8 +3,9 @@ describes them (stalled and slow slots, late limits, poison and hang isolation).
 
 :class:`GrayWatch` keeps one watchlist and one timer for every model: when each hop must have
 reported (two strikes) and when each batch's requests reach their late limit. The per-model state
-(suspects, slow streaks, abandoned batches) lives on :class:`~daskpipe.runtime.scheduler.served.Served`.
-The watch acts on the plugin only through :class:`ServingPlugin`.
+(suspects, slow streaks, abandoned batches) lives on each model's :class:`~daskpipe.runtime.scheduler.ledger.Ledger`,
+which ends the requests the watch gives up on; the dispatchers hear of suspect slots through
+:class:`~daskpipe.runtime.scheduler.models.Models`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import asyncio
 import itertools
 import logging
 import math
-import statistics
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from daskpipe.runtime.errors import RequestFailed, guarded
 from daskpipe.runtime.scheduler.gray import Suspect, Watchlist, isolation_split
-from daskpipe.runtime.scheduler.served import Flight, Served
+from daskpipe.runtime.scheduler.ledger import Dropped, Failed, Flight, Ledger
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
-from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.sched.api import DropReason, Request, Slot
+from daskpipe.sched.api import Request, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -35,42 +36,13 @@ WATCH_TICK_S = 0.005
 """The watch timer (overdue hops, late limits) fires at most this often: bursts of batches share a check."""
 
 
-class Sending(Protocol):
-    """Where the watch sends the batches it makes itself (:class:`~daskpipe.runtime.scheduler.batches.Batches`)."""
-
-    def send(self, served: Served, model: str, dispatch: int, flight: Flight) -> None: ...
-
-
-class ServingPlugin(Protocol):
-    """What the watch needs of the scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`,
-    which creates the :class:`GrayWatch`): its models and slots, and the calls that move requests."""
-
-    scheduler: Any
-    served: dict[str, Served]
-    slots: dict[str, WorkerSlot]
-    batches: Sending
-    metrics: Any
-
-    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...
-
-    def to_worker(self, address: str, message: dict) -> None: ...
-
-    def act(self, served: Served, model: str, actions: list) -> None: ...
-
-    def drop(self, served: Served, model: str, key: Any, reason: str, detail: str) -> None: ...
-
-    def remove_slot(self, served: Served, model: str, address: str, now: float, reason: DropReason) -> None: ...
-
-    def retry(self, served: Served, model: str, flights: list[Flight], now: float, reason: DropReason, why: str) -> None: ...
-
-    def arm(self) -> None: ...
-
-
 class GrayWatch:
     """Watches the plugin's batches and slots (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: ServingPlugin) -> None:
-        self.plugin = plugin
+    def __init__(self, models: Models, links: Links, send: Callable[[Ledger, str, int, Flight], None]) -> None:
+        self.models = models
+        self.links = links
+        self.send = send  # where the batches it makes itself go: the batches' send
         # (model, dispatch, hop index or EXPIRY, strike) by when it must have reported
         self._watch: Watchlist[tuple[str, int, int, int]] = Watchlist()
         self._timer: asyncio.TimerHandle | None = None
@@ -85,20 +57,20 @@ class GrayWatch:
         return next(self._isolation_ids)
 
     # -- batches -------------------------------------------------------------------------------
-    def watch_batch(self, served: Served, model: str, dispatch: int, flight: Flight) -> float:
+    def watch_batch(self, ledger: Ledger, model: str, dispatch: int, flight: Flight) -> float:
         """``flight`` is being sent: its first hop must report within its bound, its requests
         within the late limit. The latest of their late limits (scheduler clock)."""
         if flight.planned:
-            self.watch_hop(served, model, dispatch, flight, 0, flight.planned[0][1])
-        limits = [r.arrival + served.gray.late_limit_slos * served.budgets[r.start_block] for r, _, _ in flight.retries]
+            self.watch_hop(ledger, model, dispatch, flight, 0, flight.planned[0][1])
+        limits = [r.arrival + ledger.gray.late_limit_slos * ledger.budgets[r.start_block] for r, _, _ in flight.retries]
         self._watch.push(min(limits), (model, dispatch, EXPIRY, 0))
         self._arm()
         return max(limits)
 
-    def watch_hop(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
+    def watch_hop(self, ledger: Ledger, model: str, dispatch: int, flight: Flight, index: int, start: float) -> None:
         """Hop ``index`` of ``flight`` must report within its bound past ``start``."""
         self._watch.push(
-            start + served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6),
+            start + ledger.gray.hop_bound(flight.spans[index], ledger.control.margin_s, ledger.model.slo_us * 1e-6),
             (model, dispatch, index, 1),
         )
         self._arm()
@@ -126,25 +98,25 @@ class GrayWatch:
         self._timer, self._timer_at = None, float("inf")
         now = self._fired = time.monotonic()
         for model, dispatch, index, strike in self._watch.due(now):
-            served = self.plugin.served.get(model)
-            flight = served.flights.get(dispatch) if served is not None else None
-            if served is None or flight is None:
+            ledger = self.models.ledgers.get(model)
+            flight = ledger.flights.get(dispatch) if ledger is not None else None
+            if ledger is None or flight is None:
                 continue
             if index == EXPIRY:
-                self._expire(served, model, dispatch, flight, now)
+                self._expire(ledger, model, dispatch, flight, now)
             elif flight.planned[index][0] not in flight.ran:
-                bound = served.gray.hop_bound(flight.spans[index], served.control.margin_s, served.model.slo_us * 1e-6)
+                bound = ledger.gray.hop_bound(flight.spans[index], ledger.control.margin_s, ledger.model.slo_us * 1e-6)
                 address = flight.route[index]["address"]
                 # once more: a report that waits behind this loop's own lag gets read meanwhile; a
                 # request re-dispatched alone may wait behind what its slot was given before it
                 if strike == 1 or (flight.stalled_on and now - self._heard.get(address, -math.inf) < bound):
                     self._watch.push(now + bound, (model, dispatch, index, 2))
                     continue
-                self._stalled(served, model, dispatch, flight, index, now - self._heard.get(address, -math.inf), now)
+                self._stalled(ledger, model, dispatch, flight, index, now - self._heard.get(address, -math.inf), now)
         self._arm()
-        self.plugin.arm()
+        self.models.arm()
 
-    def _stalled(self, served: Served, model: str, dispatch: int, flight: Flight, index: int, silent_s: float, now: float) -> None:
+    def _stalled(self, ledger: Ledger, model: str, dispatch: int, flight: Flight, index: int, silent_s: float, now: float) -> None:
         """Hop ``index`` of ``flight`` did not report within its bound, twice: its slot stalled, or
         its stage hangs on an input of the batch. The slot is suspected, and the batch's requests
         are re-dispatched apart on other slots (:meth:`suspect`). A request re-dispatched alone
@@ -153,20 +125,19 @@ class GrayWatch:
         planned_ms = flight.spans[index] * 1e3
         detail = (
             f"missed its reservation for stage {partition} of batch {dispatch} twice over "
-            f"({served.gray.suspect_factor:g}x its planned {planned_ms:.1f} ms each)"
+            f"({ledger.gray.suspect_factor:g}x its planned {planned_ms:.1f} ms each)"
         )
-        hung = [r.id for r, _, _ in flight.retries if r.id in served.deadlines] if flight.stalled_on else []
+        hung = [r.id for r, _, _ in flight.retries if r.id in ledger.deadlines] if flight.stalled_on else []
         if hung:
-            served.flights.pop(dispatch, None)
-            _abandon(served, dispatch, address)
-            served.counts["failed"] += len(hung)
-            self.plugin.metrics.fail(model, dispatch, len(hung), now)
+            ledger.flights.pop(dispatch, None)
+            _abandon(ledger, dispatch, address)
+            self.models.metrics.forget(model, dispatch)
             failure = RequestFailed(
                 f"stage {partition} of {model!r} hung on this input: its batch stalled on worker {flight.stalled_on}, and "
                 f"re-dispatched alone it computed nothing on worker {address} for {silent_s * 1e3:.0f} ms (planned "
                 f"{planned_ms:.1f} ms); its batch-mates were re-dispatched apart"
             )
-            self.plugin.err(served, model, hung, lambda key: failure)
+            ledger.end(hung, Failed(failure))
             logger.warning(
                 "daskpipe: %s: stage %d hung on request %r twice (on %s, then alone on %s); it fails alone",
                 model,
@@ -176,41 +147,39 @@ class GrayWatch:
                 address,
             )
             detail = f"hung on request {hung[0]!r} in stage {partition}"
-        self.suspect(served, model, address, detail, now, stalled=dispatch)
+        self.suspect(ledger, model, address, detail, now, stalled=dispatch)
 
-    def _expire(self, served: Served, model: str, dispatch: int, flight: Flight, now: float) -> None:
+    def _expire(self, ledger: Ledger, model: str, dispatch: int, flight: Flight, now: float) -> None:
         """Drop the requests of ``flight`` that are ``late_limit_slos`` SLOs old; watch the rest."""
-        limit = served.gray.late_limit_slos
+        limit = ledger.gray.late_limit_slos
         remaining = []
         for request, _, _ in flight.retries:
-            if request.id not in served.deadlines:
+            if request.id not in ledger.deadlines:
                 continue
-            until = request.arrival + limit * served.budgets[request.start_block]
+            until = request.arrival + limit * ledger.budgets[request.start_block]
             if now >= until:
-                self.plugin.drop(served, model, request.id, "deadline", f"still in flight {limit:g}x its SLO after it arrived")
+                ledger.end([request.id], Dropped("deadline", f"still in flight {limit:g}x its SLO after it arrived"))
             else:
                 remaining.append(until)
         if remaining:
             self._watch.push(min(remaining), (model, dispatch, EXPIRY, 0))
         else:  # whatever it reports later is discarded
-            served.flights.pop(dispatch, None)
-            _abandon(served, dispatch, "")
+            ledger.flights.pop(dispatch, None)
+            _abandon(ledger, dispatch, "")
 
     @guarded
     def on_expired(self, worker: str, model: str, dispatch: int, keys: list) -> None:
         """A stage skipped a batch that reached it past its requests' late limit."""
-        served = self.plugin.served.get(model)
-        if served is None or dispatch in served.abandoned:
+        ledger = self.models.ledgers.get(model)
+        if ledger is None or dispatch in ledger.abandoned:
             return
-        served.flights.pop(dispatch, None)
-        limit = served.gray.late_limit_slos
-        for key in keys:
-            if key in served.deadlines:
-                self.plugin.drop(served, model, key, "deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived")
-        self.plugin.arm()
+        ledger.flights.pop(dispatch, None)
+        limit = ledger.gray.late_limit_slos
+        ledger.end(keys, Dropped("deadline", f"its batch reached worker {worker} {limit:g}x its SLO after it arrived"))
+        self.models.arm()
 
     # -- suspects ------------------------------------------------------------------------------
-    def suspect(self, served: Served, model: str, address: str, detail: str, now: float, stalled: int | None = None) -> None:
+    def suspect(self, ledger: Ledger, model: str, address: str, detail: str, now: float, stalled: int | None = None) -> None:
         """``address`` stopped keeping its reservations: it gets no new batches, its batches are
         re-dispatched (or dropped as "slow-worker"), what it reports for them later is discarded,
         and it is probed until it computes in line again: a probe waits behind what its compute
@@ -222,112 +191,86 @@ class GrayWatch:
         false), and when it is the last slot in line of one of its pools (a lone CPU worker that
         fell behind under a burst would otherwise drop every queued request at once). The late
         limit still ends what a stalled slot holds."""
-        plugin = self.plugin
-        if address not in plugin.slots or not served.dispatcher.supports_pools:  # gone: remove_worker retries its batches
+        models = self.models
+        if address not in models.slots or not ledger.dispatcher.supports_pools:  # gone: remove_worker retries its batches
             return
-        mine = {(p, q) for p, q, a in served.stages if a == address}
-        in_line = {(p, q) for p, q, a in served.stages if a != address and a in plugin.slots and a not in served.suspects}
-        if address not in served.suspects and not mine <= in_line:
+        mine = {(p, q) for p, q, a in ledger.stages if a == address}
+        in_line = {(p, q) for p, q, a in ledger.stages if a != address and a in models.slots and a not in ledger.suspects}
+        if address not in ledger.suspects and not mine <= in_line:
             return
-        taken = served.take_flights(address)
+        taken = ledger.take_flights(address)
         for dispatch, _ in taken:
-            _abandon(served, dispatch, address)
-        if address not in served.suspects:
-            served.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in served.stages if a == address}))
-            served.counts["suspected"] += 1
+            _abandon(ledger, dispatch, address)
+        if address not in ledger.suspects:
+            ledger.suspects[address] = Suspect(now, detail, sorted({(p, q) for p, q, a in ledger.stages if a == address}))
+            ledger.counts["suspected"] += 1
             logger.warning(
                 "daskpipe: %s: worker %s is suspect: it %s; it gets no batches until a probe computes in line", model, address, detail
             )
-            plugin.remove_slot(served, model, address, now, "slow-worker")
-            self._probe(served, model, address)
+            models.remove_slot(ledger, model, address, now, "slow-worker")
+            self._probe(ledger, model, address)
         again = [
             flight
             for dispatch, flight in taken
             if not (
-                (dispatch == stalled or flight.stalled_on) and not flight.staged and self._send_apart(served, model, flight, address, now)
+                (dispatch == stalled or flight.stalled_on) and not flight.staged and self._send_apart(ledger, model, flight, address, now)
             )
         ]
-        plugin.retry(served, model, again, now, "slow-worker", f"worker {address} {detail}")
+        models.retry(ledger, model, again, now, "slow-worker", f"worker {address} {detail}")
 
-    def pace(self, served: Served, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
-        """Count ``address``'s batches in a row that computed over ``suspect_factor`` x their plan
-        and x what its pool-mates measure now (a whole pool that runs slow is the machine, not the
-        slot); suspect it after ``slow_batches`` (:meth:`suspect` keeps a pool's last slot in line)."""
+    def pace(self, ledger: Ledger, model: str, address: str, seconds: float, planned_s: float, now: float) -> None:
+        """``address`` computed a batch in ``seconds``, planned ``planned_s``: suspect it once the
+        slow rule says so (:class:`~daskpipe.runtime.scheduler.gray.SlowSlots`; :meth:`suspect`
+        keeps a pool's last slot in line)."""
         self._heard[address] = now
-        gray = served.gray
-        ratio = served.last_ratios[address] = seconds / planned_s if planned_s > 0 else 1.0
-        pace = self._pace(served, address, ratio)
-        streak = served.slow_streaks[address] = served.slow_streaks.get(address, 0) + 1 if ratio > gray.suspect_factor * pace else 0
-        if streak < gray.slow_batches or address in served.suspects:
-            return
-        self.suspect(
-            served,
-            model,
-            address,
-            f"computed {streak} batches in a row at over {gray.suspect_factor:g}x their planned latency and its pool-mates' pace (the "
-            f"last {seconds * 1e3:.1f} ms, planned {planned_s * 1e3:.1f} ms, pool-mates at {pace:.2f}x)",
-            now,
-        )
+        why = ledger.slow.observe(address, seconds, planned_s, ledger.suspects)
+        if why is not None:
+            self.suspect(ledger, model, address, why, now)
 
-    @staticmethod
-    def _pace(served: Served, address: str, ratio: float) -> float:
-        """What ``address``'s pool-mates measure now (their median ratio, at least 1); looked up
-        only for a batch over ``suspect_factor``, as the pace can only raise the bar: this runs
-        for every batch on the scheduler's event loop."""
-        if ratio <= served.gray.suspect_factor:
-            return 1.0
-        mine = {(p, q) for p, q, a in served.stages if a == address}
-        mates = [
-            served.last_ratios[a]
-            for p, q, a in served.stages
-            if (p, q) in mine and a != address and a in served.last_ratios and a not in served.suspects
-        ]
-        return max(1.0, statistics.median(mates)) if mates else 1.0
-
-    def _probe(self, served: Served, model: str, address: str) -> None:
+    def _probe(self, ledger: Ledger, model: str, address: str) -> None:
         """Time one batch-1 computation of a suspect's stage, behind whatever it still runs."""
-        suspect = served.suspects.get(address)
-        if suspect is None or suspect.probe is not None or address not in self.plugin.slots or self.plugin.served.get(model) is not served:
+        suspect = ledger.suspects.get(address)
+        if suspect is None or suspect.probe is not None or address not in self.models.slots or self.models.ledgers.get(model) is not ledger:
             return
         p, q = suspect.pools[0]
-        profiled = served.durations.compute_s(p, q, 1)
+        profiled = ledger.durations.compute_s(p, q, 1)
         token = next(self._probe_tokens)
         suspect.probe = (token, profiled)
         suspect.probes += 1
-        hold = profiled if address in served.emulated else 0.0
-        self.plugin.to_worker(
-            address, {"op": messages.PROBE, "model": model, "token": token, "stage": served.stages[(p, q, address)], "hold_s": hold}
+        hold = profiled if address in ledger.emulated else 0.0
+        self.links.to_worker(
+            address, {"op": messages.PROBE, "model": model, "token": token, "stage": ledger.stages[(p, q, address)], "hold_s": hold}
         )
 
     @guarded
     def on_probed(self, worker: str, model: str, token: int, start: float, end: float) -> None:
         """A suspect's probe computed over [start, end): re-admit it when that is in line."""
-        served = self.plugin.served.get(model)
-        suspect = served.suspects.get(worker) if served is not None else None
-        if served is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
+        ledger = self.models.ledgers.get(model)
+        suspect = ledger.suspects.get(worker) if ledger is not None else None
+        if ledger is None or suspect is None or suspect.probe is None or suspect.probe[0] != token:
             return
         profiled = suspect.probe[1]
         suspect.probe = None
         suspect.last_ratio = round((end - start) / profiled, 3) if profiled > 0 else 1.0
-        if suspect.last_ratio <= served.gray.readmit_ratio:
-            self._readmit(served, model, worker)
+        if suspect.last_ratio <= ledger.gray.readmit_ratio:
+            self._readmit(ledger, model, worker)
         else:
-            asyncio.get_running_loop().call_later(served.gray.probe_interval_s, self._probe, served, model, worker)
+            asyncio.get_running_loop().call_later(ledger.gray.probe_interval_s, self._probe, ledger, model, worker)
 
-    def _readmit(self, served: Served, model: str, address: str) -> None:
+    def _readmit(self, ledger: Ledger, model: str, address: str) -> None:
         """The suspect ``address`` rejoins its pools."""
-        slot = self.plugin.slots.get(address)
+        slot = self.models.slots.get(address)
         if slot is None:
             return
-        suspect = served.suspects.pop(address)
-        served.counts["readmitted"] += 1
+        suspect = ledger.suspects.pop(address)
+        ledger.counts["readmitted"] += 1
         now = time.monotonic()
         for p, q in suspect.pools:
             try:
-                actions = served.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
+                actions = ledger.dispatcher.add_slot(Slot(id=address, gpu=slot.gpu, slices=slot.slices, server=slot.server), p, q, now)
             except ValueError:  # a re-plan has put it back already
                 continue
-            self.plugin.act(served, model, actions)
+            self.models.act(ledger, model, actions)
         logger.warning(
             "daskpipe: %s: worker %s is back in line (probe at %.2fx its profile) after %.1f s; it takes batches again",
             model,
@@ -335,43 +278,37 @@ class GrayWatch:
             suspect.last_ratio,
             now - suspect.since,
         )
-        self.plugin.arm()
-
-    def suspects(self, model: str) -> dict[str, dict[str, Any]]:
-        """``model``'s suspect slots by address: since when (s), why, its probes."""
-        served = self.plugin.served.get(model)
-        now = time.monotonic()
-        return {address: suspect.summary(now) for address, suspect in served.suspects.items()} if served is not None else {}
+        self.models.arm()
 
     # -- poison and hang isolation ------------------------------------------------------------
     def isolate(
-        self, served: Served, model: str, flight: Flight, live: list[tuple[Request, Any, int]], now: float
+        self, ledger: Ledger, model: str, flight: Flight, live: list[tuple[Request, Any, int]], now: float
     ) -> tuple[list[tuple[int, Flight]], list]:
         """The parts of a failed batch's ``live`` requests to retry apart, as
         :func:`~daskpipe.runtime.scheduler.gray.isolation_split` splits them by the time their deadlines leave
         and the budget allows, each on a route through other slots of the batch's pools where they
         have several, as (dispatch id, flight) to send; and the keys that cannot go."""
-        margin, durations, pipeline = served.control.margin_s, served.durations, flight.pipeline
-        limit = served.model.pipelines[pipeline].batch_size
-        lanes_by_hop = [sorted({hop["address"]} | set(lanes)) for hop, lanes in zip(flight.route, self._lanes(served, flight))]
+        margin, durations, pipeline = ledger.control.margin_s, ledger.durations, flight.pipeline
+        limit = ledger.model.pipelines[pipeline].batch_size
+        lanes_by_hop = [sorted({hop["address"]} | set(lanes)) for hop, lanes in zip(flight.route, self._lanes(ledger, flight))]
 
         def hop_s(samples: int) -> list[float]:
             return [durations.compute_s(pipeline, hop["partition"], min(samples, limit)) for hop in flight.route]
 
         # a round's parts leave together, and the measured margin covers a batch's whole control path
-        left = min(served.deadlines[r.id] for r, _, _ in live) - now
+        left = min(ledger.deadlines[r.id] for r, _, _ in live) - now
         split = isolation_split([n for _, _, n in live], left, hop_s, min(len(lane) for lane in lanes_by_hop), margin)
         if (
             split is None
-            or not flight.addresses <= set(self.plugin.scheduler.workers)
-            or not served.gray.may_isolate(served.counts["isolated"] + len(split) - 1, served.counts["batches"])
+            or not flight.addresses <= set(self.models.scheduler.workers)
+            or not ledger.gray.may_isolate(ledger.counts["isolated"] + len(split) - 1, ledger.counts["batches"])
         ):
             return [], [r.id for r, _, _ in live]
-        served.counts["isolated"] += len(split)
+        ledger.counts["isolated"] += len(split)
         sent = []
         for lane, part in enumerate(split):
             requests = [live[i] for i in part]
-            route, _ = self._route(served, flight, lanes_by_hop, lane, sum(n for _, _, n in requests))
+            route, _ = self._route(ledger, flight, lanes_by_hop, lane, sum(n for _, _, n in requests))
             isolation = Flight(
                 [r.id for r, _, _ in requests],
                 frozenset(hop["address"] for hop in route),
@@ -384,23 +321,23 @@ class GrayWatch:
             sent.append((self.own_id(), isolation))
         return sent, []
 
-    def _send_apart(self, served: Served, model: str, flight: Flight, address: str, now: float) -> bool:
+    def _send_apart(self, ledger: Ledger, model: str, flight: Flight, address: str, now: float) -> bool:
         """Re-dispatch the requests of ``flight``, which stalled on ``address`` (or was taken from
         it), each alone on slots in line of its pools, dealt round them and planned one after
         another on each; each is watched as a batch is, so one that stalls again fails alone
         (:meth:`_stalled`). Alone at once, not by halves: a round of a hang costs its detection
         (two hop bounds), not its compute. ``False`` when a pool has no slot in line or the
         isolation budget is spent: the dispatcher then takes them again."""
-        live = [entry for entry in flight.retries if entry[0].id in served.deadlines]
-        lanes_by_hop = self._lanes(served, flight)
+        live = [entry for entry in flight.retries if entry[0].id in ledger.deadlines]
+        lanes_by_hop = self._lanes(ledger, flight)
         if not live:
             return True
-        if not all(lanes_by_hop) or not served.gray.may_isolate(served.counts["isolated"] + len(live) - 1, served.counts["batches"]):
+        if not all(lanes_by_hop) or not ledger.gray.may_isolate(ledger.counts["isolated"] + len(live) - 1, ledger.counts["batches"]):
             return False
-        served.counts["isolated"] += len(live)
+        ledger.counts["isolated"] += len(live)
         queued: dict[str, float] = {}  # first slot -> the planned compute of the parts dealt to it so far
         for lane, entry in enumerate(live):
-            route, spans = self._route(served, flight, lanes_by_hop, lane, entry[2])
+            route, spans = self._route(ledger, flight, lanes_by_hop, lane, entry[2])
             first = route[0]["address"]
             start = now + queued.get(first, 0.0)
             queued[first] = queued.get(first, 0.0) + spans[0]
@@ -415,41 +352,41 @@ class GrayWatch:
                 pipeline=flight.pipeline,
                 stalled_on=flight.stalled_on or address,
             )
-            self.plugin.batches.send(served, model, self.own_id(), part)
+            self.send(ledger, model, self.own_id(), part)
         return True
 
-    def _lanes(self, served: Served, flight: Flight) -> list[list[str]]:
+    def _lanes(self, ledger: Ledger, flight: Flight) -> list[list[str]]:
         """Per hop of ``flight``: the slots in line of its pool (live, not suspect)."""
-        workers = self.plugin.scheduler.workers
+        workers = self.models.scheduler.workers
         return [
             sorted(
                 a
-                for (p, q, a) in served.stages
-                if (p, q) == (flight.pipeline, hop["partition"]) and a in workers and a not in served.suspects
+                for (p, q, a) in ledger.stages
+                if (p, q) == (flight.pipeline, hop["partition"]) and a in workers and a not in ledger.suspects
             )
             for hop in flight.route
         ]
 
     @staticmethod
     def _route(
-        served: Served, flight: Flight, lanes_by_hop: list[list[str]], lane: int, samples: int
+        ledger: Ledger, flight: Flight, lanes_by_hop: list[list[str]], lane: int, samples: int
     ) -> tuple[list[dict[str, Any]], list[float]]:
         """``flight``'s route for a part of ``samples`` on lane ``lane`` (of each hop's slots), and
         its hops' compute seconds (what an emulated slot holds)."""
         pipeline = flight.pipeline
-        samples = min(samples, served.model.pipelines[pipeline].batch_size)
+        samples = min(samples, ledger.model.pipelines[pipeline].batch_size)
         route, spans = [], []
         for hop, slots in zip(flight.route, lanes_by_hop):
             address = slots[lane % len(slots)]
-            span = served.durations.compute_s(pipeline, hop["partition"], samples)
-            held = span if address in served.emulated else 0.0
-            route.append({**hop, "address": address, "stage": served.stages[(pipeline, hop["partition"], address)], "hold_s": held})
+            span = ledger.durations.compute_s(pipeline, hop["partition"], samples)
+            held = span if address in ledger.emulated else 0.0
+            route.append({**hop, "address": address, "stage": ledger.stages[(pipeline, hop["partition"], address)], "hold_s": held})
             spans.append(span)
         return route, spans
 
 
-def _abandon(served: Served, dispatch: int, address: str) -> None:
+def _abandon(ledger: Ledger, dispatch: int, address: str) -> None:
     """Whatever batch ``dispatch`` reports from now on is discarded (it ended here)."""
-    served.abandoned[dispatch] = address
-    while len(served.abandoned) > ABANDONED_KEPT:
-        served.abandoned.popitem(last=False)
+    ledger.abandoned[dispatch] = address
+    while len(ledger.abandoned) > ABANDONED_KEPT:
+        ledger.abandoned.popitem(last=False)

@@ -76,9 +76,9 @@ def test_six_models_share_two_t4s_under_one_deferred_dispatcher_and_serve_their_
     service, models = deploy_six(client)
     plugin = plugin_of(cluster.scheduler)
     with service:
-        served = [plugin.served[name] for name in models]
-        assert len({id(s.dispatcher) for s in served}) == 1  # one dispatcher for the pool
-        assert all(len({a for _, _, a in s.stages}) == 2 for s in served)  # every model on both slots
+        ledger = [plugin.models.ledgers[name] for name in models]
+        assert len({id(s.dispatcher) for s in ledger}) == 1  # one dispatcher for the pool
+        assert all(len({a for _, _, a in s.stages}) == 2 for s in ledger)  # every model on both slots
         # full batches (8), which go at once: what is checked is where each batch's outputs go, not the
         # deferred window, which this loaded 2-core machine's overruns would make late
         inputs = {name: frames(16, seed=i) for i, name in enumerate(models)}
@@ -101,7 +101,9 @@ def test_models_that_do_not_fit_a_gpu_are_refused_naming_them_and_the_figures(tw
     message = str(info.value)
     assert "models ['m0', 'm1', 'm2', 'm3', 'm4', 'm5']" in message and "T4/v1 slot's 16.00 GB" in message
     assert "weights 18.00 GB" in message and "CUDA context 0.54 GB" in message
-    assert not plugin_of(two_t4[0].scheduler).served or all(s.closing for s in plugin_of(two_t4[0].scheduler).served.values())
+    assert not plugin_of(two_t4[0].scheduler).models.ledgers or all(
+        s.closing for s in plugin_of(two_t4[0].scheduler).models.ledgers.values()
+    )
 
 
 def test_split_sub_clusters_each_get_their_own_dispatcher_and_slot(two_t4):
@@ -111,10 +113,10 @@ def test_split_sub_clusters_each_get_their_own_dispatcher_and_slot(two_t4):
     service, models = deploy_six(client, dispatcher="eager", pools=pools)
     plugin = plugin_of(cluster.scheduler)
     with service:
-        first, second = ({id(plugin.served[m].dispatcher) for m in group} for group in (("m0", "m1", "m2"), ("m3", "m4", "m5")))
+        first, second = ({id(plugin.models.ledgers[m].dispatcher) for m in group} for group in (("m0", "m1", "m2"), ("m3", "m4", "m5")))
         assert len(first) == len(second) == 1 and first != second
-        assert {a for m in ("m0", "m1", "m2") for _, _, a in plugin.served[m].stages} == {addresses[0]}
-        assert {a for m in ("m3", "m4", "m5") for _, _, a in plugin.served[m].stages} == {addresses[1]}
+        assert {a for m in ("m0", "m1", "m2") for _, _, a in plugin.models.ledgers[m].stages} == {addresses[0]}
+        assert {a for m in ("m3", "m4", "m5") for _, _, a in plugin.models.ledgers[m].stages} == {addresses[1]}
         xs = frames(4, seed=9)
         with torch.no_grad():
             expected = [models["m4"](x) for x in xs]

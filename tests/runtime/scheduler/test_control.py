@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daskpipe.runtime.scheduler.control import HORIZON_S, MIN_BATCHES, MIN_MARGIN_S, RECOMPUTE_EVERY, ControlPath
-from daskpipe.runtime.scheduler.served import Flight, LateLegs
+from daskpipe.runtime.scheduler.ledger import Flight, LateLegs
 
 MS = 1e-3
 

@@ -18,11 +18,17 @@ from daskpipe.dashboard.prometheus import DaskpipeCollector
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import RequestDropped, RequestFailed
-from daskpipe.runtime.scheduler.gray import GrayPolicy, Watchlist, isolation_split
+from daskpipe.runtime.scheduler.gray import GrayPolicy, SlowSlots, Watchlist, isolation_split
 from daskpipe.runtime.scheduler.plugin import plugin_of
 from daskpipe.runtime.worker.stage import slow_down
+from daskpipe.sched.api import Dispatch, Feedback, Request, Slot
+from daskpipe.sched.placement import place
+from daskpipe.sched.registry import make_dispatcher
+from daskpipe.sim.engine import Engine
+from daskpipe.sim.simulate import ProfileDurations
 from tests.helpers import paced, wait_until
 from tests.runtime.helpers import INPUT, TinyCNN, example, frames, reference, tiny_model, two_stage
+from tests.sim.helpers import batching_plan
 
 SLO_MS = 400.0
 STAGE_MS = (20.0, 20.0)
@@ -86,8 +92,8 @@ def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
 
 
 def first_pool_worker(cluster) -> str:
-    served = plugin_of(cluster.scheduler).served["tiny"]
-    return sorted(a for p, q, a in served.stages if q == 0)[0]
+    ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
+    return sorted(a for p, q, a in ledger.stages if q == 0)[0]
 
 
 @pytest.mark.parametrize("factor, rule", [(40.0, "twice over"), (3.0, "batches in a row")])
@@ -129,8 +135,8 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
     # before the tests that stall a slot: a stalled slot finishes the hold it started after its test
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        served = plugin_of(cluster.scheduler).served["tiny"]
-        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
+        first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         client.run(slow_down, 1.5, 30.0, workers=first_pool)  # both slots: the machine, not one slot
         try:
             sent = offer(svc, rate=60, seconds=2.0)
@@ -145,8 +151,8 @@ def test_a_whole_pool_running_slow_shows_in_the_measured_ratios_and_is_not_suspe
 def test_requests_that_end_late_are_accounted_to_the_leg_that_lost_the_time(pools_of_two):
     cluster, client = pools_of_two
     with deploy_pools_of_two(client) as svc:
-        served = plugin_of(cluster.scheduler).served["tiny"]
-        first_pool = sorted(a for p, q, a in served.stages if q == 0)
+        ledger = plugin_of(cluster.scheduler).models.ledgers["tiny"]
+        first_pool = sorted(a for p, q, a in ledger.stages if q == 0)
         offer(svc, rate=40, seconds=0.3)  # warm
         client.run(slow_down, 8.0, 30.0, workers=first_pool)  # the whole pool: slow, not suspect
         try:
@@ -203,7 +209,7 @@ def test_a_new_deployment_numbers_its_batches_past_those_of_a_closed_one(pools_o
     sent: list[int] = []
     send = batches.send
     monkeypatch.setattr(
-        batches, "send", lambda served, model, dispatch, flight: (sent.append(dispatch), send(served, model, dispatch, flight))
+        batches, "send", lambda ledger, model, dispatch, flight: (sent.append(dispatch), send(ledger, model, dispatch, flight))
     )
     profile, plan = two_stage(stage_ms=STAGE_MS, slo_ms=SLO_MS)
     for _ in range(2):
@@ -317,3 +323,72 @@ def test_a_stage_hung_on_one_input_fails_only_it_and_its_batch_mates_finish():
         after = svc.map("tiny", frames(8, seed=3))
         wait(after, timeout=30)
         assert all(f.status == "finished" for f in after)
+
+
+class SlowedOn:
+    """The simulator's ground truth, but every compute on the ``slowed`` slots takes ``factor`` times as long."""
+
+    def __init__(self, durations: ProfileDurations, slowed: set[str], factor: float) -> None:
+        self.durations, self.slowed, self.factor = durations, slowed, factor
+
+    def compute(self, dispatch: Dispatch, partition: int, slot: Slot) -> float:
+        return self.durations.compute(dispatch, partition, slot) * (self.factor if slot.id in self.slowed else 1.0)
+
+    def transfer(self, dispatch: Dispatch, partition: int) -> float:
+        return self.durations.transfer(dispatch, partition)
+
+    def partitions(self, model: str, pipeline: int) -> int:
+        return self.durations.partitions(model, pipeline)
+
+
+def slow_verdicts(slowed_count: int, factor: float = 4.0) -> tuple[set[str], list[tuple[str, float]]]:
+    """The watch's slow rule on the simulator's clock: a pool of three slots serving 2 s of evenly
+    spaced arrivals at half its capacity, ``slowed_count`` of them computing ``factor`` times as
+    long as profiled. Each compute's feedback, timed by the engine's virtual clock, is told to the
+    rule against its dispatch's plan, as the scheduler's watch tells it. The slowed slots, and
+    each verdict's (slot, virtual time)."""
+    plan, profiles = batching_plan(slots=3)
+    (model,) = plan.models
+    placement = place(plan)[model.name]
+    pool = sorted(placement.pools[(0, 0)])
+    slowed = set(pool[:slowed_count])
+    dispatcher = make_dispatcher("ppipe", model, placement, profiles[model.name], bw_gbps=10.0)
+    rule = SlowSlots(GrayPolicy(), [(0, 0, address) for address in pool])
+    planned: dict[int, tuple[str, float]] = {}  # dispatch id -> (its slot, its planned compute in s)
+    verdicts: list[tuple[str, float]] = []
+
+    def planning(actions: list) -> list:
+        for action in actions:
+            if isinstance(action, Dispatch):
+                hop = action.hops[0]
+                planned[action.id] = (hop.slot, hop.compute.end - hop.compute.start)
+        return actions
+
+    submit, wake, feedback = dispatcher.submit, dispatcher.wake, dispatcher.feedback
+
+    def told(fb: Feedback, now: float) -> list:
+        if fb.kind == "compute":
+            address, planned_s = planned[fb.dispatch]
+            if rule.observe(address, fb.end - fb.start, planned_s, out={a for a, _ in verdicts}) is not None:
+                verdicts.append((address, now))
+        return planning(feedback(fb, now))
+
+    dispatcher.submit = lambda request, now: planning(submit(request, now))
+    dispatcher.wake = lambda now: planning(wake(now))
+    dispatcher.feedback = told
+    engine = Engine({model.name: dispatcher}, placement.slots, SlowedOn(ProfileDurations(plan, profiles, 10.0), slowed, factor))
+    rate, slo_s = model.throughput / 2, model.slo_us * 1e-6
+    engine.add_arrivals(Request(i, model.name, i / rate, i / rate + slo_s) for i in range(int(2 * rate)))
+    engine.run()
+    return slowed, verdicts
+
+
+def test_the_watchs_slow_slot_rule_runs_on_the_simulators_clock():
+    """The rule keeps no clock of its own (:class:`SlowSlots`): on the simulator's virtual timeline,
+    the one slot of three that computes 4x slower is found once ``slow_batches`` of its batches
+    were, within the run, and its pool-mates never; a whole pool 4x slower is the machine (the
+    measured ratios follow it), and no slot of it is suspected."""
+    slowed, verdicts = slow_verdicts(1)
+    assert [address for address, _ in verdicts] == sorted(slowed)
+    assert 0 < verdicts[0][1] < 2.0
+    assert slow_verdicts(3)[1] == []

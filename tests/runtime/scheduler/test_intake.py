@@ -14,7 +14,9 @@ from distributed import Future
 from daskpipe.runtime.client.service import encode_input
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.scheduler.control import ControlPath
-from daskpipe.runtime.scheduler.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, served_from, sliced_releases
+from daskpipe.runtime.scheduler.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, ledger_for, sliced_releases
+from daskpipe.runtime.scheduler.ledger import Endings
+from daskpipe.sched.metrics import ServiceMetrics
 from tests.helpers import LoopTurns
 from tests.runtime.helpers import deploy_two_stage, frames
 
@@ -90,12 +92,12 @@ def test_a_bad_key_in_the_schedulers_own_config_refuses_the_model_naming_it():
         dask.config.set({"daskpipe.dashboard.update-interval": "soon"}),
         pytest.raises(DeployError, match=r"^the scheduler's Dask config: daskpipe.dashboard.update-interval: 'soon' is not a duration"),
     ):
-        served_from(
+        ledger_for(
             "m",
             {},
             {},
             [],
-            {},
+            Endings(scheduler=None, slots={}, to_worker=lambda address, message: None, metrics=ServiceMetrics()),
             control=ControlPath(0.001),
             time_dilation=1.0,
             bw_gbps=10.0,

@@ -113,7 +113,7 @@ def only_stages_of(emulated, models) -> None:
 
     def released() -> bool:
         actors = {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
-        return actors == {key for m in models for key in plugin.served[m].stages.values()}
+        return actors == {key for m in models for key in plugin.models.ledgers[m].stages.values()}
 
     wait_until(released, timeout=30, what=f"the stages of {models} alone")
 
@@ -149,10 +149,10 @@ def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cl
         assert sum(tally.values()) == 40 and tally.get("result", 0) >= 39, tally  # served to their end, none lost
         with pytest.raises(InvalidRequest, match="model 'b' was removed from this service"):
             svc.submit("b", torch.randn(1, *INPUT)).result(timeout=10)
-        assert svc.models == ["a"] and "b" not in plugin.served
+        assert svc.models == ["a"] and "b" not in plugin.models.ledgers
         assert [m.name for m in svc.plan.models] == ["a"]
         only_stages_of(emulated, ["a"])
-        assert {a for _, _, a in plugin.served["a"].stages} == set(plugin.slots)  # a plans on the freed slots
+        assert {a for _, _, a in plugin.models.ledgers["a"].stages} == set(plugin.models.slots)  # a plans on the freed slots
         with pytest.raises(DeployError, match="model 'a' is the service's last model; close the service instead"):
             svc.remove_model("a")
     with deploy(client):  # at once, under the same names: the closed service's re-planned stages go, not only its deploy's
@@ -176,7 +176,7 @@ def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_f
                 torch.testing.assert_close(future.result(), version(0.0)(x), atol=1e-2, rtol=1e-2)
             for future, x in zip(new, new_xs):
                 torch.testing.assert_close(future.result(), version(100.0)(x), atol=5e-2, rtol=1e-2)
-        assert "b" not in plugin.served and "b@v2" in plugin.served  # the old version is retired
+        assert "b" not in plugin.models.ledgers and "b@v2" in plugin.models.ledgers  # the old version is retired
         only_stages_of(emulated, ["a", "b@v2"])
         assert svc.status()["b"]["completed"] >= 20 and svc.plan.model("b").pipelines
         svc.update_model("b", version(200.0))  # and again: version 3
@@ -201,7 +201,7 @@ def test_bad_changes_are_refused_naming_what_is_wrong(cluster):
         with pytest.raises(DeployError, match="cannot serve"):
             svc.add_model("c", small_cnn(), torch.randn(1, *INPUT), profile=impossible)
         assert svc.models == ["a", "b"]
-        assert client.gather(svc.map("b", [torch.randn(1, *INPUT)] * 4)) and "c" not in plugin_of(emulated.scheduler).served
+        assert client.gather(svc.map("b", [torch.randn(1, *INPUT)] * 4)) and "c" not in plugin_of(emulated.scheduler).models.ledgers
     with pytest.raises(DeployError, match=r"add_model\('c'\): the service is closed"):
         svc.add_model("c", small_cnn(), torch.randn(1, *INPUT))
     with deploy(client, names=("a",), elastic=None) as fixed:

@@ -58,7 +58,7 @@ def test_stream_handlers_log_their_own_errors_and_keep_the_stream():
 def test_serving_an_unknown_dispatcher_is_a_clear_error():
     plugin = DaskpipeSchedulerPlugin()
     with pytest.raises(DeployError, match="unknown dispatcher 'nope'"):
-        asyncio.run(plugin.serve(model="m", plan={}, profile={}, stages=[], dispatcher="nope"))
+        asyncio.run(plugin.serving.serve(model="m", plan={}, profile={}, stages=[], dispatcher="nope"))
 
 
 def test_worker_slots_follow_the_worker_contract():

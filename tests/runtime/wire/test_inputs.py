@@ -39,8 +39,8 @@ FETCHED = (3, 32, 32)
 def held_and_queued(scheduler) -> list:
     """What the scheduler holds of the queued inputs and of those in flight."""
     plugin = plugin_of(scheduler)
-    return [payload for served in plugin.served.values() for payload, _ in served.inputs.values()] + [
-        payload for served in plugin.served.values() for flight in served.flights.values() for _, payload, _ in flight.retries
+    return [payload for ledger in plugin.models.ledgers.values() for payload, _ in ledger.queued.values()] + [
+        payload for ledger in plugin.models.ledgers.values() for flight in ledger.flights.values() for _, payload, _ in flight.retries
     ]
 
 
@@ -214,7 +214,7 @@ def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_compu
         futures = svc.map("wide", xs)
         wait(futures, timeout=60)
         assert all(f.output_in_hand for f in futures)
-        (last,) = {a for (_, q, a) in plugin_of(cluster.scheduler).served["wide"].stages if q == 1}
+        (last,) = {a for (_, q, a) in plugin_of(cluster.scheduler).models.ledgers["wide"].stages if q == 1}
         os.kill(client.run(os.getpid, workers=[last])[last], signal.SIGKILL)
         wait_until(lambda: last not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
         time.sleep(0.5)  # Dask's report of the lost keys reaches this client
@@ -263,8 +263,8 @@ def test_a_client_killed_with_requests_queued_ends_them_as_client_gone_and_leave
         try:
             assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
             plugin = plugin_of(cluster.scheduler)
-            wait_until(lambda: len(plugin.served["tiny"].inputs) == 3, timeout=30, what="the three requests to be queued")
-            keys = list(plugin.served["tiny"].inputs)
+            wait_until(lambda: len(plugin.models.ledgers["tiny"].queued) == 3, timeout=30, what="the three requests to be queued")
+            keys = list(plugin.models.ledgers["tiny"].queued)
             started = time.monotonic()
             sender.send_signal(signal.SIGKILL)
             status = wait_until(

@@ -28,7 +28,8 @@ scheduler never unpickles), the input spec, the planner's options. From then on:
 
 Worker loss itself (re-dispatching a dead worker's batches) is handled at once by the plugin;
 the re-plan here then adapts the plan to the smaller inventory. The settings, the deployments and
-the part of the plugin this controller drives are in :mod:`daskpipe.runtime.scheduler.elastic.state`.
+the served models it drives are :class:`~daskpipe.runtime.scheduler.models.Models`, and new ones
+start serving through :class:`~daskpipe.runtime.scheduler.serving.Serving`.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.deploying.reprofiling import profile_missing
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.scheduler.elastic.load_watch import LoadWatch
-from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ModelSpec, ServingControl
-from daskpipe.runtime.scheduler.served import Served
+from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ModelSpec
+from daskpipe.runtime.scheduler.ledger import Ledger
+from daskpipe.runtime.scheduler.models import Models
+from daskpipe.runtime.scheduler.serving import Serving
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Time
@@ -106,8 +109,9 @@ def client_security(security: Any) -> Any:
 class Elastic:
     """The scheduler plugin's elasticity (see the module docstring); runs on the scheduler's loop."""
 
-    def __init__(self, plugin: ServingControl, settings: ElasticSettings | None = None):
-        self.plugin = plugin
+    def __init__(self, models: Models, serving: Serving, settings: ElasticSettings | None = None):
+        self.models = models
+        self.serving = serving
         self.settings = settings or ElasticSettings()
         self.deployments: dict[str, Deployment] = {}
         self.leaving: set[str] = set()  # addresses drained for a scale-down
@@ -123,7 +127,7 @@ class Elastic:
         self._replanning: asyncio.Task | None = None
         self.lock = asyncio.Lock()  # one change of a deployment at a time: a re-plan, or a model added, removed or updated
         self._ticker: asyncio.Task | None = None
-        self.load = LoadWatch(plugin, self.settings, self._schedule)
+        self.load = LoadWatch(models, self.settings, self._schedule)
 
     def handlers(self) -> dict[str, Any]:
         return {messages.ELASTIC: self.register, messages.PLAN: self.plan_in_force, messages.SCALING: self.scaling}
@@ -146,7 +150,7 @@ class Elastic:
         """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
         to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``;
         ``options`` are the planner's (:meth:`PlannerOptions.to_dict`)."""
-        missing = [m for m in models if m not in self.plugin.served]
+        missing = [m for m in models if m not in self.models.ledgers]
         if missing:
             raise DeployError(f"models {missing} are not served; serve them before making them elastic")
         specs = {name: ModelSpec.from_msg(name, spec) for name, spec in models.items()}
@@ -179,7 +183,7 @@ class Elastic:
     def scaling(self) -> dict[str, Any]:
         """What Adaptive should do: GPUs ``wanted`` by type; ``closable`` worker names (no stage,
         none wanted, past their grace); ``leaving`` workers still being drained; the re-plans made."""
-        scheduler = self.plugin.scheduler
+        scheduler = self.models.scheduler
         now = time.monotonic()
         self._advised_at = now
         serving = self._serving_addresses()
@@ -216,7 +220,7 @@ class Elastic:
 
     # -- re-planning -----------------------------------------------------------------------------
     def _serving_addresses(self) -> set[str]:
-        return {a for served in self.plugin.served.values() for _, _, a in served.stages}
+        return {a for ledger in self.models.ledgers.values() for _, _, a in ledger.stages}
 
     def _schedule(self, reason: str) -> None:
         """Re-plan ``debounce_s`` after the last change (a burst of joins makes one re-plan)."""
@@ -247,15 +251,15 @@ class Elastic:
     def inventory_of(self, dep: Deployment) -> list[WorkerSlot]:
         """The live slots ``dep`` may plan on: not leaving, not serving another deployment (a model
         ``dep`` is retiring serves on its own slots)."""
-        plugin = self.plugin
-        others = {a for m, s in plugin.served.items() if m not in dep.models and m not in dep.retiring for _, _, a in s.stages}
-        slots = [s for a, s in plugin.slots.items() if a in plugin.scheduler.workers and a not in self.leaving and a not in others]
+        models = self.models
+        others = {a for m, s in models.ledgers.items() if m not in dep.models and m not in dep.retiring for _, _, a in s.stages}
+        slots = [s for a, s in models.slots.items() if a in models.scheduler.workers and a not in self.leaving and a not in others]
         gpu_slots = [s for s in slots if s.gpu != messages.CPU or s.emulated]
         return gpu_slots or slots
 
     async def _replan(self, group: str, reasons: list[str]) -> None:
         dep = self.deployments[group]
-        if any(self.plugin.served.get(m) is None or self.plugin.served[m].closing for m in dep.models):
+        if any(self.models.ledgers.get(m) is None or self.models.ledgers[m].closing for m in dep.models):
             return  # closing: the ticker forgets it once its batches have ended
         slots = self.inventory_of(dep)
         if not slots:
@@ -293,7 +297,7 @@ class Elastic:
         the tables of GPU kinds their profiles lack measured or estimated first."""
         from daskpipe.plan.milp import make_plan
 
-        await profile_missing(dep, slots, {a: str(ws.name) for a, ws in self.plugin.scheduler.workers.items()}, self._get_client)
+        await profile_missing(dep, slots, {a: str(ws.name) for a, ws in self.models.scheduler.workers.items()}, self._get_client)
         plan_call = functools.partial(
             make_plan,
             {m: spec.profile for m, spec in dep.models.items()},
@@ -315,7 +319,7 @@ class Elastic:
         serve: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Serve ``dep`` on ``plan``: its stages start on ``slots`` while the old ones serve (PPipe's
-        preload), the models of ``serve`` (name -> :meth:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin.serve`'s
+        preload), the models of ``serve`` (name -> :meth:`~daskpipe.runtime.scheduler.serving.Serving.serve`'s
         options; new to the plugin, :mod:`daskpipe.runtime.scheduler.lifecycle`) start serving, then the
         others switch at once. A stage or a new model that cannot start raises :class:`DeployError`
         and leaves the plan in force as it was, every new stage released."""
@@ -339,7 +343,7 @@ class Elastic:
         bw_gbps = float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps))
         try:
             for model, options in (serve or {}).items():
-                await self.plugin.serve(
+                await self.serving.serve(
                     model,
                     plan.to_dict(),
                     dep.models[model].profile.to_dict(),
@@ -350,8 +354,8 @@ class Elastic:
                     **options,
                 )
         except Exception:
-            self.plugin.close_models([m for m in serve or {} if m in self.plugin.served], reason="shutdown")
-            self.plugin.status(list(serve or {}), forget=True)
+            self.models.close([m for m in serve or {} if m in self.models.ledgers], reason="shutdown")
+            self.models.status(list(serve or {}), forget=True)
             self.retire(str(future.key) for future in stages.futures)
             raise
         switch_s = await self._switch(dep, plan, stages.rows, fresh=set(serve or ()))
@@ -371,7 +375,7 @@ class Elastic:
 
     def retire(self, keys: Iterable[str]) -> None:
         """Release the stage actors of ``keys``, whichever client holds them."""
-        retire_stages(self.plugin.scheduler, keys, self._stage_futures)
+        retire_stages(self.models.scheduler, keys, self._stage_futures)
 
     def _end(self, group: str) -> None:
         """Forget ``group``'s deployment and release every stage it started, re-plans' included
@@ -385,7 +389,7 @@ class Elastic:
         if self._client is None:
             from distributed import Client
 
-            scheduler = self.plugin.scheduler
+            scheduler = self.models.scheduler
             self._client = await Client(
                 scheduler.address,
                 asynchronous=True,
@@ -398,26 +402,26 @@ class Elastic:
     async def _switch(self, dep: Deployment, plan: Plan, rows: dict[str, list[list]], fresh: set[str]) -> float:
         """Hold, flush, switch every model of ``dep`` at once, resume (PPipe's migration); the
         ``fresh`` models already serve on ``plan``. Returns how long the requests were held."""
-        plugin = self.plugin
+        models = self.models
         held_at = time.perf_counter()
-        held: dict[str, tuple[Served, Dispatcher, Holding]] = {}
+        held: dict[str, tuple[Ledger, Dispatcher, Holding]] = {}
         for model in set(dep.models) - fresh:
             holding = Holding(model)
-            old, drained = plugin.hold(model, holding)
+            old, drained = models.hold(model, holding)
             holding.requests.extend(drained)
-            held[model] = (plugin.served[model], old, holding)
+            held[model] = (models.ledgers[model], old, holding)
         flush_until = time.monotonic() + self.settings.flush_timeout_s
-        while any(served.flights for served, _, _ in held.values()) and time.monotonic() < flush_until:
+        while any(ledger.flights for ledger, _, _ in held.values()) and time.monotonic() < flush_until:
             await asyncio.sleep(0.002)
         dep.epoch += 1
         old_keys = [row[3] for model_rows in dep.rows.values() for row in model_rows]
-        for model, (served, old, holding) in held.items():
-            if plugin.served.get(model) is not served or served.closing:
+        for model, (ledger, old, holding) in held.items():
+            if models.ledgers.get(model) is not ledger or ledger.closing:
                 continue  # closed during the flush: ``Holding.drain`` dropped what it held
             try:
-                plugin.switch(
+                self.serving.switch(
                     model,
-                    served,
+                    ledger,
                     plan,
                     dep.models[model].profile,
                     rows[model],
@@ -428,18 +432,18 @@ class Elastic:
                 )
             except Exception:
                 logger.exception("daskpipe: %s could not switch to the new plan; it stays on the old one", model)
-                plugin.resume(model, holding.requests, dispatcher=old)
+                models.resume(model, holding.requests, dispatcher=old)
                 continue
-            plugin.resume(model, holding.requests)
+            models.resume(model, holding.requests)
         switch_s = time.perf_counter() - held_at
         dep.plan, dep.rows, dep.replanned_at = plan, rows, time.monotonic()
         self.changed_at = dep.replanned_at
-        scheduler = plugin.scheduler
+        scheduler = models.scheduler
         new_keys = [row[3] for model_rows in rows.values() for row in model_rows]
         held_by = [*old_keys, *(row[3] for model_rows in dep.retiring.values() for row in model_rows)]  # whose client holds them
         hand_over(scheduler, held_by, new_keys, self._stage_futures, self._client.id if self._client is not None else None)
         retire_stages(scheduler, old_keys, self._stage_futures)
-        plugin.arm()
+        models.arm()
         return switch_s
 
     # -- the periodic look at the load -----------------------------------------------------------
@@ -453,7 +457,7 @@ class Elastic:
 
     def _tick(self, now: float) -> None:
         for group, dep in list(self.deployments.items()):
-            if not any(m in self.plugin.served for m in dep.models):  # its service closed and was forgotten
+            if not any(m in self.models.ledgers for m in dep.models):  # its service closed and was forgotten
                 self._end(group)
         self.load.sample(now)
         self.load.check_load_mix(self.deployments.values(), now)

@@ -14,7 +14,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from daskpipe.plan.schema import Plan
-from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ServingControl
+from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings
+from daskpipe.runtime.scheduler.models import Models
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ class LoadWatch:
     """Samples the served models' counters once a tick and judges the load; ``schedule(reason)``
     asks the controller for a re-plan."""
 
-    def __init__(self, plugin: ServingControl, settings: ElasticSettings, schedule: Callable[[str], None]):
-        self.plugin = plugin
+    def __init__(self, models: Models, settings: ElasticSettings, schedule: Callable[[str], None]):
+        self.models = models
         self.settings = settings
         self.schedule = schedule
         self.samples: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()  # (time, model -> (submitted, bad))
@@ -36,7 +37,7 @@ class LoadWatch:
                 now,
                 {
                     m: (s.counts["submitted"], sum(s.dropped.values()) + s.counts["failed"] + s.counts["completed"] - s.counts["on_time"])
-                    for m, s in self.plugin.served.items()
+                    for m, s in self.models.ledgers.items()
                 },
             )
         )
@@ -91,14 +92,14 @@ class LoadWatch:
                 continue
             drifted = []
             for model, spec in dep.models.items():
-                served = self.plugin.served.get(model)
-                if served is None or served.closing:
+                ledger = self.models.ledgers.get(model)
+                if ledger is None or ledger.closing:
                     continue
                 factors: dict[tuple[str, int], np.ndarray] = {}
-                for (p, q), ratio in sorted(served.dispatcher.measured_ratios().items()):
+                for (p, q), ratio in sorted(ledger.dispatcher.measured_ratios().items()):
                     if 1 / band <= ratio <= band:
                         continue
-                    part = served.model.pipelines[p].partitions[q]
+                    part = ledger.model.pipelines[p].partitions[q]
                     factors.setdefault((part.gpu, part.slices), np.ones(spec.profile.num_blocks))[part.blocks[0] : part.blocks[1]] = ratio
                     drifted.append(f"{model} blocks [{part.blocks[0]}, {part.blocks[1]}) on {part.gpu} run at {ratio:.2f}x their profile")
                 if factors:
@@ -116,12 +117,12 @@ class LoadWatch:
         ``scale_up_bad_rate``: N·r/(1-r) more of the type most of its stages run on."""
         rates = self.rates()
         wanted: Counter[str] = Counter()
-        for model, served in self.plugin.served.items():
+        for model, ledger in self.models.ledgers.items():
             offered, bad = rates.get(model, (0.0, 0.0))
-            if offered > 0 and bad > self.settings.scale_up_bad_rate and served.stages:
-                types = Counter(self.plugin.slots[a].gpu for _, _, a in served.stages if a in self.plugin.slots)
+            if offered > 0 and bad > self.settings.scale_up_bad_rate and ledger.stages:
+                types = Counter(self.models.slots[a].gpu for _, _, a in ledger.stages if a in self.models.slots)
                 if types:
-                    wanted[types.most_common(1)[0][0]] += math.ceil(len(served.stages) * min(bad, 0.9) / (1 - min(bad, 0.9)))
+                    wanted[types.most_common(1)[0][0]] += math.ceil(len(ledger.stages) * min(bad, 0.9) / (1 - min(bad, 0.9)))
         return dict(wanted)
 
     def surplus(self, now: float, serving: set[str]) -> set[str]:
@@ -130,10 +131,10 @@ class LoadWatch:
         if len(self.samples) < 2:
             return set()
         window = self.samples[-1][0] - self.samples[0][0]
-        busy = self.plugin.metrics.busy_seconds(now - window, now)
+        busy = self.models.metrics.busy_seconds(now - window, now)
         by_type: dict[str, list[str]] = {}
         for address in sorted(serving):
-            slot = self.plugin.slots.get(address)
+            slot = self.models.slots.get(address)
             if slot is not None:
                 by_type.setdefault(slot.gpu, []).append(address)
         surplus: set[str] = set()

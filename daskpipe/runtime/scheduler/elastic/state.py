@@ -1,24 +1,20 @@
 """What the elastic controller (:mod:`daskpipe.runtime.scheduler.elastic.controller`) works on and is tuned by: its
-settings, the deployments it re-plans with their models, and the part of the scheduler plugin it
-drives (:class:`ServingControl`). Torch-free: the scheduler imports it."""
+settings, and the deployments it re-plans with their models. Torch-free: the scheduler imports it."""
 
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping
 
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.scheduler.served import Served
-from daskpipe.runtime.wire.messages import WorkerSlot
-from daskpipe.sched.api import Dispatcher, DropReason, Request
 
 if TYPE_CHECKING:
-    from daskpipe.sched.metrics import ServiceMetrics
+    pass
 
 
 @dataclass(frozen=True)
@@ -129,43 +125,3 @@ class Deployment:
 
     def addresses(self) -> set[str]:
         return {row[2] for rows in self.rows.values() for row in rows}
-
-
-class ServingControl(Protocol):
-    """What a re-plan and a model-set change (:mod:`daskpipe.runtime.scheduler.lifecycle`) need of the
-    scheduler plugin (:class:`~daskpipe.runtime.scheduler.plugin.DaskpipeSchedulerPlugin`, which creates
-    the :class:`~daskpipe.runtime.scheduler.elastic.controller.Elastic`): what it serves on which slots,
-    and the calls that hand a model from one plan to the next, start and end one."""
-
-    scheduler: Any
-    served: dict[str, Served]
-    slots: dict[str, WorkerSlot]
-    metrics: ServiceMetrics  # the busy time of each slot, for scaling down
-
-    def hold(self, model: str, holding: Dispatcher) -> tuple[Dispatcher, list[Request]]: ...
-
-    def switch(
-        self,
-        model: str,
-        held: Served,
-        plan: Plan,
-        profile: Profile,
-        stages: list[list],
-        *,
-        dispatcher: str,
-        time_dilation: float,
-        bw_gbps: float,
-        first_id: int,
-    ) -> None: ...
-
-    def resume(self, model: str, requests: list[Request], dispatcher: Dispatcher | None = None) -> None: ...
-
-    def arm(self) -> None: ...
-
-    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str: ...
-
-    def close_models(self, models: Iterable[str] | None = None, reason: DropReason = "shutdown") -> dict[str, int]: ...
-
-    def status(self, models: Iterable[str] | None = None, forget: bool = False) -> dict[str, dict]: ...
-
-    def err(self, served: Served, model: str, keys: list, error: Callable[[Any], Exception]) -> None: ...

@@ -58,11 +58,11 @@ def close_worker(cluster, address: str) -> None:
 
 def kill_second_stage_mid_batch(cluster, plugin, after_s: float) -> str:
     """Close the partition-1 worker of the first batch in flight, ``after_s`` after its dispatch."""
-    served = plugin.served["tiny"]
-    wait_until(lambda: served.flights, timeout=10, interval=0.001, what="a batch in flight")
+    ledger = plugin.models.ledgers["tiny"]
+    wait_until(lambda: ledger.flights, timeout=10, interval=0.001, what="a batch in flight")
     dispatched = time.monotonic()
-    flight = next(iter(served.flights.values()))
-    victim = next(a for (_, q, a) in served.stages if q == 1 and a in flight.addresses)
+    flight = next(iter(ledger.flights.values()))
+    victim = next(a for (_, q, a) in ledger.stages if q == 1 and a in flight.addresses)
     time.sleep(max(0.0, dispatched + after_s - time.monotonic()))
     close_worker(cluster, victim)
     return victim
@@ -80,7 +80,7 @@ def test_a_worker_lost_mid_batch_has_its_requests_re_dispatched_to_the_rest_of_i
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         status = svc.status()["tiny"]
         assert status["retried"] == 4 and status["completed"] == 4 and status["dropped"] == {}
-        assert victim not in plugin.slots
+        assert victim not in plugin.models.slots
         later = svc.map("tiny", frames(8, seed=3))  # the dead slot is out of the pool: nothing is sent to it
         wait(later, timeout=30)
         assert [f.status for f in later] == ["finished"] * 8
@@ -161,13 +161,13 @@ def test_workers_joining_and_leaving_are_planned_in_without_losing_a_request():
             assert status["completed"] == status["submitted"] == len(xs) and status["dropped"] == {}
 
             assert len(plugin.elastic.history) == 1  # two joins, one re-plan
-            a10 = {a for a, s in plugin.slots.items() if s.gpu == "A10"}
+            a10 = {a for a, s in plugin.models.slots.items() if s.gpu == "A10"}
             assert {str(cluster.scheduler.workers[a].name) for a in a10} == set(new)
             in_force = svc.plan.model("cnn")
             assert any(q.gpu == "A10" and q.vgpus == 2 for p in in_force.pipelines for q in p.partitions)
             assert a10 <= set(plugin.metrics.models["cnn"].placement.slots)  # the dashboard shows it
             stages = {key for key, ts in cluster.scheduler.tasks.items() if ts.actor}
-            assert stages == set(plugin.served["cnn"].stages.values())  # the old stages were released
+            assert stages == set(plugin.models.ledgers["cnn"].stages.values())  # the old stages were released
 
             close_worker(cluster, sorted(a10)[0])
             wait_until(lambda: len(plugin.elastic.history) >= 2, timeout=60, interval=0.1, what="a second re-plan")
@@ -214,7 +214,7 @@ def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_laten
         with svc:
             (dep,) = plugin.elastic.deployments.values()
             part = svc.plan.model("tiny").pipelines[0].partitions[0]
-            slots = sorted(a for p, q, a in plugin.served["tiny"].stages if q == 0)
+            slots = sorted(a for p, q, a in plugin.models.ledgers["tiny"].stages if q == 0)
             client.run(slow_down, 1.6, 30.0, workers=slots)  # every slot of the pool: the machine, not a suspect
             futures = []
 

@@ -1,26 +1,43 @@
-"""What the scheduler plugin keeps per served model and per batch in flight.
+"""Each served model's ledger on the scheduler: the one owner of its requests' lives.
 
-Public, so that a re-plan (:mod:`daskpipe.runtime.scheduler.elastic.controller`) can read a served model's state through
-the plugin's control surface without the plugin's internals.
+A request is in a model's :class:`Ledger` from the moment it becomes a Dask key
+(:meth:`Ledger.admit`) to its end: queued, in flight (in a :class:`Flight`), parked between two
+stages, queued again (a retry, a staged batch's next stage), and ended once by :meth:`Ledger.end`
+with an :data:`Outcome`. Ending is one place: it frees what the request held (its queued input,
+its deadline, the data parked on a worker), ends its Dask key (the client's future raises what
+it ended with; an output's key is in memory already) and counts it, in the ledger's counts and
+in the metrics that ``/metrics`` shows, so that the two agree. A key that has ended already is
+skipped: a batch and its retry may both report.
+
+The scheduler's parts (:class:`~daskpipe.runtime.scheduler.models.Models`, the batches, the gray
+watch, the re-planner) each act on a model through its ledger.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable, Mapping, Union
 
 from distributed.protocol import Serialized
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.errors import DeployError, RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.control import ControlPath
-from daskpipe.runtime.scheduler.gray import GrayPolicy, Suspect
+from daskpipe.runtime.scheduler.gray import GrayPolicy, SlowSlots, Suspect
+from daskpipe.runtime.scheduler.keys import err_key, err_keys, serialized
+from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import input_nbytes
+from daskpipe.runtime.wire.messages import WorkerSlot
 from daskpipe.sched.api import Dispatcher, Request
 from daskpipe.sched.durations import BatchDurations
+from daskpipe.sched.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
 
 QUEUE_SLOS = 2.0
 """The default queue bound, in SLOs of requests at the plan's capacity: a request queued behind
@@ -119,9 +136,62 @@ class LateLegs:
         }
 
 
+@dataclass(frozen=True)
+class Output:
+    """The request's output is stored on its last stage's worker (its Dask key is in memory
+    there already), ``done`` on the scheduler's clock: on time when by its deadline."""
+
+    done: float
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The request is not served, for ``reason`` (a :data:`~daskpipe.sched.api.DropReason`, or
+    "released": its client let it go): its future raises a :class:`~daskpipe.runtime.errors.RequestDropped`
+    saying so, with ``detail``."""
+
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Serving the request raised: its future raises ``error``, a stage's own (serialized on its
+    worker, never deserialized here) or the scheduler's :class:`~daskpipe.runtime.errors.RequestFailed`."""
+
+    error: Exception | Serialized
+
+
+Outcome = Union[Output, Dropped, Failed]
+"""How a request ends (:meth:`Ledger.end`)."""
+
+
+def worker_lost(detail: str) -> Dropped:
+    """A worker the request needed died: ``detail`` says which, and what it held."""
+    return Dropped("worker-lost", detail)
+
+
+def client_gone(detail: str) -> Dropped:
+    """The request's client left: nobody waits for it any more."""
+    return Dropped("client-gone", detail)
+
+
+@dataclass(frozen=True)
+class Endings:
+    """What ending a request touches beyond its ledger: its Dask key on ``scheduler``, the slot
+    workers that may hold its parked data (``slots``, told through ``to_worker``), and the
+    ``metrics`` that the dashboard and ``/metrics`` show. One for all of a plugin's ledgers."""
+
+    scheduler: Any
+    slots: Mapping[str, WorkerSlot]
+    to_worker: Callable[[str, dict], None]
+    metrics: ServiceMetrics
+
+
 @dataclass
-class Served:
-    """One model being served: its dispatcher, its stages and its requests in the plugin's care."""
+class Ledger:
+    """One model being served: its dispatcher, its stages, and its requests in the plugin's care
+    until :meth:`end` (the module docstring)."""
 
     model: ModelPlan  # time-dilated
     profile: Profile  # time-dilated
@@ -129,7 +199,8 @@ class Served:
     stages: dict[tuple[int, int, str], str]  # (pipeline, partition, address) -> stage actor key
     emulated: frozenset[str]  # addresses of emulated slots: their stages hold batches
     durations: BatchDurations  # what an emulated slot holds a batch for (time-dilated); the simulator's model
-    inputs: dict[Any, tuple[Any, int]] = field(default_factory=dict)  # queued: key -> (raw input or HeldInput, samples)
+    endings: Endings
+    queued: dict[Any, tuple[Any, int]] = field(default_factory=dict)  # key -> (raw input or HeldInput, samples)
     deadlines: dict[Any, float] = field(default_factory=dict)  # key -> deadline, until it ends
     flights: dict[int, Flight] = field(default_factory=dict)
     counts: dict[str, int] = field(
@@ -158,9 +229,11 @@ class Served:
     late: LateLegs = field(default_factory=LateLegs)  # where the batches that ended late lost their time
     gray: GrayPolicy = field(default_factory=GrayPolicy)
     suspects: dict[str, Suspect] = field(default_factory=dict)  # address -> why its slot gets no batches
-    slow_streaks: dict[str, int] = field(default_factory=dict)  # address -> its latest batches in a row computed too slow
-    last_ratios: dict[str, float] = field(default_factory=dict)  # address -> its latest batch's measured / planned compute
+    slow: SlowSlots = field(init=False)  # which of its slots computed slow lately (the gray policy's rule)
     abandoned: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dispatch id -> the suspect it was taken from
+
+    def __post_init__(self) -> None:
+        self.slow = SlowSlots(self.gray, list(self.stages))
 
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but
@@ -176,14 +249,97 @@ class Served:
             return f"{size} samples take {size * self.sample_nbytes} bytes, the input has {nbytes}"
         return None
 
+    # -- a request's life ----------------------------------------------------------------------
+    def admit(self, key: Any, payload: Any, size: int, deadline: float) -> None:
+        """``key`` (a Dask key now) is queued, in this ledger's care until :meth:`end`."""
+        self.counts["submitted"] += 1
+        self.queued[key] = (payload, size)
+        self.deadlines[key] = deadline
+
+    def refuse(self, invalid: int, overloaded: int, overload: str) -> None:
+        """Count requests refused on arrival, which never became keys (:func:`~daskpipe.runtime.scheduler.keys.refuse`
+        ends them): ``invalid`` ones, and ``overloaded`` ones that found the queue full (``overload`` says how full)."""
+        now = time.monotonic()
+        metrics = self.endings.metrics
+        self.counts["submitted"] += invalid + overloaded
+        self.counts["invalid"] += invalid
+        if invalid:
+            metrics.refuse(self.model.name, invalid, now)
+        if overloaded:
+            self.dropped["overload"] = self.dropped.get("overload", 0) + overloaded
+            metrics.drop(self.model.name, "overload", overloaded, now, overload)
+
+    def requeue(self, key: Any, payload: Any, size: int, parked_on: str | None = None) -> bool:
+        """Queue ``key`` again: retried after its batch was lost, or for its next stage, its data
+        parked on ``parked_on``. ``False`` when it has ended, or is queued already."""
+        if key not in self.deadlines or key in self.queued:
+            return False
+        self.queued[key] = (payload, size)
+        if parked_on is not None:
+            self.parked[key] = parked_on
+        return True
+
+    def end(self, keys: Iterable[Any], outcome: Outcome) -> list[Any]:
+        """End ``keys`` with ``outcome``: each one not ended yet is freed (queued input, deadline,
+        parked data), its Dask key ended and counted once. Returns the keys it ended."""
+        endings, name = self.endings, self.model.name
+        ended, on_time = [], 0
+        discard: dict[str, list] = {}  # worker -> the keys whose parked data it drops
+        for key in keys:
+            deadline = self.deadlines.pop(key, None)
+            if deadline is None:
+                continue
+            ended.append(key)
+            self.queued.pop(key, None)
+            parked = self.parked.pop(key, None)
+            if parked is not None and parked in endings.slots:
+                discard.setdefault(parked, []).append(key)
+            if isinstance(outcome, Output):
+                on_time += outcome.done <= deadline
+        if not ended:
+            return ended
+        now = time.monotonic()
+        if isinstance(outcome, Output):
+            self.counts["completed"] += len(ended)
+            self.counts["on_time"] += on_time
+        elif isinstance(outcome, Dropped):
+            self.dropped[outcome.reason] = self.dropped.get(outcome.reason, 0) + len(ended)
+            endings.metrics.drop(name, outcome.reason, len(ended), now, outcome.detail)
+            for key in ended:
+                err_key(endings.scheduler, key, RequestDropped(outcome.reason, outcome.detail, name, key))
+        else:
+            self.counts["failed"] += len(ended)
+            endings.metrics.fail(name, len(ended), now)
+            err_keys(endings.scheduler, ended, outcome.error if isinstance(outcome.error, Serialized) else serialized(outcome.error))
+        for address, parked_keys in discard.items():  # their intermediate data waits there for nothing now
+            endings.to_worker(address, {"op": messages.DISCARD, "model": name, "keys": parked_keys})
+        return ended
+
+    def step(self, call: Callable[[], list], failing: list | None = None) -> list:
+        """Run one call of the dispatcher, returning its actions; a dispatcher bug fails the
+        requests at stake (``failing``, else every queued one), with the cause."""
+        try:
+            return call()
+        except Exception as exc:
+            name = self.model.name
+            logger.exception("daskpipe: the dispatcher of %s raised", name)
+            failure = RequestFailed(f"the dispatcher of {name!r} raised {type(exc).__name__}: {exc}", cause=exc)
+            self.end(list(self.queued) if failing is None else failing, Failed(failure))
+            return []
+
+    def suspect_summaries(self) -> dict[str, dict[str, Any]]:
+        """This model's suspect slots by address: since when (s), why, its probes."""
+        now = time.monotonic()
+        return {address: suspect.summary(now) for address, suspect in self.suspects.items()}
+
     def take_flights(self, address: str) -> list[tuple[int, Flight]]:
         """The batches that run through ``address``, no longer in flight."""
         return [(d, self.flights.pop(d)) for d in [d for d, flight in self.flights.items() if address in flight.addresses]]
 
-    def carry_over(self, held: Served) -> None:
+    def carry_over(self, held: Ledger) -> None:
         """Take over what ``held`` (the same model on the plan a re-plan replaces) has in its care:
         its requests, batches in flight and counts, so that none is lost by the switch."""
-        for kept in ("inputs", "deadlines", "flights", "counts", "dropped", "abandoned"):
+        for kept in ("queued", "deadlines", "flights", "counts", "dropped", "abandoned"):
             setattr(self, kept, getattr(held, kept))
 
 

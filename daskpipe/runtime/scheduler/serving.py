@@ -1,0 +1,237 @@
+"""Starting to serve a model on the scheduler, and switching it to a new plan.
+
+:meth:`Serving.serve` measures the control path to the stages' workers first (:data:`PINGS` round
+trips each): it seeds the model's margin, and decides whether its SLO can be served at all (a
+tight one on a deploy-time trial's tail, :mod:`daskpipe.runtime.scheduler.trial`). A served
+model's :class:`~daskpipe.runtime.scheduler.ledger.Ledger` joins the
+:class:`~daskpipe.runtime.scheduler.models.Models`; a re-plan (:mod:`daskpipe.runtime.scheduler.elastic.controller`)
+switches it onto new stages with every request in its care (:meth:`Serving.switch`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from daskpipe.plan.schema import Plan
+from daskpipe.profiles.model import Profile
+from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.gctune import freeze_heap
+from daskpipe.runtime.scheduler.batches import Batches
+from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
+from daskpipe.runtime.scheduler.intake import check_dispatcher, check_feasible, ledger_for, pool_dispatcher
+from daskpipe.runtime.scheduler.ledger import Ledger, queue_bound
+from daskpipe.runtime.scheduler.links import Links
+from daskpipe.runtime.scheduler.models import Models
+from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, trial_summary
+from daskpipe.runtime.scheduler.watch import GrayWatch
+from daskpipe.sched.api import Dispatcher
+
+logger = logging.getLogger(__name__)
+
+PINGS = 20
+"""Round trips to each stage's worker when a model is deployed: they seed its control-path margin
+(:mod:`daskpipe.runtime.scheduler.control`) and decide whether its SLO can be served at all."""
+
+
+class Serving:
+    """Serves models (see the module docstring): their ledgers go to ``models``; their batches
+    are sent by ``batches`` and watched by ``watch``, over ``links``."""
+
+    def __init__(self, models: Models, links: Links, batches: Batches, watch: GrayWatch) -> None:
+        self.models = models
+        self.links = links
+        self.batches = batches
+        self.watch = watch
+
+    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str:
+        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
+
+        The control path to the stages' workers is measured first (:data:`PINGS` round trips
+        each): it seeds the model's margin, and a model whose SLO cannot be met even by a lone
+        request on an idle pipeline, with that margin, is refused here with the smallest SLO it
+        could serve. ``options`` are :meth:`start_serving`'s.
+        """
+        check_dispatcher(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        addresses = sorted({str(row[2]) for row in stages})
+        for address in addresses:
+            if address not in self.models.slots:
+                raise DeployError(f"a stage of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pipelines = Plan.from_dict(plan).model(model).pipelines
+        longest = max((len(p.partitions) for p in pipelines), default=1)
+        round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
+        self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        ledger = self.models.ledgers[model]
+        delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id)
+        if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/scheduler/trial.py)
+            logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
+            try:
+                k = float(options.get("time_dilation", 1.0))
+                check_feasible(
+                    model,
+                    ledger.model,
+                    ledger.profile,
+                    ledger.budgets,
+                    trial_margin(delays),
+                    bw_gbps=ledger.durations.bw_gbps,
+                    time_dilation=k,
+                )
+            except DeployError as exc:
+                self.models.close([model], reason="shutdown")
+                raise DeployError(f"{exc} (the control path's p99 over a trial of {len(delays)} batches at deploy)") from None
+        freeze_heap()
+        return "OK"
+
+    async def serve_pool(
+        self,
+        models: list[str],
+        plan: dict,
+        profiles: dict[str, dict],
+        stages: dict[str, list[list]],
+        *,
+        dispatcher: str,
+        time_dilation: float = 1.0,
+        bw_gbps: float = 10.0,
+        max_queued: int | None = None,
+        sample_nbytes: dict[str, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Start serving a shared pool (:mod:`daskpipe.runtime.client.pools`): ``models``, each on every
+        slot of the pool (``stages[model]``: its rows, as :meth:`serve` takes them), with one
+        ``dispatcher`` for all of them, whose dispatches go to the model they are for
+        (:meth:`~daskpipe.runtime.scheduler.models.Models.act`). Each model keeps its own requests, counts and control-path margin, all
+        seeded from one measurement of the pool's workers. All of them are served, or none.
+        ``timeout_s``: the timeout data plane's wait, before time dilation."""
+        addresses = sorted({str(row[2]) for rows in stages.values() for row in rows})
+        unknown = [a for a in addresses if a not in self.models.slots]
+        if unknown:
+            raise DeployError(f"a shared pool is placed on {unknown}, which are not workers of this cluster")
+        shared = pool_dispatcher(
+            dispatcher,
+            plan,
+            {m: profiles[m] for m in models},
+            [self.models.slots[a] for a in addresses],
+            time_dilation=time_dilation,
+            timeout_s=timeout_s,
+        )
+        round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
+        started: list[str] = []
+        try:
+            for model in models:
+                control = ControlPath(seed_from_round_trips(round_trips, 3))
+                self.start_serving(
+                    model,
+                    plan,
+                    profiles[model],
+                    stages[model],
+                    control=control,
+                    time_dilation=time_dilation,
+                    bw_gbps=bw_gbps,
+                    dispatcher=shared,
+                    max_queued=max_queued,
+                    sample_nbytes=(sample_nbytes or {}).get(model, 0),
+                )
+                started.append(model)
+        except Exception:
+            for model in started:
+                del self.models.ledgers[model]
+            raise
+        shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in models))
+        freeze_heap()
+        return "OK"
+
+    def start_serving(
+        self,
+        model: str,
+        plan: dict,
+        profile: dict,
+        stages: list[list],
+        *,
+        control: ControlPath,
+        time_dilation: float = 1.0,
+        bw_gbps: float = 10.0,
+        dispatcher: str | Dispatcher = "ppipe",
+        max_queued: int | None = None,
+        sample_nbytes: int = 0,
+    ) -> None:
+        """Serve ``model`` at once with the control-path estimate ``control`` (a re-plan keeps the
+        model's own), on ``dispatcher``: a data plane's name, or a shared pool's dispatcher
+        (:meth:`serve_pool`). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
+        ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
+        A model closed earlier whose batches have all ended (its owner vanished) is replaced.
+        """
+        old = self.models.ledgers.get(model)
+        if old is not None and not (old.closing and not old.flights):
+            raise DeployError(f"model {model!r} is already served; close the service that serves it first")
+        assert self.models.endings is not None, "the plugin has started"
+        ledger, placement = ledger_for(
+            model,
+            plan,
+            profile,
+            stages,
+            self.models.endings,
+            control=control,
+            time_dilation=time_dilation,
+            bw_gbps=bw_gbps,
+            dispatcher=dispatcher,
+            max_queued=max_queued,
+            sample_nbytes=sample_nbytes,
+        )
+        # a closed deployment of the same model may still have batches reporting (a stalled
+        # worker's backlog): the new one numbers its batches past every id sent before
+        ledger.dispatcher.continue_ids(self.batches.next_ids.get(model, 0))
+        self.models.ledgers[model] = ledger
+        self.models.metrics.serve(
+            model,
+            ledger.model,
+            placement,
+            control=control.summary,
+            suspects=ledger.suspect_summaries,
+            plan_quality=Plan.from_dict(plan).quality(),
+        )
+        logger.info(
+            "daskpipe: serving %s on %d stages (%d pipelines), time dilation %g, control-path margin %.2f ms",
+            model,
+            len(ledger.stages),
+            len(ledger.model.pipelines),
+            float(time_dilation),
+            control.margin_s * 1e3,
+        )
+
+    def switch(
+        self,
+        model: str,
+        held: Ledger,
+        plan: Plan,
+        profile: Profile,
+        stages: list[list],
+        *,
+        dispatcher: str,
+        time_dilation: float,
+        bw_gbps: float,
+        first_id: int,
+    ) -> None:
+        """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
+        path, queue bound and every request in its care; dispatch ids start at ``first_id``. If the
+        new plan cannot be served, this raises and ``held`` stays in place."""
+        del self.models.ledgers[model]
+        explicit_bound = held.max_queued != queue_bound(held.model, None)
+        try:
+            self.start_serving(
+                model,
+                plan.to_dict(),
+                profile.to_dict(),
+                stages,
+                control=held.control,
+                time_dilation=time_dilation,
+                bw_gbps=bw_gbps,
+                dispatcher=dispatcher,
+                max_queued=held.max_queued if explicit_bound else None,
+                sample_nbytes=held.sample_nbytes,
+            )
+        except Exception:
+            self.models.ledgers[model] = held
+            raise
+        fresh = self.models.ledgers[model]
+        fresh.carry_over(held)
+        fresh.dispatcher.continue_ids(max(first_id, self.batches.next_ids.get(model, 0)))
