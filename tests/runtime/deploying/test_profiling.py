@@ -120,7 +120,9 @@ def test_a_table_timed_on_a_busy_machine_is_said_and_not_stored(cpu_cluster, tmp
     cluster, client = cpu_cluster
     monkeypatch.setattr(profiler, "BUSY_CPU_SHARE", 1.01)  # no thread is on its CPU 101% of the time: every timing is busy
     store = ProfileStore(tmp_path)
-    result = profile_on_cluster(client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2, store=store)
+    result = profile_on_cluster(
+        client, inventory(client), "tiny", tiny_model(), example(), slo_us=None, num_blocks=2, batch_sizes=2, store=store
+    )
     assert "the machine was busy while profiling" in result.profile.meta["measurements"]["cpu/1"]["timing"]["warning"]
     assert "the table is inflated" in caplog.text and len(store) == 0, "an inflated table is not kept for the next deploy"
 
