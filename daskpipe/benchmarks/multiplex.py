@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from daskpipe.benchmarks.experiments import LinearModel
+from daskpipe.benchmarks.experiments import LinearModel, highest_rate
 
 GPU = "T4"
 GPUS = 4
@@ -101,11 +101,28 @@ def pool_plan(profiles: dict) -> Any:
     return shared_plan(profiles, [SharedGroup(tuple(profiles), {(GPU, 1): GPUS})])
 
 
-def workload(names: Sequence[str], rate: float, duration: float, seed: int) -> list[tuple[float, str]]:
-    """Poisson arrivals of ``rate`` req/s in all, an equal share per model: (time, model), sorted."""
+def workload(names: Sequence[str], rate: float, duration: float, seed: int, *, min_requests: int = 0) -> list[tuple[float, str]]:
+    """Poisson arrivals of ``rate`` req/s in all, an equal share per model: (time, model), sorted;
+    over ``duration`` seconds, or longer at a low rate, so that about ``min_requests`` arrive (one
+    late request then stays a small share of the 1% that the goodput's target lets miss)."""
     rng = np.random.default_rng(seed)
+    duration = max(duration, min_requests / rate) if rate > 0 else duration
     arrivals = [(float(t), name) for name in names for t in np.cumsum(rng.exponential(len(names) / rate, int(2 * rate * duration)))]
     return sorted(a for a in arrivals if a[0] < duration)
+
+
+@dataclass(frozen=True)
+class Trials:
+    """How every goodput is measured: trials of ``duration`` seconds of arrivals (profile time) at
+    least, and of about ``min_requests`` requests at least; bisection to ``precision`` x the bound."""
+
+    duration: float = 1.0
+    seed: int = 1
+    min_requests: int = 600
+    precision: float = 0.002
+
+    def arrivals(self, names: Sequence[str], rate: float) -> list[tuple[float, str]]:
+        return workload(names, rate, self.duration, self.seed, min_requests=self.min_requests)
 
 
 @dataclass(frozen=True)
@@ -137,19 +154,23 @@ def sim_trial(plan: Any, profiles: dict, policy: Policy, arrivals: list[tuple[fl
     }
 
 
-def sim_goodput(plan: Any, profiles: dict, policy: Policy, duration: float, seed: int, *, precision: float = 0.02) -> float:
+def pool_bound(plan: Any) -> float:
+    """The pool's rate bound with equal shares (req/s): every model at its largest batch on every
+    GPU, each taking the share of the pool that its share of the requests needs, i.e. the harmonic
+    mean of the models' own whole-pool throughputs (their arithmetic mean is no bound: the slow
+    models' shares cost more GPU time than the fast ones')."""
+    return len(plan.models) / sum(1 / m.throughput for m in plan.models)
+
+
+def sim_goodput(plan: Any, profiles: dict, policy: Policy, trials: Trials) -> float:
     """The highest offered rate (req/s, profile time) with >= 99% of requests on time, by bisection
-    to ``precision`` of the pool's bound (every model at its largest batch on every GPU)."""
+    (:func:`~daskpipe.benchmarks.experiments.highest_rate`) to ``trials.precision`` x :func:`pool_bound`."""
     names = [m.name for m in plan.models]
-    upper = sum(m.throughput for m in plan.models) / len(names)
-    lo, hi = 0.0, upper
-    while hi - lo > precision * upper:
-        mid = (lo + hi) / 2
-        if sim_trial(plan, profiles, policy, workload(names, mid, duration, seed))["attainment"] >= TARGET:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+
+    def meets(rate: float) -> bool:
+        return sim_trial(plan, profiles, policy, trials.arrivals(names, rate))["attainment"] >= TARGET
+
+    return highest_rate(meets, pool_bound(plan), trials.precision)
 
 
 def runtime_trial(
@@ -227,8 +248,7 @@ def measure_policy(
     policy: Policy,
     sim_rate: float,
     *,
-    duration: float,
-    seed: int,
+    trials: Trials,
     k: float,
     advance: Callable[..., None],
 ) -> dict[str, Any]:
@@ -240,7 +260,7 @@ def measure_policy(
 
     names = [m.name for m in plan.models]
     slos_s = {m.name: m.slo_us * 1e-6 * k for m in plan.models}
-    trials = []
+    rows = []
     service = daskpipe.deploy(
         client,
         {name: module for name in names},
@@ -252,24 +272,22 @@ def measure_policy(
     )
     best = 0.0
     with service:
-        runtime_trial(service, slos_s, example, workload(names, 0.5 * sim_rate, WARM_UP_S, seed + 1), k)
+        runtime_trial(service, slos_s, example, workload(names, 0.5 * sim_rate, WARM_UP_S, trials.seed + 1), k)
         for step in RUNTIME_STEPS:
             rate = step * sim_rate
-            arrivals = workload(names, rate, duration, seed)
+            arrivals = trials.arrivals(names, rate)
             advance(0, note=f"{policy.label}: {rate:.0f} req/s on the runtime")
             gc.collect()
             runtime = runtime_trial(service, slos_s, example, arrivals, k)
             sim = sim_trial(plan, profiles, policy, arrivals)
-            trials.append({"rate_per_s": rate, "requests": len(arrivals), "runtime": runtime, "sim": sim})
+            rows.append({"rate_per_s": rate, "requests": len(arrivals), "runtime": runtime, "sim": sim})
             if runtime["attainment"] >= TARGET:
                 best = rate
                 break
-    return {"runtime_goodput_per_s": best, "trials": trials}
+    return {"runtime_goodput_per_s": best, "trials": rows}
 
 
-def run_multiplex(
-    *, duration: float, seed: int, time_dilation: float, timeouts_ms: Sequence[float], advance: Callable[..., None]
-) -> dict[str, Any]:
+def run_multiplex(*, trials: Trials, time_dilation: float, timeouts_ms: Sequence[float], advance: Callable[..., None]) -> dict[str, Any]:
     """Every policy's goodput in the simulator; deferred's, eager's and the best timeout's on the runtime too."""
     import os
 
@@ -282,7 +300,7 @@ def run_multiplex(
     plan = pool_plan(profiles)
     policies = [Policy("deferred"), Policy("eager"), *(Policy("timeout", t) for t in timeouts_ms)]
     advance(0, note="goodput in the simulator")
-    sim = {policy: sim_goodput(plan, profiles, policy, duration, seed) for policy in policies}
+    sim = {policy: sim_goodput(plan, profiles, policy, trials) for policy in policies}
     timeouts = [p for p in policies if p.dataplane == "timeout"]
     best_timeout = max(timeouts, key=lambda p: sim[p])
     rows: dict[str, dict[str, Any]] = {
@@ -292,7 +310,7 @@ def run_multiplex(
     with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
         for policy in (policies[0], policies[1], best_timeout):
             measured = measure_policy(
-                client, plan, profiles, module, example, policy, sim[policy], duration=duration, seed=seed, k=time_dilation, advance=advance
+                client, plan, profiles, module, example, policy, sim[policy], trials=trials, k=time_dilation, advance=advance
             )
             row = rows[policy.label]
             row.update(measured)
@@ -308,8 +326,10 @@ def run_multiplex(
         "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in ZOO],
         "gpus": f"{GPUS} x {GPU} (emulated, hold-only)",
         "time_dilation": time_dilation,
-        "duration_s": duration,
-        "seed": seed,
+        "duration_s": trials.duration,
+        "min_requests": trials.min_requests,
+        "seed": trials.seed,
+        "pool_bound_per_s": round(pool_bound(plan), 1),
         "goodput": "the highest offered rate (req/s, before time dilation; equal per model, Poisson) with >= 99% of all requests on time",
         "best_timeout": best_timeout.label,
         "policies": rows,
@@ -321,6 +341,7 @@ def run_multiplex(
 
 @click.command("multiplex")
 @click.option("--duration", default=1.0, show_default=True, help="Seconds of arrivals per trial, before time dilation.")
+@click.option("--min-requests", default=600, show_default=True, help="Requests per trial at the least (a low rate's trial runs longer).")
 @click.option("--seed", default=1, show_default=True, help="Seeds the Poisson arrivals.")
 @click.option("--time-dilation", default=20.0, show_default=True, help="Every latency and SLO is this many times longer on the runtime.")
 @click.option(
@@ -330,7 +351,7 @@ def run_multiplex(
     help="The timeout policy's waits (ms, before time dilation); the best runs on the runtime.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_multiplex(duration: float, seed: int, time_dilation: float, timeouts: str, json_path: str | None) -> None:
+def bench_multiplex(duration: float, min_requests: int, seed: int, time_dilation: float, timeouts: str, json_path: str | None) -> None:
     """Twelve zoo models sharing four emulated GPUs: goodput of deferred, eager and timeout batching, simulated and on the runtime."""
     from daskpipe.progress import progress_bar
 
@@ -340,10 +361,12 @@ def bench_multiplex(duration: float, seed: int, time_dilation: float, timeouts: 
         raise click.BadParameter(f"a comma-separated list of milliseconds, got {timeouts!r}", param_hint="--timeouts") from None
     if not waits or any(not 0 <= t < float("inf") for t in waits):
         raise click.BadParameter(f"at least one wait, each >= 0 ms, got {timeouts!r}", param_hint="--timeouts")
-    if not (duration > 0 and time_dilation > 0):
-        raise click.BadParameter("--duration and --time-dilation must be > 0")
+    if not (duration > 0 and time_dilation > 0 and min_requests >= 0):
+        raise click.BadParameter("--duration and --time-dilation must be > 0, --min-requests >= 0")
     with progress_bar("multiplex", total=4) as advance:
-        figures = run_multiplex(duration=duration, seed=seed, time_dilation=time_dilation, timeouts_ms=waits, advance=advance)
+        figures = run_multiplex(
+            trials=Trials(duration, seed, min_requests), time_dilation=time_dilation, timeouts_ms=waits, advance=advance
+        )
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

@@ -54,9 +54,9 @@ class Request:
     past it a batch may still be planned to finish rather than drop the request: the runtime plans
     to the SLO less a high percentile of its control path's delays, but a request whose batch
     would finish within the *typical* delay of the SLO is usually on time, while a drop is a sure
-    miss. The PPipe and reactive dispatchers honour it when they decide to drop; deadline order
-    and the last moment of a waiting batch stay on ``deadline``. The simulator, which has no
-    control path, leaves it 0.
+    miss. The PPipe, reactive, deferred, eager and timeout dispatchers honour it when they decide
+    to drop; deadline order and the last moment of a waiting batch stay on ``deadline``. The
+    simulator, which has no control path, leaves it 0.
     """
 
     id: Hashable

@@ -459,21 +459,29 @@ class DeferredDispatcher(Dispatcher):
         return best
 
     def _update_candidate(self, model: ModelQueue, start: Time, actions: list[Action]) -> None:
-        """GetBatch from ``start`` (dropping what the policy drops), then the window."""
+        """GetBatch from ``start`` (dropping what the policy drops), then the window.
+
+        A head that cannot finish by its deadline even alone but can within its tolerance
+        (:attr:`~daskpipe.sched.api.Request.drop_after`: the runtime's control path is usually
+        faster than the margin it plans with) goes at once, in the largest batch that finishes
+        within that: a drop is a sure miss. The simulator's requests have none."""
         queue = model.queue
         if self.settings.drop_policy == "window" and len(queue):
             self._window_drop(model, start, actions)
-        while len(queue) and start + model.l(queue.at(0).size) > queue.at(0).deadline:
+        while len(queue) and start + model.l(queue.at(0).size) > queue.at(0).drop_after:
             self._drop(queue.pop(1), "deadline", "cannot finish before its deadline even alone", actions)
         if not len(queue):
             self._set_candidate(model, None)
             return
-        deadline = queue.at(0).deadline
-        samples_cap = model.largest_batch(start, deadline)
-        count = queue.count_fitting(samples_cap)
+        head = queue.at(0)
+        deadline = head.deadline
+        count = queue.count_fitting(model.largest_batch(start, deadline))
+        if count == 0:
+            deadline = head.drop_after
+            count = queue.count_fitting(model.largest_batch(start, deadline))
         samples = queue.head_samples(count)
         latest = deadline - model.l(samples)
-        exec_at = max(start, min(self._exec_bound(model, samples, deadline), latest))
+        exec_at = start if deadline > head.deadline else max(start, min(self._exec_bound(model, samples, deadline), latest))
         self._set_candidate(model, _Candidate(count, samples, exec_at, latest, deadline, 0))
 
     def _window_drop(self, model: ModelQueue, start: Time, actions: list[Action]) -> None:

@@ -185,3 +185,20 @@ def test_window_target_follows_the_measured_rate():
             d.submit(Request(i, "m", i * gap, i * gap + 100.0), i * gap)
     # l(b) = b + 5, SLO 12: 1 req/s gives (1 + 1/n) l(b) <= 12 up to b = 3, 5 req/s up to b = 5
     assert (slow._target_batch(slow._models["m"]), fast._target_batch(fast._models["m"])) == (3, 5)
+
+
+@pytest.mark.parametrize("kind", [DeferredDispatcher, EagerDispatcher])
+def test_a_head_late_for_its_deadline_but_within_its_tolerance_runs_rather_than_drops(kind):
+    """The runtime plans to the SLO less its control path's high percentile; a request that can
+    no longer end by that (here l(1) = 6 > 5.5) but can within its tolerance runs at once (a drop
+    is a sure miss), and one that cannot even within it is dropped."""
+
+    def first_action(tolerance: float):
+        (action,) = kind({"m": SLO}, GPUS[:1], latency, max_batch=4).submit(Request("r", "m", 0.0, 5.5, tolerance=tolerance), now=0.0)
+        return action
+
+    tolerated = first_action(1.0)
+    assert isinstance(tolerated, Dispatch) and [r.id for r in tolerated.requests] == ["r"]
+    assert tolerated.hops[0].compute.start == 0.0
+    dropped = first_action(0.4)
+    assert isinstance(dropped, Drop) and dropped.reason == "deadline"
