@@ -161,8 +161,8 @@ def test_a_client_that_serves_collects_garbage_on_the_schedulers_thresholds(emul
 
 
 def test_the_last_stage_hands_outputs_to_the_client_before_the_scheduler_hears_of_them(emulated_inproc):
-    """After the first resolution from the scheduler, the client opens a reply stream to the last
-    stage's worker, which from then on finishes the client's futures itself: an output is in hand
+    """With its first requests the client is asked to open reply streams to the stages' workers; the
+    last stage's then finishes the client's futures itself: an output is in hand
     while the scheduler still counts its request in flight, and a ``gather`` that races the
     scheduler's hearing of it still returns it."""
     cluster, client = emulated_inproc
@@ -170,7 +170,7 @@ def test_the_last_stage_hands_outputs_to_the_client_before_the_scheduler_hears_o
     with deploy_two_stage(client, slo_ms=2000.0) as svc:  # whole batches of 4 go at once; the watch waits 2 SLOs
         xs = frames(8)
         wait(svc.map("tiny", xs[:4]), timeout=30)
-        wait_until(lambda: reply_streams_of(cluster, client) == 1, timeout=10, what="the reply stream from the last stage's worker")
+        wait_until(lambda: reply_streams_of(cluster, client) == 2, timeout=10, what="the reply streams from both stages' workers")
         heard = scheduler.stream_handlers[messages.DONE]
 
         def hear_late(**msg):
@@ -198,7 +198,7 @@ def test_a_client_whose_resolutions_are_lost_still_gets_its_outputs_through_dask
     with deploy_two_stage(client) as svc:
         xs = frames(8)
         wait(svc.map("tiny", xs[:4]), timeout=30)
-        wait_until(lambda: reply_streams_of(cluster, client) == 1, timeout=10, what="the reply stream from the last stage's worker")
+        wait_until(lambda: reply_streams_of(cluster, client) == 2, timeout=10, what="the reply streams from both stages' workers")
         monkeypatch.setattr(futures_module.ClientStream, "resolve", lambda self, keys, outputs: None)
         futures = svc.map("tiny", xs[4:])
         for future, ref in zip(futures, reference(xs[4:])):
