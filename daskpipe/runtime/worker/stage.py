@@ -68,6 +68,10 @@ KEEP_S = 0.1
 """How long a last stage keeps outputs its clients already hold before storing them in Dask's
 worker state (:meth:`_SlotRuntime.keep`): longer than a client takes to release a future it has
 read (its report stream batches every 10 ms, the scheduler's to the worker every 5 ms)."""
+REPLY_WAIT_S = 1.0
+"""How long a last stage's large outputs wait for a client's stream that is not up yet (a
+connect takes milliseconds), at most until the batch's late limit: outputs only Dask holds are
+lost with this worker."""
 STORE_SLICE = 64
 """Kept outputs stored per event-loop turn: Dask's worker state takes ~40 us per key."""
 
@@ -90,6 +94,8 @@ class _SlotRuntime:
         default_factory=dict
     )  # (model, dispatch) -> (its late limit, the parts of it arrived so far)
     kept: dict[Any, torch.Tensor] = field(default_factory=dict)  # key -> an output its clients hold, not yet in Dask's worker state
+    connects: dict[str, list[asyncio.Future]] = field(default_factory=dict)  # client id -> batches waiting for its stream here
+    unreached: set[str] = field(default_factory=set)  # clients whose stream a batch waited for in vain (until they connect)
     storing: asyncio.Handle | None = None  # the next store of ``kept``
 
     def hold_factor(self) -> float:
@@ -350,6 +356,63 @@ class Stage:
             return
         outputs = dict(zip(batch["keys"], output))
         nbytes = [output_nbytes(t) for t in output]
+        wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
+        unconnected = [client for client in wanted if client not in slot.clients and client not in slot.unreached]
+        if unconnected and sum(nbytes) > INLINE_OUTPUT_BYTES:  # only Dask would hold them: wait for their clients' streams
+            wait_s = REPLY_WAIT_S if batch.get("expires") is None else min(REPLY_WAIT_S, batch["expires"] - time.time())
+            keep_running(worker, self._finish_when_connected(batch, outputs, nbytes, timings, overrun, ran, unconnected, wait_s))
+            return
+        self._finish(batch, outputs, nbytes, timings, overrun, ran)
+
+    async def _finish_when_connected(
+        self,
+        batch: dict[str, Any],
+        outputs: dict[Any, torch.Tensor],
+        nbytes: list[int],
+        timings: list[list[Any]],
+        overrun: bool,
+        ran: tuple[float, float],
+        unconnected: list[str],
+        wait_s: float,
+    ) -> None:
+        """Finish the batch once ``unconnected``'s streams here are up, or ``wait_s`` from now.
+
+        The scheduler asks a client to open its streams with its first requests and with a
+        re-plan's first batch on a new worker, so a whole pipeline pass can beat the connect. The
+        batch stays in flight meanwhile: a death of this worker retries it from its inputs, where
+        outputs stored only in Dask's worker state would be lost with it. A client whose stream is
+        not up by then is not waited for again until it connects."""
+        slot = _SLOTS[self.worker]
+        waited = time.time()
+        loop = asyncio.get_running_loop()
+        connects = [loop.create_future() for _ in unconnected]
+        for client, connect in zip(unconnected, connects):
+            slot.connects.setdefault(client, []).append(connect)
+        if wait_s > 0:
+            await asyncio.wait(connects, timeout=wait_s)
+        for client, connect in zip(unconnected, connects):
+            if not connect.done():
+                slot.unreached.add(client)
+                slot.connects[client].remove(connect)
+        self._finish(batch, outputs, nbytes, timings, overrun, (ran[0], ran[1] + time.time() - waited))
+
+    def _finish(
+        self,
+        batch: dict[str, Any],
+        outputs: dict[Any, torch.Tensor],
+        nbytes: list[int],
+        timings: list[list[Any]],
+        overrun: bool,
+        ran: tuple[float, float],
+    ) -> None:
+        """Hand a last stage's ``outputs`` to the clients with a stream here and report the batch
+        done, with the small outputs the scheduler relays to the others; ``ran[1]`` is when the
+        outputs were ready to go, which the control path's ``done_worker`` counts from. A client that
+        cannot reach this worker gets its outputs through the scheduler, whatever their size: only
+        Dask's worker state would hold them here."""
+        worker = self.worker
+        slot = _SLOTS[worker]
+        output = list(outputs.values())
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
         done = {
@@ -361,7 +424,7 @@ class Stage:
             "timings": timings,
             "overrun": overrun,
         }
-        wanted: dict[str, list[int]] = batch.get("clients") or {}  # client id -> the indices of its keys
+        wanted: dict[str, list[int]] = batch.get("clients") or {}
         told: list[str] = []
         wired = [wire_output(t) for t in output]  # small ones packed, large ones frames of their own
         keys = done["keys"]
@@ -378,7 +441,8 @@ class Stage:
             except CommClosedError:  # its stream is gone: the scheduler tells it
                 pass
         done["told"] = told
-        if (len(told) < len(wanted) or not wanted) and sum(nbytes) <= INLINE_OUTPUT_BYTES:
+        unreached = any(client in slot.unreached for client in wanted)  # it cannot reach this worker: its outputs go through the scheduler
+        if (len(told) < len(wanted) or not wanted) and (sum(nbytes) <= INLINE_OUTPUT_BYTES or unreached):
             done["outputs"] = [pack_output(t) for t in output]  # the scheduler tells the others, with the small outputs
         done["written_s"] = time.time() - ran[1]  # after the clients' writes: the control path's ``done_worker``
         slot.report(worker, done)
@@ -387,8 +451,9 @@ class Stage:
             return
         # stored after DONE has left (its write is the next loop turn's first step): nothing can ask
         # this worker for the keys before the scheduler has read DONE and a client has asked it
+        stored: dict[Any, object] = dict(outputs)
         asyncio.get_running_loop().call_soon(
-            functools.partial(worker.update_data, data=outputs, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
+            functools.partial(worker.update_data, data=stored, stimulus_id=f"daskpipe-done-{self.model}-{batch['dispatch']}")
         )
 
     def _compute(self, data: torch.Tensor | Sequence[bytes], split: Sequence[int] | None) -> torch.Tensor | list[torch.Tensor]:
@@ -525,6 +590,9 @@ async def _reply_stream(worker: Any, comm: Any, client: str) -> Status:
     stream = slot.clients[client] = ImmediateSend()
     stream.start(comm)
     fetches.client_opened(client)
+    slot.unreached.discard(client)
+    for connect in slot.connects.pop(client, ()):
+        connect.set_result(None)
     try:
         await worker.handle_stream(comm)  # the client's INPUTS, until it leaves
     finally:

@@ -5,6 +5,7 @@ request ends right when a worker or a client dies on the way."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -21,11 +22,13 @@ from distributed import Client, wait
 import daskpipe
 from daskpipe.benchmarks.remote_client import RemoteSender
 from daskpipe.plan.schema import Plan
+from daskpipe.runtime.client import futures as futures_module
 from daskpipe.runtime.client.futures import ClientStream
 from daskpipe.runtime.client.service import encode_input
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.scheduler.plugin import plugin_of
+from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import HeldInput
 from tests.helpers import wait_until
 from tests.runtime.helpers import PAPER_PPIPE, counted, deploy_two_stage, frames, reference, tiny_model, two_stage, with_test_dispatcher
@@ -189,41 +192,56 @@ def test_a_first_stage_worker_killed_around_its_fetch_loses_nothing(two_first_sl
 
 
 @pytest.mark.parametrize(
-    ("input_shape", "upsample"),
-    [(FETCHED, 1), ((3, 16, 16), 2)],
-    ids=["fetched inputs", "inline inputs"],
+    ("input_shape", "upsample", "connect_delay_s"),
+    [(FETCHED, 1, 0.0), ((3, 16, 16), 2, 0.0), ((3, 16, 16), 2, 0.6), ((3, 16, 16), 2, None)],
+    ids=["fetched inputs", "inline inputs", "inline inputs, streams slower than a pipeline pass", "inline inputs, workers unreachable"],
 )
-def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_computed_them(two_first_slots, input_shape, upsample):
+def test_outputs_in_the_clients_hands_survive_the_death_of_the_worker_that_computed_them(
+    two_first_slots, monkeypatch, input_shape, upsample, connect_delay_s
+):
     """Outputs of 32 KB a request (a batch's 128 KB, over the 64 KiB the scheduler relays) ride
     the completion to the client, the first batch's too: its first submission asked it to open
-    streams to every stage's worker, whether its inputs are fetched or ride the submission. The
-    last stage's worker is then killed, and Dask loses their keys: the futures stay finished, with
-    their outputs."""
-    cluster, client = two_first_slots
+    streams to every stage's worker, whether its inputs are fetched or ride the submission, and a
+    last stage that finishes before the client's stream is up waits for it. The last stage's
+    worker is then killed, and Dask loses their keys: the futures stay finished, with their
+    outputs. A client that cannot reach the workers (``connect_delay_s=None``) gets them through
+    the scheduler. A fresh client each time: none of its streams is open yet."""
+    cluster, _ = two_first_slots
+    opened = futures_module.open_comm
+
+    async def slow_reply_streams(address, connection_args, handshake, *args, **kwargs):
+        if handshake.get("op") == messages.REPLY:
+            if connect_delay_s is None:
+                raise OSError(f"{address} is behind a firewall")
+            await asyncio.sleep(connect_delay_s)
+        return await opened(address, connection_args, handshake, *args, **kwargs)
+
+    monkeypatch.setattr(futures_module, "open_comm", slow_reply_streams)
     model = WideOutput(upsample)
     profile, plan = two_stage("wide", input_shape=input_shape, slo_ms=3000.0, stage_ms=(300.0, 5.0), model=model)
-    with daskpipe.deploy(
-        client,
-        {"wide": model},
-        example_inputs={"wide": torch.zeros(1, *input_shape)},
-        plan=plan,
-        profiles={"wide": profile},
-        elastic=None,
-    ) as svc:
-        xs = frames(8, shape=input_shape)
-        futures = svc.map("wide", xs)
-        wait(futures, timeout=60)
-        assert all(f.output_in_hand for f in futures)
-        (last,) = {a for (_, q, a) in plugin_of(cluster.scheduler).models.ledgers["wide"].stages if q == 1}
-        os.kill(client.run(os.getpid, workers=[last])[last], signal.SIGKILL)
-        wait_until(lambda: last not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
-        time.sleep(0.5)  # Dask's report of the lost keys reaches this client
-        with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
-            patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went to the cluster"))
-            for future, x in zip(futures, xs):
-                assert future.status == "finished"
-                torch.testing.assert_close(future.result(), model.tail(model.head(x).half().float()), atol=1e-3, rtol=1e-3)
-    client.wait_for_workers(3, timeout=60)
+    with Client(cluster.scheduler_address) as client:
+        with daskpipe.deploy(
+            client,
+            {"wide": model},
+            example_inputs={"wide": torch.zeros(1, *input_shape)},
+            plan=plan,
+            profiles={"wide": profile},
+            elastic=None,
+        ) as svc:
+            xs = frames(8, shape=input_shape)
+            futures = svc.map("wide", xs)
+            wait(futures, timeout=60)
+            assert all(f.output_in_hand for f in futures)
+            (last,) = {a for (_, q, a) in plugin_of(cluster.scheduler).models.ledgers["wide"].stages if q == 1}
+            os.kill(client.run(os.getpid, workers=[last])[last], signal.SIGKILL)
+            wait_until(lambda: last not in cluster.scheduler.workers, timeout=30, what="the scheduler to lose the worker")
+            time.sleep(0.5)  # Dask's report of the lost keys reaches this client
+            with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+                patch.setattr(client, "sync", lambda *a, **k: pytest.fail("result() went to the cluster"))
+                for future, x in zip(futures, xs):
+                    assert future.status == "finished"
+                    torch.testing.assert_close(future.result(), model.tail(model.head(x).half().float()), atol=1e-3, rtol=1e-3)
+        client.wait_for_workers(3, timeout=60)
 
 
 class WideOutput(torch.nn.Module):
