@@ -360,7 +360,11 @@ class Stage:
         unconnected = [client for client in wanted if client not in slot.clients and client not in slot.unreached]
         if unconnected and sum(nbytes) > INLINE_OUTPUT_BYTES:  # only Dask would hold them: wait for their clients' streams
             wait_s = REPLY_WAIT_S if batch.get("expires") is None else min(REPLY_WAIT_S, batch["expires"] - time.time())
-            keep_running(worker, self._finish_when_connected(batch, outputs, nbytes, timings, overrun, ran, unconnected, wait_s))
+            slot.report(  # its timings now: the watch does not take the wait for a stalled slot
+                worker,
+                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
+            )
+            keep_running(worker, self._finish_when_connected(batch, outputs, nbytes, ran, unconnected, wait_s))
             return
         self._finish(batch, outputs, nbytes, timings, overrun, ran)
 
@@ -369,8 +373,6 @@ class Stage:
         batch: dict[str, Any],
         outputs: dict[Any, torch.Tensor],
         nbytes: list[int],
-        timings: list[list[Any]],
-        overrun: bool,
         ran: tuple[float, float],
         unconnected: list[str],
         wait_s: float,
@@ -394,7 +396,7 @@ class Stage:
             if not connect.done():
                 slot.unreached.add(client)
                 slot.connects[client].remove(connect)
-        self._finish(batch, outputs, nbytes, timings, overrun, (ran[0], ran[1] + time.time() - waited))
+        self._finish(batch, outputs, nbytes, [], False, (ran[0], ran[1] + time.time() - waited))  # its timings went ahead
 
     def _finish(
         self,
