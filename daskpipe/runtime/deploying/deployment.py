@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 START_TIMEOUT_S = 300.0
 """Longest wait for every stage actor to load its blocks: a stage not up by then fails the start."""
+WORKER_CHECK_S = 1.0
+"""How often a start checks that the workers of its stages not up yet are still in the cluster:
+Dask keeps a task pinned to a worker that left waiting for that worker, so such a start would
+otherwise wait its whole timeout (60 s of no capacity after a re-plan raced a second kill)."""
 
 
 @dataclass(frozen=True)
@@ -151,11 +155,7 @@ async def start_stages(
         for name in dict.fromkeys(launch.model for launch in launches):
             scattered[name] = await client.scatter(blocks[name])
         futures = [launch.submit(client, scattered[launch.model]) for launch in launches]
-        try:
-            await wait_through(client, futures, timeout)
-        except TimeoutError:
-            late = [launch.describe() for launch, future in zip(launches, futures) if not future.done()]
-            raise DeployError(f"{len(late)} stage actors did not start within {timeout:g}s: {'; '.join(late)}") from None
+        await _started(client, launches, futures, timeout)
         for launch, future in zip(launches, futures):
             if future.status != "finished":
                 raise DeployError(f"stage actor {future.key} ({launch.describe()}) could not start: {await future.exception()!r}")
@@ -178,6 +178,24 @@ async def start_stages(
     for launch, future in zip(launches, futures):
         rows[launch.model].extend([p, q, launch.slot.address, future.key] for p, q in launch.serves)
     return StartedStages(futures, dict(rows))
+
+
+async def _started(client: Client, launches: Sequence[StageLaunch], futures: Sequence[Future], timeout: float) -> None:
+    """Wait until every stage's future is done; fail as soon as a stage's worker has left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await wait_through(client, futures, max(0.0, min(WORKER_CHECK_S, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            pending = [launch for launch, future in zip(launches, futures) if not future.done()]
+        workers = (await client.scheduler.identity())["workers"]
+        gone = [launch.describe() for launch in pending if launch.slot.address not in workers]
+        if gone:
+            raise DeployError(f"{len(gone)} stage actors cannot start, their workers left the cluster: {'; '.join(gone)}")
+        if time.monotonic() >= deadline:
+            late = [launch.describe() for launch in pending]
+            raise DeployError(f"{len(late)} stage actors did not start within {timeout:g}s: {'; '.join(late)}")
 
 
 async def connect_stage(key: str, peers: list[str], dask_worker: Any) -> None:

@@ -8,6 +8,8 @@ this process; the stages are described by hand, as a plan's placement would desc
 from __future__ import annotations
 
 import pickle
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from torch import nn
 from daskpipe.profiles.fx import BlockedModel, segment_model
 from daskpipe.runtime.client.service import inventory
 from daskpipe.runtime.cluster import EmulatedCluster
-from daskpipe.runtime.deploying.deployment import StageLaunch, pickle_blocks, ppipe_launches, release, start_stages
+from daskpipe.runtime.deploying.deployment import WORKER_CHECK_S, StageLaunch, pickle_blocks, ppipe_launches, release, start_stages
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.worker.stage import FEATURE_MAP_DTYPE, Stage, feature_map_peers
 from tests.runtime.helpers import BATCH, two_stage
@@ -64,6 +66,22 @@ def test_a_stage_that_cannot_start_fails_the_start_naming_it_and_leaves_nothing_
     before = set(cluster.scheduler.tasks)
     with pytest.raises(DeployError, match=r"^stage actor daskpipe-stage-m-0-1-\w+ \('m' blocks \[1, 2\) on \S+\) could not start: .*mat1"):
         client.sync(start_stages, client, launches(client, blocked, second_input=(7,)), {"m": pickle_blocks(blocked.blocks)})
+    poll_for(lambda: set(cluster.scheduler.tasks) <= before, timeout=5)
+
+
+def test_a_stage_whose_worker_left_fails_the_start_at_once_naming_it_and_leaves_nothing_behind(cluster_and_model) -> None:
+    """A re-plan can race a kill: a stage pinned to a worker no longer in the cluster would wait
+    for it until the start's timeout; the start fails within a check or two, naming the stage."""
+    cluster, client, blocked = cluster_and_model
+    before = set(cluster.scheduler.tasks)
+    first, second = launches(client, blocked)
+    gone = replace(second, slot=replace(second.slot, address="tcp://127.0.0.1:9"))  # no worker there
+    started = time.monotonic()
+    with pytest.raises(
+        DeployError, match=r"1 stage actors cannot start, their workers left the cluster: 'm' blocks \[1, 2\) on tcp://127.0.0.1:9$"
+    ):
+        client.sync(start_stages, client, [first, gone], {"m": pickle_blocks(blocked.blocks)}, timeout=120.0)
+    assert time.monotonic() - started < 10 * WORKER_CHECK_S
     poll_for(lambda: set(cluster.scheduler.tasks) <= before, timeout=5)
 
 
