@@ -28,6 +28,7 @@ PACKAGE_LAYERS = {
     "daskpipe.config": UTILITIES,
     "daskpipe.jsonfile": UTILITIES,
     "daskpipe.progress": UTILITIES,
+    "daskpipe.mipmodels": UTILITIES,
     "daskpipe.colocation": COLOCATION_CORE,  # a leaf library, but for its bridges below
     "daskpipe.profiles": PROFILES,
     "daskpipe.plan": PLAN,

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from daskpipe.colocation.latency import Colocated, InterferenceModel
 from daskpipe.colocation.policy import Gpu, PlacementPlan, PlacementPolicy, Replica, Strategy, Workload
+from daskpipe.mipmodels import mip_model
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_WAIT_MS = 100.0
@@ -203,7 +204,7 @@ class WsmMilpPolicy(_UsherBase):
         self.check(workloads, gpus)
         options = {(w.name, t): self.options(w, t) for w in workloads for t in {g.type for g in gpus}}
         batches = sorted({o.batch for opts in options.values() for o in opts})
-        milp = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+        milp = mip_model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
         milp.verbose = 0
         x = {}
         for w in workloads:

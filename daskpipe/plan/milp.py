@@ -18,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
+from daskpipe.mipmodels import mip_model
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
 from daskpipe.plan.exchange import Share, exchange_gpus
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
@@ -763,10 +764,10 @@ def new_model(choice: str, *, sense: str = "MAX") -> Any:
     import mip
 
     if choice == "cbc":
-        return mip.Model(sense=sense, solver_name=mip.CBC)
+        return mip_model(sense=sense, solver_name=mip.CBC)
     for solver in (mip.CBC, mip.HIGHS) if choice == "auto" else (mip.HIGHS,):
         try:
-            return mip.Model(sense=sense, solver_name=solver)
+            return mip_model(sense=sense, solver_name=solver)
         except Exception as exc:  # python-mip raises bare Exceptions (or a NameError) when a solver's library is missing or broken
             problem = f"{type(exc).__name__}: {exc}"
     if choice == "auto":

@@ -11,6 +11,7 @@ from typing import Mapping
 
 import numpy as np
 
+from daskpipe.mipmodels import mip_model
 from daskpipe.profiles.model import ProfileError
 
 
@@ -81,7 +82,7 @@ def _balanced_min_cut(
     latency: Mapping[str, np.ndarray], cut_bytes: np.ndarray, num_blocks: int, lb: float, ub: float, mip
 ) -> list[int] | None:
     n = len(cut_bytes) + 1
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    model = mip_model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     model.verbose = 0
     # in_block[s][j]: segment s belongs to block j; blocks are contiguous and in order
     in_block = [[model.add_var(var_type=mip.BINARY) for _ in range(num_blocks)] for _ in range(n)]
