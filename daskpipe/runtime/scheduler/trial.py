@@ -42,14 +42,19 @@ many times the pings' seed beyond a lone request. The control path's tail reache
 2-core machine at load averages 10-30 (docs/benchmarks.md), and the pings' seed of the same minute
 said 2-40 ms: a seed says nothing of the next second's load, so an SLO is tried by its headroom,
 and a looser one is decided on the pings alone."""
+TRIAL_SECONDS = 2.0
+"""How long a trial sends for, at most, unless :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`
+take longer: a plan of slow stages serves a few batches a second, and 400 of them held a deploy for
+over a minute (stages of 100 ms: 80 s)."""
 TRIAL_TIMEOUT_S = 10.0
 """For the last trial batches to report, past their sending; one not back by then counts at this."""
 
 
-def trial_batches(ledger: Ledger) -> int:
-    """How many batches ``served``'s trial sends: :data:`TRIAL_BATCHES`, fewer for large inputs,
-    never under :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`."""
-    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, TRIAL_BYTES // max(1, ledger.sample_nbytes))))
+def trial_batches(ledger: Ledger, rate: float) -> int:
+    """How many batches ``ledger``'s trial sends at ``rate`` a second: :data:`TRIAL_BATCHES`, fewer
+    for large inputs and for what :data:`TRIAL_SECONDS` holds, never under
+    :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`."""
+    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, min(TRIAL_BYTES // max(1, ledger.sample_nbytes), rate * TRIAL_SECONDS))))
 
 
 async def trial_control_path(ledger: Ledger, model: str, batches: Batches, ids: Callable[[], int]) -> list[float]:
@@ -65,7 +70,7 @@ async def trial_control_path(ledger: Ledger, model: str, batches: Batches, ids: 
     pipelines = [ledger.model.pipelines[i] for i in entering]
     rate = min(TRIAL_RATE_MAX, TRIAL_LOAD * sum(p.throughput / p.batch_size for p in pipelines))
     weights = np.array([p.throughput for p in pipelines], dtype=float)
-    count = trial_batches(ledger)
+    count = trial_batches(ledger, rate)
     recorded = ledger.control.recorded
     sent: list[int] = []
     started = time.monotonic()

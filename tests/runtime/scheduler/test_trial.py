@@ -11,7 +11,7 @@ from distributed import Client, wait
 import daskpipe
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.scheduler.trial import MIN_BATCHES, TRIAL_BATCHES, trial_batches
+from daskpipe.runtime.scheduler.trial import MIN_BATCHES, TRIAL_BATCHES, TRIAL_RATE_MAX, TRIAL_SECONDS, trial_batches
 from tests.runtime.helpers import example, frames, tiny_model, two_stage
 
 
@@ -53,11 +53,13 @@ def test_a_tight_slo_is_served_on_the_trials_measured_tail_or_refused_by_it(clus
         assert all(f.status == "finished" for f in done)
 
 
-def test_a_trial_of_large_inputs_sends_fewer_batches_never_under_what_a_percentile_needs():
+def test_a_trial_of_large_inputs_or_slow_stages_sends_fewer_batches_never_under_what_a_percentile_needs():
     class Sized:
         def __init__(self, nbytes: int) -> None:
             self.sample_nbytes = nbytes
 
-    assert trial_batches(Sized(64)) == TRIAL_BATCHES
-    assert MIN_BATCHES < trial_batches(Sized(602_112)) < TRIAL_BATCHES  # a 3x224x224 float image
-    assert trial_batches(Sized(6_291_456)) == MIN_BATCHES  # a 3x512x1024 float frame
+    assert trial_batches(Sized(64), TRIAL_RATE_MAX) == TRIAL_BATCHES
+    assert MIN_BATCHES < trial_batches(Sized(602_112), TRIAL_RATE_MAX) < TRIAL_BATCHES  # a 3x224x224 float image
+    assert trial_batches(Sized(6_291_456), TRIAL_RATE_MAX) == MIN_BATCHES  # a 3x512x1024 float frame
+    assert trial_batches(Sized(64), 50.0) == 50.0 * TRIAL_SECONDS  # stages of tens of milliseconds: a trial of seconds
+    assert trial_batches(Sized(64), 5.0) == MIN_BATCHES  # stages of 100 ms: no fewer than a percentile needs
