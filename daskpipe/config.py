@@ -78,9 +78,18 @@ def check(key: str, value: Any) -> None:
         raise ConfigError("; ".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors))
 
 
+def hyphenated(tree: Any) -> Any:
+    """``tree`` with its keys spelt with hyphens: Dask takes ``_`` and ``-`` in a key for the same
+    (``DASK_DASKPIPE__INLINE_INPUT_BYTES`` sets ``daskpipe.inline-input-bytes``), the schema names
+    them with hyphens."""
+    if not isinstance(tree, dict):
+        return tree
+    return {key.replace("_", "-") if isinstance(key, str) else key: hyphenated(value) for key, value in tree.items()}
+
+
 def check_settings() -> None:
     """Check every ``daskpipe.*`` key of Dask's config against the schema (:func:`check`)."""
-    check(ROOT, dask.config.get(ROOT))
+    check(ROOT, hyphenated(dask.config.get(ROOT)))
 
 
 def setting(key: str) -> Any:

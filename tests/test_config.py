@@ -3,7 +3,10 @@ every value checked against the schema as it is read."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
 
 import dask.config
@@ -124,3 +127,16 @@ def test_dasks_worker_profiler_is_off_only_where_python_can_deadlock_and_a_users
     ):
         (worker,) = cluster.workers.values()
         assert "profile" in worker.periodic_callbacks
+
+
+@pytest.mark.parametrize("value, problem", [("8192", None), ("-1", "daskpipe.inline-input-bytes: -1 is less than the minimum of 0")])
+def test_a_key_set_in_the_environment_as_dask_spells_it_is_read_and_checked(value, problem):
+    """``DASK_DASKPIPE__INLINE_INPUT_BYTES`` reaches Dask's config as ``inline_input_bytes``: the
+    same key as ``inline-input-bytes`` to Dask, and to the schema."""
+    read = "import daskpipe; from daskpipe.config import setting; print(setting('daskpipe.inline-input-bytes'))"
+    env = {**os.environ, "DASK_DASKPIPE__INLINE_INPUT_BYTES": value}
+    done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, env=env, timeout=120)
+    if problem is None:
+        assert done.returncode == 0 and done.stdout.strip() == value, done.stderr
+    else:
+        assert done.returncode != 0 and problem in done.stderr, done.stderr

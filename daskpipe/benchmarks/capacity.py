@@ -103,7 +103,18 @@ def cluster_processes(env: Mapping[str, str]) -> Iterator[str]:
         bin_dir = os.path.dirname(sys.executable)
         started = [
             subprocess.Popen(
-                [os.path.join(bin_dir, "dask"), "scheduler", "--preload", "daskpipe", "--scheduler-file", scheduler_file],
+                [
+                    os.path.join(bin_dir, "dask"),
+                    "scheduler",
+                    "--preload",
+                    "daskpipe",
+                    "--scheduler-file",
+                    scheduler_file,
+                    "--port",
+                    "0",
+                    "--dashboard-address",
+                    ":0",
+                ],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -22,7 +22,10 @@ from daskpipe.config import setting
 
 FRAME_BYTES = 65536
 """Raw bytes above this size travel as a Dask frame of their own, which Dask's comms write and the
-scheduler keeps without copying; a ``bin`` inside msgpack is copied out of the message it came in."""
+scheduler keeps without copying; a ``bin`` inside msgpack is copied out of the message it came in.
+The frame is sent as a ``memoryview``, which Dask deserializes as a view of the buffer it read
+into: sent as ``bytes``, the receiver joined the frame into new bytes, a copy of every input
+(0.5 ms and more of a first stage's CPU per 6.3 MB frame)."""
 INLINE_INPUT_BYTES_CONFIG = "daskpipe.inline-input-bytes"
 """Dask config key: inputs of at most this many bytes ride the submission through the scheduler;
 larger ones are fetched from their client by the first stage (0: every input is fetched)."""
@@ -43,7 +46,7 @@ def inline_input_bytes() -> int:
 
 def wire_input(raw: Any) -> Any:
     """What to put in a message for a request's raw input bytes: inline when small, else a frame of its own."""
-    return to_serialize(raw) if isinstance(raw, bytes) and len(raw) > FRAME_BYTES else raw
+    return to_serialize(memoryview(raw)) if isinstance(raw, bytes) and len(raw) > FRAME_BYTES else raw
 
 
 def input_nbytes(payload: Any) -> int | None:
@@ -55,7 +58,7 @@ def input_nbytes(payload: Any) -> int | None:
         return len(payload)
     if isinstance(payload, HeldInput):
         return payload.nbytes
-    if not isinstance(payload, Serialized) or payload.header.get("type") != "bytes" or payload.header.get("serializer") != "dask":
+    if not isinstance(payload, Serialized) or payload.header.get("type") != "memoryview" or payload.header.get("serializer") != "dask":
         return None
     if any(payload.header.get("compression") or ()):
         return -1
