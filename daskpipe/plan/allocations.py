@@ -127,25 +127,29 @@ def search_levels(
         if known is None or known.lower < plan.throughput / plan.weight:
             knowledge[m].valued[a] = Valued(plan.throughput / plan.weight, math.inf, plan)
     best: dict[str, ModelPlan] | None = None
-    ceiling = bound  # the lowest level no plan was found at, proven or not
-    upward = True
+    ceiling = bound  # the lowest level a step up found no plan at, proven or not
+    unsettled = objective  # the highest level a step down failed to prove out of reach
+    up = False
     while bound - objective > tolerance * bound and time.perf_counter() < deadline:
-        if upward:
-            level = objective + max((ceiling - objective) / 4, tolerance * bound / 2)
+        up = not up
+        step = tolerance * bound / 2
+        if up:
+            level = objective + max((ceiling - objective) / 4, step)
+            if level >= ceiling:
+                continue  # no room below a level that failed: step down instead
         else:
-            level = bound - max((bound - objective) / 4, tolerance * bound / 2)
-        upward = not upward
-        if level >= ceiling and level < bound and not upward:
-            continue  # a step up above a level that failed: try the bound instead
+            level = bound - max((bound - max(objective, unsettled)) / 4, step)
         until = time.perf_counter() + LEVEL_TIME_SHARE * (deadline - time.perf_counter())
         found, proven = _at_level(level, oracles, knowledge, gpus, types, until, new_model, exact_seconds)
         if found is not None:
             best = found
             objective = min(mp.throughput / mp.weight for mp in found.values())  # at least the level
-            continue
-        ceiling = min(ceiling, level)
-        if proven:
-            bound = min(bound, level)
+        elif proven:
+            bound = ceiling = min(bound, level)
+        elif up:
+            ceiling = level
+        else:
+            unsettled = level
     return LevelSearch(best, objective, bound)
 
 
@@ -192,8 +196,19 @@ def _at_level(
         if proposal is None:
             return None, settled and not any(k.unproven for k in knowledge.values())
         plans: dict[str, ModelPlan] = {}
-        for m, a in proposal.items():
-            plan = _decide(level, oracles[m], knowledge[m], a, deadline, exact_seconds)
+        undecided = []
+        for m, a in proposal.items():  # the quick tests first: one model ruled out is enough to go on
+            plan, ruled_out = _decide_quickly(level, oracles[m], knowledge[m], a)
+            if plan is not None:
+                plans[m] = plan
+            elif not ruled_out:
+                undecided.append(m)
+        if len(plans) + len(undecided) < len(oracles):
+            continue
+        for m in undecided:
+            plan, ruled_out = _decide_exactly(level, oracles[m], knowledge[m], proposal[m], deadline, exact_seconds)
+            if ruled_out:
+                break
             if plan is not None:
                 plans[m] = plan
         if len(plans) == len(oracles):
@@ -201,33 +216,39 @@ def _at_level(
     return None, False
 
 
-def _decide(
-    level: float, oracle: ModelOracle, knowledge: _Knowledge, gpus: Allocation, deadline: float, exact_seconds: float
-) -> ModelPlan | None:
-    """A plan that reaches ``level`` on ``gpus``, or ``None``, having taught ``knowledge`` why not."""
+def _decide_quickly(level: float, oracle: ModelOracle, knowledge: _Knowledge, gpus: Allocation) -> tuple[ModelPlan | None, bool]:
+    """(a plan known, or found by the greedy, that reaches ``level`` on ``gpus``; whether a new LP
+    cut rules ``gpus`` out)."""
     plan = knowledge.reaches(gpus, level)
     if plan is not None:
-        return plan
+        return plan, False
     quick = oracle.greedy(gpus)
     if quick.lower >= level:
         knowledge.valued[gpus] = quick
-        return quick.plan
-    if _add_cut(knowledge, oracle, gpus) < level * (1 - CUT_SLACK):
-        return None  # the new LP cut rules it out
+        return quick.plan, False
+    return None, _add_cut(knowledge, oracle, gpus) < level * (1 - CUT_SLACK)
+
+
+def _decide_exactly(
+    level: float, oracle: ModelOracle, knowledge: _Knowledge, gpus: Allocation, deadline: float, exact_seconds: float
+) -> tuple[ModelPlan | None, bool]:
+    """(a plan that reaches ``level`` on ``gpus`` by an exact solve; whether the solve proved that
+    none does). Neither: the allocation is set aside without proof."""
     seconds = min(exact_seconds, deadline - time.perf_counter())
     if seconds <= 0:
         knowledge.unproven.add(gpus)
-        return None
+        return None, False
     solved = oracle.exact(gpus, seconds)
     known = knowledge.valued.get(gpus)
     if known is not None and known.lower > solved.lower:  # keep the better plan, and the tighter bound
         solved = Valued(known.lower, min(known.upper, solved.upper), known.plan)
     knowledge.valued[gpus] = solved
     if solved.lower >= level and solved.plan is not None:
-        return solved.plan
-    if solved.upper >= level:
-        knowledge.unproven.add(gpus)  # neither shown to reach the level nor proven short of it
-    return None
+        return solved.plan, False
+    if solved.upper < level:
+        return None, True
+    knowledge.unproven.add(gpus)
+    return None, False
 
 
 def _master(
