@@ -105,27 +105,28 @@ def search_levels(
     inventory); the greedy valuation of every allocation within :data:`NEIGHBOURHOOD` GPUs per type
     of the first start seeds the plans, and so do ``held`` (each model's allocation and plan in
     the plan in hand) and the allocations around them. ``new_model()`` makes an empty python-mip
-    model for the masters. The search alternates a step up from the best plan and a step down from the bound,
-    each a quarter of the way between them: a level near the optimum is the hardest to settle.
+    model for the masters. The search alternates a step up from the best plan and a step down from
+    the bound, each a quarter of the way between them: a level near the optimum is the hardest to
+    settle.
     """
-    types = list(gpus)
+    most = list(gpus.values())
     knowledge = {m: _Knowledge() for m in oracles}
+    centres = {m: [allocations[0]] for m, allocations in starts.items()}
     for m, allocations in starts.items():
         for a in allocations:
             _add_cut(knowledge[m], oracles[m], a)
-        for a in _neighbourhood(allocations[0], [gpus[g] for g in types]):
-            valued = oracles[m].greedy(a)
+    for m, (a, _) in held.items():
+        centres.setdefault(m, []).append(a)
+    for m, around in centres.items():
+        for near in {n for centre in around for n in _neighbourhood(centre, most)}:
+            valued = oracles[m].greedy(near)
             if valued.lower > 0:
-                knowledge[m].valued[a] = valued
+                knowledge[m].valued[near] = valued
     for m, (a, plan) in held.items():  # the plan in hand is one choice of the column master
-        for near in _neighbourhood(a, [gpus[g] for g in types]):
-            if near not in knowledge[m].valued:
-                valued = oracles[m].greedy(near)
-                if valued.lower > 0:
-                    knowledge[m].valued[near] = valued
         known = knowledge[m].valued.get(a)
         if known is None or known.lower < plan.throughput / plan.weight:
             knowledge[m].valued[a] = Valued(plan.throughput / plan.weight, math.inf, plan)
+    search = _Search(oracles, knowledge, gpus, new_model, exact_seconds)
     best: dict[str, ModelPlan] | None = None
     ceiling = bound  # the lowest level a step up found no plan at, proven or not
     unsettled = objective  # the highest level a step down failed to prove out of reach
@@ -140,7 +141,7 @@ def search_levels(
         else:
             level = bound - max((bound - max(objective, unsettled)) / 4, step)
         until = time.perf_counter() + LEVEL_TIME_SHARE * (deadline - time.perf_counter())
-        found, proven = _at_level(level, oracles, knowledge, gpus, types, until, new_model, exact_seconds)
+        found, proven = search.at_level(level, until)
         if found is not None:
             best = found
             objective = min(mp.throughput / mp.weight for mp in found.values())  # at least the level
@@ -175,45 +176,116 @@ def _add_cut(knowledge: _Knowledge, oracle: ModelOracle, gpus: Allocation) -> fl
     return value
 
 
-def _at_level(
-    level: float,
-    oracles: Mapping[str, ModelOracle],
-    knowledge: Mapping[str, _Knowledge],
-    gpus: Mapping[str, int],
-    types: Sequence[str],
-    deadline: float,
-    new_model: Callable[[], Any],
-    exact_seconds: float,
-) -> tuple[dict[str, ModelPlan] | None, bool]:
-    """(a plan at ``level``, or ``None``; whether no plan reaches it is proven)."""
-    for k in knowledge.values():
-        k.unproven.clear()
-    while time.perf_counter() < deadline:
-        picked = _pick(level, knowledge, gpus, types, deadline, new_model)
-        if picked is not None:
-            return picked, False
-        proposal, settled = _master(level, knowledge, gpus, types, deadline, new_model)
-        if proposal is None:
-            return None, settled and not any(k.unproven for k in knowledge.values())
-        plans: dict[str, ModelPlan] = {}
-        undecided = []
-        for m, a in proposal.items():  # the quick tests first: one model ruled out is enough to go on
-            plan, ruled_out = _decide_quickly(level, oracles[m], knowledge[m], a)
-            if plan is not None:
-                plans[m] = plan
-            elif not ruled_out:
-                undecided.append(m)
-        if len(plans) + len(undecided) < len(oracles):
-            continue
-        for m in undecided:
-            plan, ruled_out = _decide_exactly(level, oracles[m], knowledge[m], proposal[m], deadline, exact_seconds)
-            if ruled_out:
-                break
-            if plan is not None:
-                plans[m] = plan
-        if len(plans) == len(oracles):
-            return plans, False
-    return None, False
+@dataclass
+class _Search:
+    """What every level of :func:`search_levels` works with."""
+
+    oracles: Mapping[str, ModelOracle]
+    knowledge: Mapping[str, _Knowledge]
+    gpus: Mapping[str, int]
+    new_model: Callable[[], Any]
+    exact_seconds: float
+
+    @property
+    def types(self) -> list[str]:
+        return list(self.gpus)
+
+    def at_level(self, level: float, deadline: float) -> tuple[dict[str, ModelPlan] | None, bool]:
+        """(a plan at ``level``, or ``None``; whether no plan reaches it is proven)."""
+        for k in self.knowledge.values():
+            k.unproven.clear()
+        while time.perf_counter() < deadline:
+            picked = self.pick(level, deadline)
+            if picked is not None:
+                return picked, False
+            proposal, settled = self.master(level, deadline)
+            if proposal is None:
+                return None, settled and not any(k.unproven for k in self.knowledge.values())
+            plans: dict[str, ModelPlan] = {}
+            undecided = []
+            for m, a in proposal.items():  # the quick tests first: one model ruled out is enough to go on
+                plan, ruled_out = _decide_quickly(level, self.oracles[m], self.knowledge[m], a)
+                if plan is not None:
+                    plans[m] = plan
+                elif not ruled_out:
+                    undecided.append(m)
+            if len(plans) + len(undecided) < len(self.oracles):
+                continue
+            for m in undecided:
+                plan, ruled_out = _decide_exactly(level, self.oracles[m], self.knowledge[m], proposal[m], deadline, self.exact_seconds)
+                if ruled_out:
+                    break
+                if plan is not None:
+                    plans[m] = plan
+            if len(plans) == len(self.oracles):
+                return plans, False
+        return None, False
+
+    def master(self, level: float, deadline: float) -> tuple[dict[str, Allocation] | None, bool]:
+        """(allocations within ``gpus`` that no cut rules out at ``level``, or ``None``; whether that
+        answer is settled: ``None`` and ``False`` is out of time). It hands out every GPU it can: an
+        allocation then fails only where a generous one does, and its box cut rules out much."""
+        import mip
+
+        model = self.new_model()
+        model.verbose = 0
+        a = {m: [model.add_var(var_type=mip.INTEGER, lb=0, ub=self.gpus[g]) for g in self.types] for m in self.knowledge}
+        for k, g in enumerate(self.types):
+            model += mip.xsum(a[m][k] for m in self.knowledge) <= self.gpus[g]
+        floor = level * (1 - CUT_SLACK)
+        for m, known in self.knowledge.items():
+            for beta, pi in known.cuts:
+                if beta >= floor:
+                    continue
+                if not any(pi):
+                    return None, True  # no allocation reaches the level
+                model += mip.xsum(p * x for p, x in zip(pi, a[m]) if p) >= floor - beta  # HiGHS refuses a row without variables
+            boxes = [b for b, v in known.valued.items() if v.upper < level] + sorted(known.unproven)
+            for box in boxes:
+                above = [k for k, g in enumerate(self.types) if box[k] < self.gpus[g]]
+                if not above:
+                    return None, True
+                raised = [model.add_var(var_type=mip.BINARY) for _ in above]
+                model += mip.xsum(raised) >= 1
+                for k, r in zip(above, raised):
+                    model += a[m][k] >= (box[k] + 1) * r
+        model.objective = mip.maximize(mip.xsum(x for xs in a.values() for x in xs))
+        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
+        if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+            return None, True
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None, False
+        return {m: tuple(round(x.x or 0) for x in xs) for m, xs in a.items()}, True
+
+    def pick(self, level: float, deadline: float) -> dict[str, ModelPlan] | None:
+        """A plan at ``level`` from allocations already valued: one per model, within ``gpus``."""
+        import mip
+
+        columns = {}
+        for m, known in self.knowledge.items():
+            reaching = [a for a, v in known.valued.items() if v.lower >= level and v.plan is not None]
+            if not reaching:
+                return None
+            columns[m] = _minimal(reaching)
+        model = self.new_model()
+        model.verbose = 0
+        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cs] for m, cs in columns.items()}
+        for m in columns:
+            model += mip.xsum(chosen[m]) == 1
+        for k, g in enumerate(self.types):
+            using = [(x, a[k]) for m, cs in columns.items() for x, a in zip(chosen[m], cs) if a[k]]
+            if using:  # HiGHS refuses a row without variables
+                model += mip.xsum(x * n for x, n in using) <= self.gpus[g]
+        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None
+        picked = {}
+        for m, cs in columns.items():
+            a = next(a for x, a in zip(chosen[m], cs) if (x.x or 0) > 0.5)
+            plan = self.knowledge[m].valued[a].plan
+            assert plan is not None
+            picked[m] = plan
+        return picked
 
 
 def _decide_quickly(level: float, oracle: ModelOracle, knowledge: _Knowledge, gpus: Allocation) -> tuple[ModelPlan | None, bool]:
@@ -249,88 +321,6 @@ def _decide_exactly(
         return None, True
     knowledge.unproven.add(gpus)
     return None, False
-
-
-def _master(
-    level: float,
-    knowledge: Mapping[str, _Knowledge],
-    gpus: Mapping[str, int],
-    types: Sequence[str],
-    deadline: float,
-    new_model: Callable[[], Any],
-) -> tuple[dict[str, Allocation] | None, bool]:
-    """(allocations within ``gpus`` that no cut rules out at ``level``, or ``None``; whether that
-    answer is settled: ``None`` and ``False`` is out of time). It hands out every GPU it can: an
-    allocation then fails only where a generous one does, and its box cut rules out much."""
-    import mip
-
-    model = new_model()
-    model.verbose = 0
-    a = {m: [model.add_var(var_type=mip.INTEGER, lb=0, ub=gpus[g]) for g in types] for m in knowledge}
-    for k, g in enumerate(types):
-        model += mip.xsum(a[m][k] for m in knowledge) <= gpus[g]
-    floor = level * (1 - CUT_SLACK)
-    for m, known in knowledge.items():
-        for beta, pi in known.cuts:
-            if beta >= floor:
-                continue
-            if not any(pi):
-                return None, True  # no allocation reaches the level
-            model += mip.xsum(p * x for p, x in zip(pi, a[m]) if p) >= floor - beta  # HiGHS refuses a row without variables
-        boxes = [b for b, v in known.valued.items() if v.upper < level] + sorted(known.unproven)
-        for box in boxes:
-            above = [k for k, g in enumerate(types) if box[k] < gpus[g]]
-            if not above:
-                return None, True
-            raised = [model.add_var(var_type=mip.BINARY) for _ in above]
-            model += mip.xsum(raised) >= 1
-            for k, r in zip(above, raised):
-                model += a[m][k] >= (box[k] + 1) * r
-    model.objective = mip.maximize(mip.xsum(x for xs in a.values() for x in xs))
-    status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
-    if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
-        return None, True
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        return None, False
-    return {m: tuple(round(x.x or 0) for x in xs) for m, xs in a.items()}, True
-
-
-def _pick(
-    level: float,
-    knowledge: Mapping[str, _Knowledge],
-    gpus: Mapping[str, int],
-    types: Sequence[str],
-    deadline: float,
-    new_model: Callable[[], Any],
-) -> dict[str, ModelPlan] | None:
-    """A plan at ``level`` from allocations already valued: one per model, within ``gpus``."""
-    import mip
-
-    columns = {}
-    for m, known in knowledge.items():
-        reaching = [a for a, v in known.valued.items() if v.lower >= level and v.plan is not None]
-        if not reaching:
-            return None
-        columns[m] = _minimal(reaching)
-    model = new_model()
-    model.verbose = 0
-    chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cs] for m, cs in columns.items()}
-    for m in columns:
-        model += mip.xsum(chosen[m]) == 1
-    for k, g in enumerate(types):
-        using = [(x, a[k]) for m, cs in columns.items() for x, a in zip(chosen[m], cs) if a[k]]
-        if using:  # HiGHS refuses a row without variables
-            model += mip.xsum(x * n for x, n in using) <= gpus[g]
-    status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        return None
-    picked = {}
-    for m, cs in columns.items():
-        a = next(a for x, a in zip(chosen[m], cs) if (x.x or 0) > 0.5)
-        plan = knowledge[m].valued[a].plan
-        assert plan is not None
-        picked[m] = plan
-    return picked
 
 
 def _minimal(allocations: Sequence[Allocation]) -> list[Allocation]:
