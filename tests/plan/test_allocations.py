@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 
 import pytest
@@ -102,33 +103,42 @@ def test_a_plan_in_hand_is_kept_when_nothing_beats_it():
     assert found.models is None and found.objective == optimum
 
 
-def test_many_models_get_a_bound_no_split_of_the_gpus_beats():
-    """Five models on 3 A + 2 B: make_plan's bound must hold against every split of the whole
-    GPUs, each model planned alone (to optimality) on its share."""
-    blocks = [
-        {("A", 1): [400, 900], ("A", 2): [700, 1500], ("B", 1): [900, 2500]},
-        {("A", 1): [800, 300], ("A", 2): [1400, 500], ("B", 1): [1000, 700]},
-        {("A", 1): [600, 600], ("B", 1): [700, 1800]},
-        {("A", 1): [300, 300], ("A", 2): [500, 520], ("B", 1): [2000, 400]},
-        {("A", 1): [500, 1000], ("B", 1): [600, 1100]},
-    ]
-    profiles = {f"m{i}": synthetic_profile(f"m{i}", b) for i, b in enumerate(blocks)}
-    gpus = {"A": 3, "B": 2}
+def test_six_models_on_six_gpus_get_the_optimum_of_whole_gpus():
+    """Six models share 3 A + 3 B, about a GPU each: the LP bound (476) is far above the optimum,
+    which the search over allocations must find and prove; the optimum is each model planned alone
+    (to optimality) on every share of the GPUs, the best split found by a DP over the models."""
+    rng = random.Random(1)
+    profiles = {}
+    for i in range(6):
+        blocks = {}
+        for gpu, speed in (("A", 1.0), ("B", 2.5)):
+            whole = [rng.uniform(200, 1200) * speed for _ in range(3)]
+            blocks[(gpu, 1)] = whole
+            blocks[(gpu, 2)] = [x * rng.uniform(1.6, 1.95) for x in whole]
+        profiles[f"m{i}"] = synthetic_profile(f"m{i}", blocks, max_batch=2)
+    gpus = {"A": 3, "B": 3}
     options = PlannerOptions(solver="cbc", batch_build_estimate=False, time_limit=20)
     plan = make_plan(profiles, gpus, options=options)
 
-    alone: dict[tuple[str, Allocation], float] = {}
+    shares = list(itertools.product(range(gpus["A"] + 1), range(gpus["B"] + 1)))
+    alone = {}
     for m, profile in profiles.items():
-        for a in itertools.product(range(gpus["A"] + 1), range(gpus["B"] + 1)):
+        for a in shares:
             share = {g: n for g, n in zip(gpus, a) if n}
             alone[(m, a)] = make_plan({m: profile}, share, options=options).objective if share else 0.0
-    splits = itertools.product(*[list(itertools.product(range(4), range(3)))] * len(profiles))
-    optimum = max(
-        min(alone[(m, a)] for m, a in zip(profiles, split))
-        for split in splits
-        if sum(a[0] for a in split) <= gpus["A"] and sum(a[1] for a in split) <= gpus["B"]
-    )
-    assert plan.objective <= optimum * (1 + 1e-6)
+    best: dict[Allocation, float] = {(0, 0): math.inf}  # GPUs used so far -> the best max-min of the models so far
+    for m in profiles:
+        following: dict[Allocation, float] = {}
+        for used, level in best.items():
+            for a in shares:
+                total = (used[0] + a[0], used[1] + a[1])
+                if total[0] <= gpus["A"] and total[1] <= gpus["B"]:
+                    following[total] = max(following.get(total, 0.0), min(level, alone[(m, a)]))
+        best = following
+    optimum = max(best.values())
+
     assert plan.bound is not None and plan.bound >= optimum * (1 - 1e-6)
+    assert optimum * (1 - options.gap) <= plan.objective <= optimum * (1 + 1e-6)
+    assert plan.solver["status"] == "optimal"
     used = plan.gpus_used()
     assert all(used.get(g, 0) <= n for g, n in gpus.items())
