@@ -38,7 +38,7 @@ def run_bench(
         paper_ratio[cluster.name] = cluster.paper_ratio
         case: dict[str, Any] = {"cluster": cluster.name, "group": group.name, "objective": {}, "seconds": {}, "cpu_seconds": {}}
         for strategy in STRATEGIES:
-            started, cpu_started = time.perf_counter(), _cpu_seconds()
+            started, cpu_started = time.perf_counter(), cpu_seconds()
             plan = make_plan(
                 profiles,
                 cluster.gpus,
@@ -47,7 +47,7 @@ def run_bench(
                 options=PlannerOptions(strategy=strategy, bw_gbps=cluster.bw_gbps, solver=solver, time_limit=time_limit),
             )
             case["seconds"][strategy] = time.perf_counter() - started
-            case["cpu_seconds"][strategy] = _cpu_seconds() - cpu_started
+            case["cpu_seconds"][strategy] = cpu_seconds() - cpu_started
             case["objective"][strategy] = plan.objective
             case.setdefault("solver", plan.solver["name"])
             case.setdefault("status", {})[strategy] = plan.solver["status"]
@@ -93,7 +93,7 @@ def bench_plan(profiles_dir, solver, time_limit, json_out) -> None:
     echo_json(figures, json_out)
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU time of this process, solver threads included."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime

@@ -40,7 +40,7 @@ class Share:
     pipelines: Pipelines
 
 
-class _Valuation:
+class Valuation:
     """One model's throughput on a given allocation, cached: the configurations as arrays over pools."""
 
     def __init__(self, configs: Sequence[Config], types: Sequence[str]):
@@ -139,7 +139,7 @@ def exchange_gpus(
     finds nothing better.
     """
     types = list(gpus)
-    values = {m: _Valuation(cs, types) for m, cs in configs.items()}
+    values = {m: Valuation(cs, types) for m, cs in configs.items()}
     for m, share in start.items():
         if share.throughput >= values[m](share.gpus).throughput:
             values[m].cache[share.gpus] = share
@@ -165,7 +165,7 @@ def exchange_gpus(
 
 def _polished(
     shares: dict[str, Share],
-    values: Mapping[str, _Valuation],
+    values: Mapping[str, Valuation],
     polish: Callable[[str, Allocation, float], Share | None],
     done: set[tuple[str, Allocation]],
     weights: Mapping[str, float],
@@ -187,7 +187,7 @@ def _polished(
 def _best_move(
     worst: str,
     shares: Mapping[str, Share],
-    values: Mapping[str, _Valuation],
+    values: Mapping[str, Valuation],
     weights: Mapping[str, float],
     free: np.ndarray,
     bundles: Sequence[tuple[int, ...]],
@@ -213,7 +213,7 @@ def _donors(
     worst: str,
     bundle: tuple[int, ...],
     shares: Mapping[str, Share],
-    values: Mapping[str, _Valuation],
+    values: Mapping[str, Valuation],
     weights: Mapping[str, float],
     free: np.ndarray,
     level: float,

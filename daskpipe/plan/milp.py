@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from daskpipe.mipmodels import mip_model
+from daskpipe.plan.allocations import Allocation, Valued, search_levels
 from daskpipe.plan.configs import Budget, Config, enumerate_configs, pool_order, resources_of
-from daskpipe.plan.exchange import Share, exchange_gpus
+from daskpipe.plan.exchange import Share, Valuation, exchange_gpus
 from daskpipe.plan.options import COLOCATION_STRATEGIES, PlannerOptions, check_positive
 from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan, PlanError, relative_gap
 from daskpipe.profiles.model import Profile
@@ -327,8 +328,9 @@ trade a visible share of the minimum for it, large enough for the solver to use 
 SHORTLIST_SIZE = 12
 """Configurations per model in the shortlist MILP: the cheapest at the LP's GPU prices."""
 
-SHORTLIST_SHARE = 0.3
-"""Share of the time left that the shortlist MILP may take; the search over levels and the full MILP get the rest."""
+SHORTLIST_SHARE = 0.08
+"""Share of the time left that the shortlist MILP may take: its plans help on large fleets (10 models
+on 1000 GPUs: 3947.7 with it, 3931.2 without), but the searches after it need the time more."""
 
 SMALL_MILP = 400
 """Configurations (all models together) up to which the full MILP is tried before the level search:
@@ -337,8 +339,20 @@ PPipe's 3-model clusters of two GPU types have at most 200 (G1 on HC4), and CBC 
 FULL_FIRST_SHARE = 0.25
 """Share of the time left after the shortlist that a small full MILP takes first."""
 
-LEVEL_SHARE = 0.7
+LEVEL_SHARE = 0.95
 """Share of the time left then that the search over levels may take; the full MILP gets the rest."""
+
+LAST_FULL_SHARE = 0.75
+"""Share of the time left that the last full MILP takes: CBC stops up to 0.8 s past its limit on
+these (four types on 40 GPUs: 10.1-10.2 s with the whole rest of a 10 s limit)."""
+
+FEW_MODELS = 3
+"""Up to this many models (PPipe's groups) the search over levels with one priced MILP per model
+(:func:`_search_levels`) proves plans that the search over allocations does not (3 partitions on
+40 GPUs: 0.36% against 0.7-1.8%); with more, the search over allocations finds better plans."""
+
+FEW_MODELS_LEVEL_SHARE = 0.7
+"""Share of the time left that :func:`_search_levels` may take; the full MILP gets the rest."""
 
 
 def _size_pools(
@@ -349,10 +363,11 @@ def _size_pools(
     The only coupling between models is the GPU count per type, and on large fleets the MILP over
     every configuration proves little in seconds. So: the LP relaxation gives a bound and, through
     the duals of the GPU counts, a price per GPU type; water-filling at those prices gives a first
-    plan, and a MILP over each model's cheapest configurations (plus those of ``start``) a better
-    one; :func:`_search_levels` then bisects on the max-min level with one small MILP per model,
-    tightening both the plan and the bound; the full MILP, started from the best plan so far, uses
-    the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
+    plan, a MILP over each model's cheapest configurations (plus those of ``start``) and the GPU
+    exchange better ones; a search over levels then tightens both the plan and the bound (with up
+    to :data:`FEW_MODELS` models :func:`_search_levels`, one priced MILP per model; with more,
+    :func:`_search_allocations` over whole GPUs per model); the full MILP, started from the best
+    plan so far, uses the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
     is never bettered by a worse plan.
     """
     tolerance = spec.options.gap
@@ -370,9 +385,12 @@ def _size_pools(
     if not _proven(best, bound, tolerance) and sum(map(len, configs.values())) <= SMALL_MILP:
         best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
     if not _proven(best, bound, tolerance) and len(configs) > 1:
-        best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, LEVEL_SHARE))
+        if len(configs) > FEW_MODELS:
+            best, bound = _search_allocations(spec, configs, gpus, full, best, bound, _share_of(deadline, LEVEL_SHARE))
+        else:
+            best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, FEW_MODELS_LEVEL_SHARE))
     if not _proven(best, bound, tolerance):
-        best, bound = _solve_full(spec, full, best, bound, deadline)
+        best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, LAST_FULL_SHARE))
     bound = max(bound, best.objective)
     status = "optimal" if _proven(best, bound, tolerance) else "feasible"
     return replace(best, bound=bound, solver={"name": full.solver_name, "status": status})
@@ -551,6 +569,110 @@ class _Covers:
             return None
         models = tuple(next(plan for b, (plan, _) in zip(chosen[m], cols) if (b.x or 0) > 0.5) for m, cols in self.columns.items())
         return _Solved(min(mp.throughput / self.spec.weights[mp.name] for mp in models), models, {})
+
+
+def _search_allocations(
+    spec: _Spec,
+    configs: Mapping[str, Sequence[Config]],
+    gpus: Mapping[str, int],
+    full: _PoolSizing,
+    best: _Solved,
+    bound: float,
+    deadline: float,
+) -> tuple[_Solved, float]:
+    """:func:`~daskpipe.plan.allocations.search_levels` between ``best`` and ``bound``, each model
+    valued by the greedy of the GPU exchange and its own pool-sizing MILP; its master's cuts start
+    at the LP's GPUs per model rounded down and up, and at the whole inventory."""
+    types = list(gpus)
+    oracles = {m: _ModelOracle(spec, m, cs, gpus) for m, cs in configs.items()}
+    starts = {}
+    for m in configs:
+        relaxed = [full.relaxed_gpus[m].get(g, 0.0) for g in types]
+        starts[m] = [
+            tuple(math.floor(x + 1e-6) for x in relaxed),
+            tuple(min(math.ceil(x - 1e-6), gpus[g]) for x, g in zip(relaxed, types)),
+            tuple(gpus[g] for g in types),
+        ]
+    held = {mp.name: (tuple(_physical_gpus(mp).get(g, 0) for g in types), mp) for mp in best.models}
+    found = search_levels(
+        oracles,
+        gpus,
+        starts,
+        held,
+        objective=best.objective,
+        bound=bound,
+        tolerance=spec.options.gap,
+        deadline=deadline,
+        new_model=_master_model,
+    )
+    if found.models is not None and found.objective > best.objective:
+        best = _Solved(found.objective, tuple(found.models[m] for m in configs), {})
+    return best, min(bound, found.bound)
+
+
+RELAXED_SECONDS = 10.0
+"""Time limit of one model's LP relaxation (milliseconds as a rule); one that hits it gives no cut."""
+
+
+def _master_model() -> Any:
+    """The masters of the level search run on HiGHS where it is usable: CBC took 2 s a master
+    (feasibility over whole GPUs per model) where HiGHS takes 0.01-0.15 s (20 models, 100 GPUs)."""
+    try:
+        return new_model("highs")
+    except PlanError:
+        return new_model("cbc")
+
+
+class _ModelOracle:
+    """One model's pool-sizing MILP on a given allocation (its GPU rows' right-hand sides), for
+    :func:`~daskpipe.plan.allocations.search_levels`; values are throughput / weight."""
+
+    def __init__(self, spec: _Spec, model: str, configs: Sequence[Config], gpus: Mapping[str, int]):
+        import mip
+
+        self.spec, self.name, self.types = spec, model, list(gpus)
+        self.sizing = _PoolSizing(spec, {model: configs}, gpus)
+        self.sizing.model.objective = mip.maximize(self.sizing.z)
+        self.sizing.model.max_mip_gap = 1e-6
+        self.valuation = Valuation(configs, self.types)
+
+    def _allot(self, gpus: Allocation) -> None:
+        for g, n in zip(self.types, gpus):
+            self.sizing.gpu_rows[g].rhs = n
+
+    def relaxed(self, gpus: Allocation) -> tuple[float, tuple[float, ...]] | None:
+        import mip
+
+        self._allot(gpus)
+        with _c_stdout_silenced() if self.sizing.solver_name == "CBC" else nullcontext():
+            # a time limit left from an earlier MILP solve would cut the LP short: give it its own
+            status = self.sizing.model.optimize(relax=True, max_seconds=RELAXED_SECONDS)
+        if status != mip.OptimizationStatus.OPTIMAL:
+            return None
+        duals = tuple(max(float(self.sizing.gpu_rows[g].pi or 0.0), 0.0) for g in self.types)
+        return float(self.sizing.model.objective_value), duals
+
+    def greedy(self, gpus: Allocation) -> Valued:
+        share = self.valuation(gpus)
+        plan = _model_plan(self.spec, self.name, [_pipeline(c, n) for c, n in share.pipelines])
+        return Valued(share.throughput / self.spec.weights[self.name], math.inf, plan)
+
+    def exact(self, gpus: Allocation, seconds: float) -> Valued:
+        import mip
+
+        self._allot(gpus)
+        quick = self.greedy(gpus).plan
+        if quick is not None and quick.pipelines:  # a start gives CBC a bound to prune with at once
+            self.sizing.model.start = self.sizing.start_from(_Solved(quick.throughput / quick.weight, (quick,), {}))
+        status = self.sizing.model.optimize(max_seconds=seconds)
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return Valued(0.0, math.inf, None)  # z = 0 is always feasible: out of time, and no bound to trust
+        upper = float(self.sizing.model.objective_bound) * (1 + 1e-9)
+        if not math.isfinite(upper):
+            upper = math.inf
+        cs = self.sizing.configs[self.name]
+        plan = _model_plan(self.spec, self.name, [_pipeline(c, n) for c, n in zip(cs, self.sizing.sizes(self.name)) if min(n) > 0])
+        return Valued(plan.throughput / self.spec.weights[self.name], max(upper, plan.throughput / self.spec.weights[self.name]), plan)
 
 
 def _proven(plan: _Solved, bound: float, tolerance: float) -> bool:

@@ -22,3 +22,4 @@ def test_bench_planning_reports_time_objective_bound_and_gap(ppipe_dir, tmp_path
     (case,) = json.loads(out.read_text())["cases"]
     assert case["case"] == "ppipe-40" and case["seconds"] <= case["time_limit"] + 5
     assert case["bound"] >= case["objective"] > 0 and case["gap"] <= 0.005 and case["status"] == "optimal"
+    assert 0 < case["cpu_seconds"]
