@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,12 +116,13 @@ def test_the_scheduler_refuses_inputs_that_bypass_the_client_and_serves_the_rest
         )  # every outcome accounted for
 
 
-MALFORMED_FIELDS = {
-    "start_block must be an integer": {"start_block": {"a": 1}},
-    "inputs must be a list, got NoneType": {"inputs": None},
-    "sizes must be a list, got int": {"sizes": 3},
-    "the model must be a name": {"model": 7},
-    "unknown fields": {"priority": "high"},
+MALFORMED_FIELDS = {  # what the error says: the field, and what it was given
+    "Expected `int`, got `object` - at `$.start_block`": {"start_block": {"a": 1}},
+    "start_block must be an integer >= 0, got -1": {"start_block": -1},
+    "Expected `array`, got `null` - at `$.inputs`": {"inputs": None},
+    "Expected `array`, got `int` - at `$.sizes`": {"sizes": 3},
+    "Expected `str`, got `int` - at `$.model`": {"model": 7},
+    "Object contains unknown field `priority`": {"priority": "high"},
     "sent_at must be a finite wall-clock time": {"sent_at": float("nan")},
     "2 keys and 1 sizes": {"sizes": [1]},
 }
@@ -143,7 +145,7 @@ def test_a_submission_with_a_malformed_field_errs_every_one_of_its_futures_at_on
         }
         svc._stream.send(message)
         for future in futures:
-            with pytest.raises(InvalidRequest, match=f"malformed submission.*{problem}"):
+            with pytest.raises(InvalidRequest, match=f"malformed submission.*{re.escape(problem)}"):
                 future.result(timeout=10)
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == (1, 10)  # the stream still serves
 

@@ -30,6 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
+import msgspec
 from distributed import Client, Future
 from distributed.client import FutureState
 from distributed.comm import CommClosedError
@@ -39,6 +40,7 @@ from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.tensors import unwire_output
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import inline_input_bytes, wire_input
+from daskpipe.runtime.wire.messages import Fetch, Inputs, Submission
 from daskpipe.runtime.wire.streams import ImmediateSend, open_comm
 
 logger = logging.getLogger(__name__)
@@ -299,12 +301,8 @@ class ClientStream:
         if self._held_since_sweep >= SWEEP_HELD:
             self._sweep_held()
         entries.extend(wire_input(raw) for raw in inputs[len(entries) :])
-        message: dict[str, Any] = {"op": messages.SUBMIT, "model": model, "keys": keys, "inputs": entries, "sizes": sizes}
-        if sent_at is not None:
-            message["sent_at"] = sent_at
-        if start_block:
-            message["start_block"] = start_block
-        self.send(message)
+        submission = Submission(model=model, keys=keys, inputs=entries, sizes=sizes, start_block=start_block, sent_at=sent_at)
+        self.send({"op": messages.SUBMIT, **msgspec.structs.asdict(submission)})
 
     def _sweep_held(self) -> None:
         """Drop the inputs of requests this client no longer holds a future of."""
@@ -382,17 +380,23 @@ class ClientStream:
         except Exception:
             logger.exception("daskpipe: a daskpipe stream to this client failed; futures still finish through Dask's report stream")
 
-    def hand_over(self, worker: str, fetch: dict) -> None:
+    def hand_over(self, worker: str, fetch: Fetch) -> None:
         """Send ``worker`` the inputs its first stage fetches; ``None`` for one this client no
         longer holds (its request ended, or its future was let go)."""
         stream = self._to_workers.get(worker)
         if stream is None:
             return
         held = self.held
-        inputs = [wire_input(held.get(key)) for key in fetch["keys"]]
-        reply = {"op": messages.INPUTS, "client": self.client.id, "model": fetch["model"], "dispatch": fetch["dispatch"]}
+        reply: Inputs = {
+            "op": messages.INPUTS,
+            "client": self.client.id,
+            "model": fetch["model"],
+            "dispatch": fetch["dispatch"],
+            "keys": fetch["keys"],
+            "inputs": [wire_input(held.get(key)) for key in fetch["keys"]],
+        }
         try:
-            stream.send({**reply, "keys": fetch["keys"], "inputs": inputs})
+            stream.send(reply)
         except CommClosedError:  # the worker is gone: the scheduler retries its batch elsewhere
             pass
 

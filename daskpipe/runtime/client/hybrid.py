@@ -35,7 +35,7 @@ from daskpipe.runtime.client.service import InputSpec, Service, awaitable_with_a
 from daskpipe.runtime.deploying.deployment import StageLaunch, pickle_blocks, release, start_stages
 from daskpipe.runtime.deploying.placement import FreeSlots
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import BatchHeader, WorkerSlot
 from daskpipe.runtime.worker.stage import FEATURE_MAP_DTYPE, Stage, decode_inputs, keep_running
 
 RECENT_CALLS = 256
@@ -174,7 +174,7 @@ class SharedStage(Stage):
         super().__init__(model, partition, modules, max_batch=max_batch, **kwargs)
         self.max_batch = max_batch
         self._latency_s = tuple(float(t) for t in latency_s)
-        self._waiting: deque[tuple[dict[str, Any], Any, float | None]] = deque()
+        self._waiting: deque[tuple[BatchHeader, Any, float | None]] = deque()
         self._draining = False
         self.merged_calls = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CALLS)
@@ -182,7 +182,7 @@ class SharedStage(Stage):
     def info(self) -> dict[str, Any]:
         return {**super().info(), "max_batch": self.max_batch, "merged_calls": self.merged_calls, "recent": list(self.recent)}
 
-    def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
+    def run(self, batch: BatchHeader, data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         self._waiting.append((batch, data, received_at))
         if self._draining:  # the running drain takes it with the next merged call
             return
@@ -196,7 +196,7 @@ class SharedStage(Stage):
         finally:
             self._draining = False
 
-    def _take(self) -> list[tuple[dict[str, Any], Any, float | None]]:
+    def _take(self) -> list[tuple[BatchHeader, Any, float | None]]:
         group = [self._waiting.popleft()]
         samples = sum(group[0][0]["sizes"])
         while self._waiting and samples + sum(self._waiting[0][0]["sizes"]) <= self.max_batch:
@@ -204,7 +204,7 @@ class SharedStage(Stage):
             group.append(self._waiting.popleft())
         return group
 
-    async def _run_merged(self, group: list[tuple[dict[str, Any], Any, float | None]]) -> None:
+    async def _run_merged(self, group: list[tuple[BatchHeader, Any, float | None]]) -> None:
         counts = [sum(batch["sizes"]) for batch, _, _ in group]
         try:
             merged = torch.cat([self._as_tensor(data) for _, data, _ in group])

@@ -24,6 +24,7 @@ from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import HeldInput
+from daskpipe.runtime.wire.messages import BatchHeader, Hop
 from daskpipe.sched.api import Dispatch, Feedback
 
 
@@ -239,7 +240,7 @@ class Batches:
             failure = RequestFailed(f"the dispatcher of {model!r} dispatched {exc}", cause=exc)
             ledger.end(keys, Failed(failure))
             return
-        route: list[dict[str, Any]] = [
+        route: list[Hop] = [
             {
                 "address": hop.slot,
                 "stage": ledger.stages[(action.pipeline, hop.partition, hop.slot)],
@@ -296,7 +297,8 @@ class Batches:
             self.next_ids[model] = dispatch + 1
         latest = self.watch.watch_batch(ledger, model, dispatch, flight)
         retries = flight.retries
-        batch = {
+        batch: BatchHeader = {
+            "op": messages.BATCH,
             "model": model,
             "dispatch": dispatch,
             "keys": flight.keys,
@@ -319,10 +321,13 @@ class Batches:
                 inputs.append(payload)
             for client in fetch:
                 self.links.reach(client, [first])
-            self.links.to_worker(first, {"op": messages.BATCH, **batch, "inputs": inputs, **({"fetch": fetch} if fetch else {})})
+            batch["inputs"] = inputs
+            if fetch:
+                batch["fetch"] = fetch
+            self.links.to_worker(first, batch)
             return
         parts: dict[str, list] = {}
         for key, source in zip(flight.keys, flight.sources):
             parts.setdefault(source, []).append(key)
         for source, take in parts.items():  # each sends its part to the first stage, which gathers them
-            self.links.to_worker(source, {"op": messages.FORWARD, **batch, "take": take})
+            self.links.to_worker(source, {**batch, "op": messages.FORWARD, "take": take})

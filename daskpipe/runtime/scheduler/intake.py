@@ -26,7 +26,7 @@ from daskpipe.runtime.scheduler.ledger import Endings, Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire.inputs import HeldInput, held_count
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import MalformedSubmission, WorkerSlot, read_submission
 from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
@@ -161,25 +161,6 @@ def is_key(key: Any) -> bool:
     return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
 
 
-def malformed(model: Any, keys: Sequence, inputs: Any, sizes: Any, start_block: Any, sent_at: Any, unknown: dict) -> str | None:
-    """What is wrong with a submission message as a whole, or ``None``; requests are checked one
-    by one later (``Ledger.refusal``)."""
-    if unknown:
-        return f"unknown fields {sorted(unknown)}"
-    if not isinstance(model, str):
-        return f"the model must be a name, got {type(model).__name__}"
-    if type(start_block) is not int or start_block < 0:
-        return f"start_block must be an integer >= 0, got {start_block!r}"
-    if sent_at is not None and (type(sent_at) not in (int, float) or not math.isfinite(sent_at)):
-        return f"sent_at must be a finite wall-clock time in seconds, got {sent_at!r}"
-    for name, values in (("inputs", inputs), ("sizes", sizes)):
-        if not isinstance(values, (list, tuple)):  # msgpack reads lists as tuples
-            return f"{name} must be a list, got {type(values).__name__}"
-        if len(values) != len(keys):
-            return f"{len(keys)} keys and {len(values)} {name}"
-    return None
-
-
 def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
     """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
     if k == 1.0:
@@ -305,18 +286,9 @@ class Intake:
         self.links = links
         self.send_clocks = SendClocks()
 
-    async def on_submit(
-        self,
-        client: str,
-        model: Any = None,
-        keys: Any = None,
-        inputs: Any = None,
-        sizes: Any = None,
-        start_block: Any = 0,
-        sent_at: Any = None,
-        **unknown: Any,
-    ) -> None:
-        """New requests from ``client``: make their keys, queue them, step the dispatcher.
+    async def on_submit(self, client: str, **fields: Any) -> None:
+        """New requests from ``client`` (a SUBMIT message's ``fields``: :class:`~daskpipe.runtime.wire.messages.Submission`):
+        make their keys, queue them, step the dispatcher.
 
         ``start_block`` > 0: hybrid requests entering mid-model, each with its entry's budget.
         ``sent_at``: the client's wall clock when the caller handed the requests over; their
@@ -326,29 +298,45 @@ class Intake:
         refused whole :data:`REFUSAL_SLICE` keys at a time), the event loop running whatever
         waits between two slices, whatever the message's size."""
         try:
+            keys = fields.get("keys")
             if not isinstance(keys, (list, tuple)):
                 logger.warning("daskpipe: client %s sent a submission without a list of keys (%s); ignored", client, type(keys).__name__)
                 return
-            problem = malformed(model, keys, inputs, sizes, start_block, sent_at, unknown)
-            ledger = self.models.ledgers.get(model) if problem is None else None
-            if problem is None and ledger is not None and not ledger.closing and start_block not in ledger.budgets:
+            model = fields.get("model")
+            problem: str | None = None
+            try:
+                submission = read_submission(fields)
+            except MalformedSubmission as exc:
+                problem = str(exc)
+            ledger = self.models.ledgers.get(submission.model) if problem is None else None
+            if problem is None and ledger is not None and not ledger.closing and submission.start_block not in ledger.budgets:
                 problem = (
-                    f"model {model!r} takes no requests entering at block {start_block!r}; its plan has entries at {sorted(ledger.budgets)}"
+                    f"model {model!r} takes no requests entering at block {submission.start_block!r}; its plan has entries at "
+                    f"{sorted(ledger.budgets)}"
                 )
             read_at = time.monotonic()
             arrival = read_at
             if problem is None and ledger is not None:
-                delay = self.send_clocks.delay(client, sent_at, read_at)
+                delay = self.send_clocks.delay(client, submission.sent_at, read_at)
                 ledger.control.record_send(delay, len(keys))
                 arrival -= delay
             first = 0
             while first < len(keys):
                 if first:
                     await asyncio.sleep(0)
-                    ledger = self.models.ledgers.get(model) if problem is None else None  # it may have closed meanwhile
+                    ledger = self.models.ledgers.get(submission.model) if problem is None else None  # it may have closed meanwhile
                 if problem is None and ledger is not None and not ledger.closing:
                     stop = first + SUBMIT_SLICE
-                    self._submit_slice(client, model, ledger, keys[first:stop], inputs[first:stop], sizes[first:stop], start_block, arrival)
+                    self._submit_slice(
+                        client,
+                        submission.model,
+                        ledger,
+                        keys[first:stop],
+                        submission.inputs[first:stop],
+                        submission.sizes[first:stop],
+                        submission.start_block,
+                        arrival,
+                    )
                 else:
                     stop = first + REFUSAL_SLICE
                     refusal = (

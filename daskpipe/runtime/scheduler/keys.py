@@ -24,6 +24,7 @@ from distributed.protocol import Serialized, serialize
 
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import Resolved
 from daskpipe.runtime.wire.streams import ImmediateSend
 
 REPORT_DELAY_S = 0.1
@@ -73,7 +74,7 @@ def resolve(
         if client not in told:
             per_client[client] = [keys[i] for i in indices]
     for client, wanted in per_client.items():
-        message: dict[str, Any] = {"op": messages.RESOLVED, "keys": wanted, "worker": worker}
+        message: Resolved = {"op": messages.RESOLVED, "keys": wanted, "worker": worker}
         if outputs is not None:
             message["outputs"] = [outputs[key] for key in wanted]
         try:

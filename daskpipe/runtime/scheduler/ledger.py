@@ -32,7 +32,7 @@ from daskpipe.runtime.scheduler.gray import GrayPolicy, SlowSlots, Suspect
 from daskpipe.runtime.scheduler.keys import err_key, err_keys, serialized
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.inputs import input_nbytes
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import Hop, WorkerSlot
 from daskpipe.sched.api import Dispatcher, Request
 from daskpipe.sched.durations import BatchDurations
 from daskpipe.sched.metrics import ServiceMetrics
@@ -57,7 +57,7 @@ class Flight:
     )  # per hop: (partition, planned start, planned transfer s); none for an isolation batch
     ran: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> actual compute (start, end), scheduler clock
     slot_free: dict[int, float] = field(default_factory=dict)  # partition -> when its slot ended the batch before this one
-    route: list[dict[str, Any]] = field(default_factory=list)  # as sent: where each hop runs
+    route: list[Hop] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed or stalled batch, retried apart (poison and hang isolation)
     stalled_on: str = ""  # a request of a batch that stalled on this worker, re-dispatched alone (hang isolation)

@@ -74,7 +74,7 @@ class Links:
             if address in live:
                 self.to_worker(address, {"op": messages.CLIENT_GONE, "client": client})
 
-    def to_worker(self, address: str, message: dict) -> None:
+    def to_worker(self, address: str, message: Mapping[str, Any]) -> None:
         """``message`` to ``address``'s worker on the scheduler's streams (opened at start)."""
         assert self.to_workers is not None, "the scheduler's streams are open (the plugin has started)"
         self.to_workers.send(address, message)

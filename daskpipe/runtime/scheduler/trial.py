@@ -24,6 +24,7 @@ import numpy as np
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import MARGIN_QUANTILE, MAX_SHARE, MIN_BATCHES, MIN_MARGIN_S
 from daskpipe.runtime.scheduler.ledger import Flight, Ledger
+from daskpipe.runtime.wire.messages import Hop
 from daskpipe.sched.api import Request
 
 TRIAL_BATCHES = 400
@@ -93,7 +94,7 @@ async def trial_control_path(ledger: Ledger, model: str, batches: Batches, ids: 
 def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int) -> Flight:
     """Trial batch ``index``: one zero sample along ``pipeline``, the ``index``-th slot of each pool."""
     now = time.monotonic()
-    route: list[dict[str, Any]] = []
+    route: list[Hop] = []
     planned, spans = [], []
     for partition in range(ledger.durations.partitions(pipeline)):
         slots = sorted(a for (p, q, a) in ledger.stages if (p, q) == (pipeline, partition))

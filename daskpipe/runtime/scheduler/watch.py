@@ -23,6 +23,7 @@ from daskpipe.runtime.scheduler.ledger import Dropped, Failed, Flight, Ledger
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import Hop
 from daskpipe.sched.api import Request, Slot
 
 logger = logging.getLogger(__name__)
@@ -368,14 +369,13 @@ class GrayWatch:
         ]
 
     @staticmethod
-    def _route(
-        ledger: Ledger, flight: Flight, lanes_by_hop: list[list[str]], lane: int, samples: int
-    ) -> tuple[list[dict[str, Any]], list[float]]:
+    def _route(ledger: Ledger, flight: Flight, lanes_by_hop: list[list[str]], lane: int, samples: int) -> tuple[list[Hop], list[float]]:
         """``flight``'s route for a part of ``samples`` on lane ``lane`` (of each hop's slots), and
         its hops' compute seconds (what an emulated slot holds)."""
         pipeline = flight.pipeline
         samples = min(samples, ledger.model.pipelines[pipeline].batch_size)
-        route, spans = [], []
+        route: list[Hop] = []
+        spans: list[float] = []
         for hop, slots in zip(flight.route, lanes_by_hop):
             address = slots[lane % len(slots)]
             span = ledger.durations.compute_s(pipeline, hop["partition"], samples)

@@ -34,8 +34,11 @@ itself: the scheduler is off the way in and the way back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping, TypedDict
+
+import msgspec
 
 # client -> scheduler, over the client's batched stream
 SUBMIT = "daskpipe-submit"
@@ -83,6 +86,139 @@ ADD_MODEL = "daskpipe_add_model"
 REMOVE_MODEL = "daskpipe_remove_model"
 UPDATE_MODEL = "daskpipe_update_model"
 RETIRE_MODEL = "daskpipe_retire_model"  # an updated model's old version, once the service sends to the new one
+
+
+# -- the messages' shapes -----------------------------------------------------------------------
+# Each stream message is a dict whose ``op`` names its kind (above); these say what else it holds.
+# They cost nothing on the way (a TypedDict is a dict), and mypy checks every place that builds one.
+# The one message that comes from outside the cluster's trust, a client's submission, is also
+# checked on arrival, with msgspec (:func:`read_submission`).
+Key = Any
+"""A request's Dask key (a string, or a tuple of strings and numbers)."""
+
+
+class Hop(TypedDict, total=False):
+    """One stage of a batch's route: where it runs, its actor, its partition, the emulated hold;
+    ``park``: the last stage of a staged batch keeps its output for the next dispatch."""
+
+    address: str
+    stage: str
+    partition: int
+    hold_s: float
+    park: bool
+
+
+class BatchHeader(TypedDict, total=False):
+    """What every hop of a batch carries (BATCH, scheduler -> first stage and stage -> stage; FORWARD)."""
+
+    op: str
+    model: str
+    dispatch: int
+    keys: list[Key]
+    sizes: list[int]
+    route: list[Hop]
+    expires: float  # the requests' late limit, wall clock
+    clients: dict[str, list[int]]  # client id -> the indices of its keys: who the last stage tells
+    inputs: list[Any]  # first stage: each request's raw input, or None where ``fetch`` names its client
+    fetch: dict[str, list[int]]  # first stage: client id -> the indices of the inputs to fetch from it
+    data: Any  # a later stage: the feature map (a packed tensor or a Dask frame)
+    sent_at: float  # a later stage: when the previous one sent it, wall clock
+    part: list[Key]  # a later stage gathering a staged batch: the keys of this part
+    take: list[Key]  # FORWARD: the keys whose parked data the worker sends on
+
+
+class Timings(TypedDict):
+    """A stage's report of a batch (FEEDBACK): ``[partition, "compute" | "transfer", start, end]`` rows."""
+
+    op: str
+    model: str
+    dispatch: int
+    timings: list[list[Any]]
+    overrun: bool
+
+
+class Done(Timings, total=False):
+    """A last stage's report (DONE): its outputs are out; ``outputs`` (packed) for the clients it did
+    not tell (``told``); ``written_s``: from the outputs being ready to this message's write."""
+
+    keys: list[Key]
+    nbytes: list[int]
+    told: list[str]
+    outputs: list[Any]
+    written_s: float
+
+
+class Ended(TypedDict, total=False):
+    """Requests of a batch that ended at a stage: FAILED (``exception``), EXPIRED, UNFETCHED (``reason``, ``detail``)."""
+
+    op: str
+    model: str
+    dispatch: int
+    keys: list[Key]
+    exception: Any
+    reason: str
+    detail: str
+
+
+class Resolved(TypedDict, total=False):
+    """Futures that finished (RESOLVED, to a client): their outputs when they came along; ``worker``:
+    the last stage's, which the client opens a stream to."""
+
+    op: str
+    keys: list[Key]
+    outputs: list[Any]
+    worker: str
+
+
+class Fetch(TypedDict):
+    """A first stage asking a client for inputs it holds (FETCH)."""
+
+    op: str
+    model: str
+    dispatch: int
+    keys: list[Key]
+
+
+class Inputs(Fetch):
+    """A client's answer to a FETCH (INPUTS): each input's raw bytes, ``None`` where it holds none."""
+
+    client: str
+    inputs: list[Any]
+
+
+class Submission(msgspec.Struct, forbid_unknown_fields=True):
+    """A client's SUBMIT: requests of ``model``, each a key, its raw input (bytes, a frame, or the
+    byte count of an input the client holds) and its samples; ``start_block`` > 0 enters mid-model
+    (hybrid); ``sent_at``: the client's wall clock when the caller handed them over."""
+
+    model: str
+    keys: list[Any]
+    inputs: list[Any]
+    sizes: list[Any]  # each checked with its request (``Ledger.refusal``): one bad size refuses one request
+    start_block: int = 0
+    sent_at: float | None = None
+
+
+class MalformedSubmission(ValueError):
+    """A SUBMIT message that is wrong as a whole: every one of its requests is refused with this."""
+
+
+def read_submission(fields: Mapping[str, Any]) -> Submission:
+    """``fields`` (a SUBMIT message less its ``op``) as a :class:`Submission`, or
+    :class:`MalformedSubmission` saying what is wrong (msgspec's words: the field and what it got)."""
+    try:
+        submission = msgspec.convert(dict(fields), Submission, strict=True)
+    except msgspec.ValidationError as exc:
+        raise MalformedSubmission(str(exc)) from None
+    if submission.start_block < 0:
+        raise MalformedSubmission(f"start_block must be an integer >= 0, got {submission.start_block!r}")
+    if submission.sent_at is not None and not math.isfinite(submission.sent_at):
+        raise MalformedSubmission(f"sent_at must be a finite wall-clock time in seconds, got {submission.sent_at!r}")
+    for name, values in (("inputs", submission.inputs), ("sizes", submission.sizes)):
+        if len(values) != len(submission.keys):
+            raise MalformedSubmission(f"{len(submission.keys)} keys and {len(values)} {name}")
+    return submission
+
 
 # Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker/slots.py)
 SLOT_RESOURCE = "daskpipe.slot"

@@ -194,7 +194,7 @@ class Streams:
         self._streams: dict[str, ImmediateSend] = {}
         self._opening: dict[str, asyncio.Task] = {}
 
-    def send(self, address: str, message: dict) -> None:
+    def send(self, address: str, message: Mapping[str, Any]) -> None:
         self._stream(address).send(message)
 
     def open(self, address: str) -> asyncio.Task | None:

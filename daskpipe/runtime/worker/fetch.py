@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from distributed.comm import CommClosedError
 
 from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import BatchHeader, Ended, Fetch
 from daskpipe.runtime.wire.streams import ImmediateSend
 
 logger = logging.getLogger(__name__)
@@ -35,14 +36,14 @@ LATE = "deadline"
 class PendingBatch:
     """A batch waiting for the inputs its first stage fetches."""
 
-    batch: dict[str, Any]
+    batch: BatchHeader
     inputs: list[Any]  # per request: its raw bytes, None until fetched
     waiting: dict[str, list[int]]  # client -> the indices it has not answered yet
     lost: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (reason, detail) of an input that cannot be had
     timer: asyncio.TimerHandle | None = None
 
 
-def subset(batch: dict[str, Any], indices: Sequence[int]) -> dict[str, Any]:
+def subset(batch: BatchHeader, indices: Sequence[int]) -> BatchHeader:
     """``batch`` for its requests at ``indices`` only: keys, sizes and the clients' indices renumbered."""
     renumber = {old: new for new, old in enumerate(indices)}
     clients = {c: [renumber[i] for i in wanted if i in renumber] for c, wanted in (batch.get("clients") or {}).items()}
@@ -65,17 +66,17 @@ class InputFetches:
         self,
         address: str,
         clients: dict[str, ImmediateSend],
-        run: Callable[[dict[str, Any], list[Any]], None],
-        report: Callable[[dict[str, Any]], None],
+        run: Callable[[BatchHeader, list[Any]], None],
+        report: Callable[[Ended], None],
     ) -> None:
         self.address = address
         self.clients = clients
         self.run = run
         self.report = report
         self.pending: dict[tuple[str, int], PendingBatch] = {}
-        self.asks: dict[str, list[dict[str, Any]]] = {}  # client -> FETCH messages waiting for its stream to open
+        self.asks: dict[str, list[Fetch]] = {}  # client -> FETCH messages waiting for its stream to open
 
-    def start(self, batch: dict[str, Any], inputs: Sequence[Any], fetch: dict[str, list[int]]) -> None:
+    def start(self, batch: BatchHeader, inputs: Sequence[Any], fetch: dict[str, list[int]]) -> None:
         """Ask each client of ``fetch`` for its inputs of ``batch``; ``inputs`` has the ones that came along."""
         key = (batch["model"], batch["dispatch"])
         pending = self.pending[key] = PendingBatch(batch, list(inputs), {client: list(indices) for client, indices in fetch.items()})
@@ -83,7 +84,8 @@ class InputFetches:
         if expires is not None:
             pending.timer = asyncio.get_running_loop().call_later(max(0.0, expires - time.time()), self._expire, key)
         for client, indices in fetch.items():
-            self._ask(client, {"op": messages.FETCH, "model": key[0], "dispatch": key[1], "keys": [batch["keys"][i] for i in indices]})
+            ask: Fetch = {"op": messages.FETCH, "model": key[0], "dispatch": key[1], "keys": [batch["keys"][i] for i in indices]}
+            self._ask(client, ask)
 
     def on_inputs(self, client: str, model: str, dispatch: int, keys: Sequence[Any], inputs: Sequence[Any]) -> None:
         """``client`` answered a fetch: the inputs of ``keys``, ``None`` for one it no longer holds."""
@@ -119,7 +121,7 @@ class InputFetches:
                     pending.lost[index] = (CLIENT_GONE, f"client {client} left before worker {self.address} fetched its input")
                 self._finish_if_complete(key)
 
-    def _ask(self, client: str, message: dict[str, Any]) -> None:
+    def _ask(self, client: str, message: Fetch) -> None:
         stream = self.clients.get(client)
         if stream is None or stream.please_stop:
             self.asks.setdefault(client, []).append(message)
@@ -161,16 +163,15 @@ class InputFetches:
             by_reason.setdefault(why, []).append(batch["keys"][index])
         for (reason, detail), keys in by_reason.items():
             logger.warning("daskpipe: %d requests of %s end unfetched: %s", len(keys), batch["model"], detail)
-            self.report(
-                {
-                    "op": messages.UNFETCHED,
-                    "model": batch["model"],
-                    "dispatch": batch["dispatch"],
-                    "keys": keys,
-                    "reason": reason,
-                    "detail": detail,
-                }
-            )
+            unfetched: Ended = {
+                "op": messages.UNFETCHED,
+                "model": batch["model"],
+                "dispatch": batch["dispatch"],
+                "keys": keys,
+                "reason": reason,
+                "detail": detail,
+            }
+            self.report(unfetched)
         present = [i for i in range(len(pending.inputs)) if i not in pending.lost]
         if present:
             self.run(subset(batch, present) if pending.lost else batch, [pending.inputs[i] for i in present])

@@ -33,7 +33,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence, cast
 
 import torch
 from dask.sizeof import sizeof
@@ -50,6 +50,7 @@ from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, output_nbytes, pack_output, split_output, wire_output, wire_tensor
 from daskpipe.runtime.wire import messages
+from daskpipe.runtime.wire.messages import BatchHeader, Done, Ended, Resolved, Timings
 from daskpipe.runtime.wire.streams import PEER_HANDSHAKE, ImmediateSend, Streams
 from daskpipe.runtime.worker.environ import compute_thread_setup, shorten_switch_interval
 from daskpipe.runtime.worker.fetch import InputFetches
@@ -115,7 +116,7 @@ class _SlotRuntime:
             time.sleep(until - now - self.sleep_lead_s)
             self.sleep_lead_s = max(0.0, self.sleep_lead_s + SLEEP_LEAD_GAIN * (time.time() - until))
 
-    def report(self, worker: Any, message: dict) -> None:
+    def report(self, worker: Any, message: Mapping[str, Any]) -> None:
         """Send ``message`` to the scheduler."""
         self.to_scheduler.send(worker.scheduler.address, message)
 
@@ -246,7 +247,7 @@ class Stage:
         }
 
     # -- the batch path (worker event loop) ----------------------------------------------------
-    def run(self, batch: dict[str, Any], data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
+    def run(self, batch: BatchHeader, data: torch.Tensor | Sequence[bytes], received_at: float | None = None) -> None:
         """Queue one batch on the slot's compute thread; when it has run, the thread hands it
         straight back to the event loop, which forwards the feature map or stores the outputs.
 
@@ -260,13 +261,12 @@ class Stage:
         loop = asyncio.get_running_loop()
         turn.add_done_callback(lambda turn: _on_loop(loop, self._ran, batch, received_at, turn))
 
-    def _ran(self, batch: dict[str, Any], received_at: float | None, turn: concurrent.futures.Future) -> None:
+    def _ran(self, batch: BatchHeader, received_at: float | None, turn: concurrent.futures.Future) -> None:
         try:
             output, start, end, overrun = turn.result()
         except BatchExpired:
-            _SLOTS[self.worker].report(
-                self.worker, {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])}
-            )
+            expired: Ended = {"op": messages.EXPIRED, "model": self.model, "dispatch": batch["dispatch"], "keys": list(batch["keys"])}
+            _SLOTS[self.worker].report(self.worker, expired)
             return
         except Exception as exc:  # a stage error fails this batch only, with its cause
             self._fail(batch, exc)
@@ -325,7 +325,7 @@ class Stage:
         return output, start, time.time(), overrun
 
     def _deliver(
-        self, batch: dict[str, Any], output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool
+        self, batch: BatchHeader, output: Any, partition: int, ran: tuple[float, float], received_at: float | None, overrun: bool
     ) -> None:
         """Forward ``output`` to the batch's next stage, or store it under its keys (last stage),
         reporting the timings of hop ``partition`` (its input's transfer, its compute over ``ran``)."""
@@ -333,26 +333,38 @@ class Stage:
         slot = _SLOTS[worker]
         rest = batch["route"][1:]
         timings: list[list[Any]] = []
+        report: Timings = {
+            "op": messages.FEEDBACK,
+            "model": self.model,
+            "dispatch": batch["dispatch"],
+            "timings": timings,
+            "overrun": overrun,
+        }
         if received_at is not None:  # the feature map's trip from the previous stage
             timings.append([partition, "transfer", batch["sent_at"], received_at])
         timings.append([partition, "compute", *ran])
         if not rest and batch["route"][0].get("park"):  # a staged batch's last stage: the data waits here for the next one
             for key, rows in zip(batch["keys"], torch.split(output, list(batch["sizes"]))):
                 slot.parked[(self.model, key)] = rows
-            slot.report(
-                worker,
-                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
-            )
+            slot.report(worker, report)
             return
         if rest:
             nxt = rest[0]
-            forwarded: dict[str, Any] = {k: batch[k] for k in ("model", "dispatch", "keys", "sizes", "expires", "clients") if k in batch}
-            forwarded.update(route=rest, sent_at=time.time())
-            slot.to_peers.send(nxt["address"], {"op": messages.BATCH, **forwarded, "data": wire_tensor(output)})
-            slot.report(
-                worker,
-                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
-            )
+            forwarded: BatchHeader = {
+                "op": messages.BATCH,
+                "model": batch["model"],
+                "dispatch": batch["dispatch"],
+                "keys": batch["keys"],
+                "sizes": batch["sizes"],
+                "route": rest,
+                "sent_at": time.time(),
+                "data": wire_tensor(output),
+            }
+            for optional in ("expires", "clients"):
+                if optional in batch:
+                    forwarded[optional] = batch[optional]  # type: ignore[literal-required]
+            slot.to_peers.send(nxt["address"], forwarded)
+            slot.report(worker, report)
             return
         outputs = dict(zip(batch["keys"], output))
         nbytes = [output_nbytes(t) for t in output]
@@ -360,17 +372,14 @@ class Stage:
         unconnected = [client for client in wanted if client not in slot.clients and client not in slot.unreached]
         if unconnected and sum(nbytes) > INLINE_OUTPUT_BYTES:  # only Dask would hold them: wait for their clients' streams
             wait_s = REPLY_WAIT_S if batch.get("expires") is None else min(REPLY_WAIT_S, batch["expires"] - time.time())
-            slot.report(  # its timings now: the watch does not take the wait for a stalled slot
-                worker,
-                {"op": messages.FEEDBACK, "model": self.model, "dispatch": batch["dispatch"], "timings": timings, "overrun": overrun},
-            )
+            slot.report(worker, report)  # its timings now: the watch does not take the wait for a stalled slot
             keep_running(worker, self._finish_when_connected(batch, outputs, nbytes, ran, unconnected, wait_s))
             return
         self._finish(batch, outputs, nbytes, timings, overrun, ran)
 
     async def _finish_when_connected(
         self,
-        batch: dict[str, Any],
+        batch: BatchHeader,
         outputs: dict[Any, torch.Tensor],
         nbytes: list[int],
         ran: tuple[float, float],
@@ -400,7 +409,7 @@ class Stage:
 
     def _finish(
         self,
-        batch: dict[str, Any],
+        batch: BatchHeader,
         outputs: dict[Any, torch.Tensor],
         nbytes: list[int],
         timings: list[list[Any]],
@@ -417,7 +426,7 @@ class Stage:
         output = list(outputs.values())
         # storing new keys with ``update_data`` sends the scheduler nothing (the scatter path), so
         # DONE is the one message that puts the batch's keys in memory there
-        done = {
+        done: Done = {
             "op": messages.DONE,
             "model": self.model,
             "dispatch": batch["dispatch"],
@@ -436,9 +445,12 @@ class Stage:
             if client not in slot.clients:
                 continue
             try:
-                slot.clients[client].send(
-                    {"op": messages.RESOLVED, "keys": [keys[i] for i in wanted[client]], "outputs": [wired[i] for i in wanted[client]]}
-                )
+                resolved: Resolved = {
+                    "op": messages.RESOLVED,
+                    "keys": [keys[i] for i in wanted[client]],
+                    "outputs": [wired[i] for i in wanted[client]],
+                }
+                slot.clients[client].send(resolved)
                 told.append(client)
             except CommClosedError:  # its stream is gone: the scheduler tells it
                 pass
@@ -492,7 +504,7 @@ class Stage:
             input_dtype=self._input_dtype,
         )
 
-    def _fail(self, batch: dict[str, Any], exc: BaseException) -> None:
+    def _fail(self, batch: BatchHeader, exc: BaseException) -> None:
         logger.warning("%s partition %d failed a batch of %d requests: %r", self.model, self.partition, len(batch["keys"]), exc)
         error = RequestFailed(
             f"stage {self.partition} of model {self.model!r} on worker {self.worker.address} failed: {type(exc).__name__}: {exc}",
@@ -609,21 +621,21 @@ def _forward(worker: Any, *, take: list, **batch: Any) -> None:
     """The worker's ``daskpipe-forward`` handler: send the parked data of ``take`` (keys of
     ``batch``) on to ``batch``'s first stage, as one part of its input."""
     slot = _SLOTS[worker]
-    model = batch["model"]
+    header = cast(BatchHeader, batch)  # the scheduler's FORWARD
+    model = header["model"]
     missing = [key for key in take if (model, key) not in slot.parked]
     if missing:
         report_failure(
             worker,
-            batch,
+            header,
             RequestFailed(
                 f"the data of {len(missing)} requests of {model!r} between two stages is not on worker {worker.address} (was it discarded?)"
             ),
         )
         return
     data = torch.cat([slot.parked.pop((model, key)) for key in take])
-    slot.to_peers.send(
-        batch["route"][0]["address"], {"op": messages.BATCH, **batch, "part": take, "sent_at": time.time(), "data": wire_tensor(data)}
-    )
+    part: BatchHeader = {**header, "op": messages.BATCH, "part": take, "sent_at": time.time(), "data": wire_tensor(data)}
+    slot.to_peers.send(header["route"][0]["address"], part)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
@@ -693,18 +705,19 @@ class _BatchHandler:
     ) -> None:
         received_at = time.time() if sent_at is not None else None
         batch.update(route=route, sent_at=sent_at)
+        header = cast(BatchHeader, batch)  # the scheduler's or a peer stage's BATCH: the cluster's own message
         if part is not None:  # one part of a staged batch's input: run once every part is here
-            data = self._gather(batch, part, from_wire(data))
+            data = self._gather(header, part, from_wire(data))
             if data is None:
                 return
         if fetch:  # inputs its clients hold: run once they are here (daskpipe/runtime/worker/fetch.py)
             fetches = _SLOTS[self.worker].fetches
             assert fetches is not None, "installed with the slot"
-            fetches.start(batch, inputs, fetch)
+            fetches.start(header, inputs, fetch)
             return
-        self.start(batch, from_wire(data) if data is not None else inputs, received_at)
+        self.start(header, from_wire(data) if data is not None else inputs, received_at)
 
-    def start(self, batch: dict[str, Any], data: Any, received_at: float | None = None) -> None:
+    def start(self, batch: BatchHeader, data: Any, received_at: float | None = None) -> None:
         """Run ``batch`` on its stage here: ``data`` is its feature map, or its requests' raw inputs."""
         worker = self.worker
         route = batch["route"]
@@ -721,7 +734,7 @@ class _BatchHandler:
                 RequestFailed(f"model {batch.get('model')!r} could not run on worker {worker.address}: {exc}", cause=_picklable(exc)),
             )
 
-    def _gather(self, batch: dict[str, Any], part: list, data: torch.Tensor) -> torch.Tensor | None:
+    def _gather(self, batch: BatchHeader, part: list, data: torch.Tensor) -> torch.Tensor | None:
         """Keep ``part``'s rows of ``data``; the whole input, in the batch's key order, once the last part came.
 
         Parts of batches past their late limit are let go first: a part that never comes (the
@@ -755,15 +768,13 @@ def _hello(data: Any = None) -> None:
     """A peer opened its stream to this worker (``Stage.connect``); nothing to do."""
 
 
-def report_failure(worker: Any, batch: dict[str, Any], error: RequestFailed) -> None:
+def report_failure(worker: Any, batch: BatchHeader, error: RequestFailed) -> None:
     """Every request of ``batch`` errs with ``error``; the scheduler keeps it opaque."""
-    _SLOTS[worker].report(
-        worker,
-        {
-            "op": messages.FAILED,
-            "model": batch["model"],
-            "dispatch": batch["dispatch"],
-            "keys": list(batch["keys"]),
-            "exception": to_serialize(error),
-        },
-    )
+    failed: Ended = {
+        "op": messages.FAILED,
+        "model": batch["model"],
+        "dispatch": batch["dispatch"],
+        "keys": list(batch["keys"]),
+        "exception": to_serialize(error),
+    }
+    _SLOTS[worker].report(worker, failed)
