@@ -11,6 +11,7 @@ from distributed import Client
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.scheduler.control import ControlPath
 from daskpipe.runtime.scheduler.plugin import plugin_of
+from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.api import Dispatch, Hop, Request, Reservation
 from tests.colocation.helpers import cache_model, shared_gpu_plan, sliced_profile
 
@@ -20,7 +21,9 @@ def held_seconds(dask_scheduler, plan: dict, profile: dict, dilation: float) -> 
     return the hold time the plugin sends its worker (runs on the scheduler's event loop)."""
     plugin = plugin_of(dask_scheduler)
     address = sorted(a for a, s in plugin.models.slots.items() if s.gpu == "L4" and s.slices == 2)[0]
-    plugin.serving.start_serving("a", plan, profile, [[0, 0, address, "stage-a"]], control=ControlPath(0.0), time_dilation=dilation)
+    plugin.serving.start_serving(
+        "a", plan, profile, [[0, 0, address, "stage-a"]], control=ControlPath(0.0), settings=ServeSettings(time_dilation=dilation)
+    )
     sent = []
     real_send = plugin.links.to_workers.send
     plugin.links.to_workers.send = lambda worker, msg: sent.append(msg)

@@ -35,7 +35,7 @@ from daskpipe.runtime.client.service import InputSpec, Service, awaitable_with_a
 from daskpipe.runtime.deploying.deployment import StageLaunch, pickle_blocks, release, start_stages
 from daskpipe.runtime.deploying.placement import FreeSlots
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
-from daskpipe.runtime.wire.messages import BatchHeader, WorkerSlot
+from daskpipe.runtime.wire.messages import BatchHeader, ServeSettings, WorkerSlot
 from daskpipe.runtime.worker.stage import FEATURE_MAP_DTYPE, Stage, decode_inputs, keep_running
 
 RECENT_CALLS = 256
@@ -286,9 +286,7 @@ def deploy_hybrid(
             plan=hybrid.plan.to_dict(),
             profile=profile.to_dict(),
             stages=started.rows[name],
-            time_dilation=float(time_dilation),
-            bw_gbps=float(bw_gbps),
-            dispatcher="hybrid",
+            serving=ServeSettings(dispatcher="hybrid", time_dilation=float(time_dilation), bw_gbps=float(bw_gbps)).to_wire(),
             sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
         )
     except Exception:

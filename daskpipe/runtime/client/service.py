@@ -51,7 +51,7 @@ from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
 from daskpipe.runtime.scheduler.ledger import queue_bound
 from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import ServeSettings, WorkerSlot
 
 SUBMIT_CHUNK = 256
 """Most requests in one submit message: the scheduler registers a message's keys in one go on its
@@ -803,6 +803,7 @@ def deploy(
     stage_futures, stage_rows = started.futures, started.rows
     served: list[str] = []
     bw_gbps = float(plan.cluster.get("bw_gbps", planner.bw_gbps))
+    serving = ServeSettings(dispatcher=dispatcher, time_dilation=float(time_dilation), bw_gbps=bw_gbps, max_queued=max_queued).to_wire()
     try:
         for pool in shared:
             client.sync(
@@ -811,10 +812,7 @@ def deploy(
                 plan=plan.to_dict(),
                 profiles={name: profiles[name].to_dict() for name in pool.models},
                 stages={name: stage_rows[name] for name in pool.models},
-                dispatcher=dispatcher,
-                time_dilation=float(time_dilation),
-                bw_gbps=bw_gbps,
-                max_queued=max_queued,
+                serving=serving,
                 sample_nbytes={name: specs[name].sample_nbytes for name in pool.models},
                 timeout_s=None if pools is None or pools.timeout_ms is None else pools.timeout_ms * 1e-3,
             )
@@ -826,10 +824,7 @@ def deploy(
                 plan=plan.to_dict(),
                 profile=profiles[name].to_dict(),
                 stages=stage_rows[name],
-                time_dilation=float(time_dilation),
-                bw_gbps=bw_gbps,
-                dispatcher=dispatcher,
-                max_queued=max_queued,
+                serving=serving,
                 sample_nbytes=specs[name].sample_nbytes,
             )
             served.append(name)
@@ -843,8 +838,7 @@ def deploy(
                 options=replace(planner, bw_gbps=bw_gbps).to_dict(),
                 slo_us=slos_us,
                 weights=dict(weights) if weights else None,
-                time_dilation=float(time_dilation),
-                dispatcher=dispatcher,
+                serving=serving,
                 settings=elastic.to_dict(),
                 profile_store=str(store.root) if store is not None else None,
             )

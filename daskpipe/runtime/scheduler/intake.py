@@ -26,7 +26,7 @@ from daskpipe.runtime.scheduler.ledger import Endings, Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire.inputs import HeldInput, held_count
-from daskpipe.runtime.wire.messages import MalformedSubmission, WorkerSlot, read_submission
+from daskpipe.runtime.wire.messages import MalformedSubmission, ServeSettings, WorkerSlot, read_submission
 from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
 from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
@@ -217,21 +217,20 @@ def ledger_for(
     endings: Endings,
     *,
     control: ControlPath,
-    time_dilation: float,
-    bw_gbps: float,
-    dispatcher: str | Dispatcher,
-    max_queued: int | None,
+    settings: ServeSettings,
+    shared: Dispatcher | None = None,
     sample_nbytes: int,
 ) -> tuple[Ledger, Placement]:
     """The ledger of ``model`` served on ``stages`` (rows of [pipeline, partition, worker address,
-    actor key]) among ``endings.slots``, its requests to end through ``endings``, with its
-    dispatcher's placement; a model that cannot be served is refused with the reason
-    (:func:`check_feasible`). ``control``'s cap is set for it.
-    ``dispatcher``: a data plane's name, built here for this model alone, or one built already
-    that other models share (a shared pool, :func:`pool_dispatcher`)."""
+    actor key]) among ``endings.slots`` as ``settings`` say, its requests to end through
+    ``endings``, with its dispatcher's placement; a model that cannot be served is refused with the
+    reason (:func:`check_feasible`). ``control``'s cap is set for it. Its dispatcher is built here
+    for this model alone (``settings.dispatcher``), or is ``shared``: one that other models share
+    too (a shared pool, :func:`pool_dispatcher`)."""
+    time_dilation, bw_gbps = settings.time_dilation, settings.bw_gbps
     check_dilation(time_dilation)
-    if isinstance(dispatcher, str):
-        check_dispatcher(dispatcher)
+    if shared is None:
+        check_dispatcher(settings.dispatcher)
     try:
         gray = GrayPolicy.from_config()
     except ConfigError as exc:
@@ -259,16 +258,18 @@ def ledger_for(
     ledger = Ledger(
         model=model_plan,
         profile=model_profile,
-        dispatcher=make_dispatcher(dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k)
-        if isinstance(dispatcher, str)
-        else dispatcher,
+        dispatcher=make_dispatcher(
+            settings.dispatcher, model_plan, placement, model_profile, bw_gbps=float(bw_gbps) / k, timeout_s=TIMEOUT_S * k
+        )
+        if shared is None
+        else shared,
         stages=stage_keys,
         emulated=frozenset(a for a, s in slot_of.items() if s.emulated),
         durations=BatchDurations(
             model_plan, model_profile, bw_gbps=float(bw_gbps) / k, colocated=colocated_latency(whole_plan, model, scale=k)
         ),
         endings=endings,
-        max_queued=queue_bound(model_plan, max_queued),
+        max_queued=queue_bound(model_plan, settings.max_queued),
         sample_nbytes=int(sample_nbytes),
         budgets=budgets,
         control=control,

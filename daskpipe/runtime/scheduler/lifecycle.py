@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from daskpipe.runtime.errors import DeployError, RequestFailed
-from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec
+from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec, NewModel
 from daskpipe.runtime.scheduler.ledger import Failed
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
@@ -85,9 +85,7 @@ class Lifecycle:
             if slo_us is not None:
                 dep.slo_us[model] = float(slo_us)
             try:
-                plan = await self._replan(
-                    group, dep, f"model {model!r} added", model, {"max_queued": max_queued, "sample_nbytes": sample_nbytes}
-                )
+                plan = await self._replan(group, dep, f"model {model!r} added", model, NewModel(max_queued, sample_nbytes))
             except Exception:
                 del dep.models[model], dep.weights[model]
                 dep.slo_us.pop(model, None)
@@ -146,7 +144,7 @@ class Lifecycle:
                     dep,
                     f"model {model!r} updated to {version!r}",
                     version,
-                    {"max_queued": max_queued, "sample_nbytes": sample_nbytes},
+                    NewModel(max_queued, sample_nbytes),
                 )
             except Exception:
                 del dep.models[version], dep.weights[version], dep.retiring[model]
@@ -182,7 +180,7 @@ class Lifecycle:
             f"with elastic=ElasticSettings() to add, remove or update models"
         )
 
-    async def _replan(self, group: str, dep: Deployment, reason: str, new: str | None = None, options: dict | None = None) -> Plan:
+    async def _replan(self, group: str, dep: Deployment, reason: str, new: str | None = None, serve: NewModel = NewModel()) -> Plan:
         """Plan ``dep``'s model set as it is now and migrate to it, ``new`` starting to serve; a
         model the plan gives no pipeline fails it, naming the model."""
         started = time.perf_counter()
@@ -201,7 +199,7 @@ class Lifecycle:
             )
         if new is None and plan.models == dep.plan.models and dep.addresses() <= {s.address for s in slots}:
             return dep.plan  # nothing to migrate
-        await self.elastic.migrate(group, plan, slots, [reason], started, serve={new: options or {}} if new is not None else None)
+        await self.elastic.migrate(group, plan, slots, [reason], started, serve={new: serve} if new is not None else None)
         return plan
 
     async def _drain(self, model: str, sent: int, timeout_s: float) -> None:

@@ -11,7 +11,8 @@ switches it onto new stages with every request in its care (:meth:`Serving.switc
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+import msgspec
 
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
@@ -25,6 +26,7 @@ from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, trial_summary
 from daskpipe.runtime.scheduler.watch import GrayWatch
+from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.api import Dispatcher
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,14 @@ logger = logging.getLogger(__name__)
 PINGS = 20
 """Round trips to each stage's worker when a model is deployed: they seed its control-path margin
 (:mod:`daskpipe.runtime.scheduler.control`) and decide whether its SLO can be served at all."""
+
+
+def read_settings(serving: dict) -> ServeSettings:
+    """``serving`` as deploy sent it (:meth:`ServeSettings.to_wire`); :class:`DeployError` naming what is wrong."""
+    try:
+        return ServeSettings.from_wire(serving)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
 
 
 class Serving:
@@ -44,15 +54,18 @@ class Serving:
         self.batches = batches
         self.watch = watch
 
-    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], **options: Any) -> str:
-        """Start serving ``model``: ``stages`` lists [pipeline, partition, worker address, actor key].
+    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], serving: dict, sample_nbytes: int = 0) -> str:
+        """Start serving ``model`` as ``serving`` says (:class:`~daskpipe.runtime.wire.messages.ServeSettings`);
+        ``stages`` lists [pipeline, partition, worker address, actor key], ``sample_nbytes`` is a
+        sample's raw input size.
 
         The control path to the stages' workers is measured first (:data:`PINGS` round trips
         each): it seeds the model's margin, and a model whose SLO cannot be met even by a lone
         request on an idle pipeline, with that margin, is refused here with the smallest SLO it
-        could serve. ``options`` are :meth:`start_serving`'s.
+        could serve.
         """
-        check_dispatcher(options.get("dispatcher", "ppipe"))  # wrong options fail before any measuring
+        settings = read_settings(serving)
+        check_dispatcher(settings.dispatcher)  # wrong settings fail before any measuring
         addresses = sorted({str(row[2]) for row in stages})
         for address in addresses:
             if address not in self.models.slots:
@@ -60,13 +73,14 @@ class Serving:
         pipelines = Plan.from_dict(plan).model(model).pipelines
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
-        self.start_serving(model, plan, profile, stages, control=ControlPath(seed_from_round_trips(round_trips, longest + 2)), **options)
+        control = ControlPath(seed_from_round_trips(round_trips, longest + 2))
+        self.start_serving(model, plan, profile, stages, control=control, settings=settings, sample_nbytes=sample_nbytes)
         ledger = self.models.ledgers[model]
         delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id)
         if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/scheduler/trial.py)
             logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
             try:
-                k = float(options.get("time_dilation", 1.0))
+                k = settings.time_dilation
                 check_feasible(
                     model,
                     ledger.model,
@@ -88,30 +102,27 @@ class Serving:
         plan: dict,
         profiles: dict[str, dict],
         stages: dict[str, list[list]],
-        *,
-        dispatcher: str,
-        time_dilation: float = 1.0,
-        bw_gbps: float = 10.0,
-        max_queued: int | None = None,
+        serving: dict,
         sample_nbytes: dict[str, int] | None = None,
         timeout_s: float | None = None,
     ) -> str:
         """Start serving a shared pool (:mod:`daskpipe.runtime.client.pools`): ``models``, each on every
         slot of the pool (``stages[model]``: its rows, as :meth:`serve` takes them), with one
-        ``dispatcher`` for all of them, whose dispatches go to the model they are for
+        dispatcher of ``serving``'s kind for all of them, whose dispatches go to the model they are for
         (:meth:`~daskpipe.runtime.scheduler.models.Models.act`). Each model keeps its own requests, counts and control-path margin, all
         seeded from one measurement of the pool's workers. All of them are served, or none.
         ``timeout_s``: the timeout data plane's wait, before time dilation."""
+        settings = read_settings(serving)
         addresses = sorted({str(row[2]) for rows in stages.values() for row in rows})
         unknown = [a for a in addresses if a not in self.models.slots]
         if unknown:
             raise DeployError(f"a shared pool is placed on {unknown}, which are not workers of this cluster")
         shared = pool_dispatcher(
-            dispatcher,
+            settings.dispatcher,
             plan,
             {m: profiles[m] for m in models},
             [self.models.slots[a] for a in addresses],
-            time_dilation=time_dilation,
+            time_dilation=settings.time_dilation,
             timeout_s=timeout_s,
         )
         round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
@@ -125,10 +136,8 @@ class Serving:
                     profiles[model],
                     stages[model],
                     control=control,
-                    time_dilation=time_dilation,
-                    bw_gbps=bw_gbps,
-                    dispatcher=shared,
-                    max_queued=max_queued,
+                    settings=settings,
+                    shared=shared,
                     sample_nbytes=(sample_nbytes or {}).get(model, 0),
                 )
                 started.append(model)
@@ -148,16 +157,14 @@ class Serving:
         stages: list[list],
         *,
         control: ControlPath,
-        time_dilation: float = 1.0,
-        bw_gbps: float = 10.0,
-        dispatcher: str | Dispatcher = "ppipe",
-        max_queued: int | None = None,
+        settings: ServeSettings = ServeSettings(),
+        shared: Dispatcher | None = None,
         sample_nbytes: int = 0,
     ) -> None:
-        """Serve ``model`` at once with the control-path estimate ``control`` (a re-plan keeps the
-        model's own), on ``dispatcher``: a data plane's name, or a shared pool's dispatcher
-        (:meth:`serve_pool`). ``max_queued`` bounds the requests queued here (default :func:`queue_bound`);
-        ``sample_nbytes`` is a sample's raw input size, against which submissions are checked.
+        """Serve ``model`` at once as ``settings`` say, with the control-path estimate ``control`` (a
+        re-plan keeps the model's own), on a dispatcher of its own, or ``shared``, a shared pool's
+        (:meth:`serve_pool`); ``sample_nbytes`` is a sample's raw input size, against which
+        submissions are checked.
         A model closed earlier whose batches have all ended (its owner vanished) is replaced.
         """
         old = self.models.ledgers.get(model)
@@ -171,10 +178,8 @@ class Serving:
             stages,
             self.models.endings,
             control=control,
-            time_dilation=time_dilation,
-            bw_gbps=bw_gbps,
-            dispatcher=dispatcher,
-            max_queued=max_queued,
+            settings=settings,
+            shared=shared,
             sample_nbytes=sample_nbytes,
         )
         # a closed deployment of the same model may still have batches reporting (a stalled
@@ -194,7 +199,7 @@ class Serving:
             model,
             len(ledger.stages),
             len(ledger.model.pipelines),
-            float(time_dilation),
+            settings.time_dilation,
             control.margin_s * 1e3,
         )
 
@@ -206,9 +211,7 @@ class Serving:
         profile: Profile,
         stages: list[list],
         *,
-        dispatcher: str,
-        time_dilation: float,
-        bw_gbps: float,
+        settings: ServeSettings,
         first_id: int,
     ) -> None:
         """Serve ``model`` on ``plan``'s ``stages`` instead of ``held``, which keeps its control
@@ -223,10 +226,7 @@ class Serving:
                 profile.to_dict(),
                 stages,
                 control=held.control,
-                time_dilation=time_dilation,
-                bw_gbps=bw_gbps,
-                dispatcher=dispatcher,
-                max_queued=held.max_queued if explicit_bound else None,
+                settings=msgspec.structs.replace(settings, max_queued=held.max_queued if explicit_bound else None),
                 sample_nbytes=held.sample_nbytes,
             )
         except Exception:

@@ -220,6 +220,33 @@ def read_submission(fields: Mapping[str, Any]) -> Submission:
     return submission
 
 
+class ServeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a deployment's models are served, made once by ``deploy`` and carried to the scheduler
+    (:meth:`to_wire`, :meth:`from_wire`), which keeps them for its re-plans: the data plane
+    (``dispatcher``, by name), the time dilation ``k`` of every latency and SLO, the network's
+    bandwidth the dispatcher times transfers at, and the bound on a model's queued requests
+    (``None``: two SLOs' worth at its plan's capacity)."""
+
+    dispatcher: str = "ppipe"
+    time_dilation: float = 1.0
+    bw_gbps: float = 10.0
+    max_queued: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> ServeSettings:
+        """The settings :meth:`to_wire` sent; ``ValueError`` naming the field that is wrong."""
+        try:
+            settings = msgspec.convert(dict(fields), cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"serve settings: {exc}") from None
+        if not (settings.time_dilation > 0 and math.isfinite(settings.time_dilation)):
+            raise ValueError(f"time_dilation must be > 0, got {settings.time_dilation!r}")
+        return settings
+
+
 # Worker resources, the contract with ``daskpipe worker`` (daskpipe/runtime/worker/slots.py)
 SLOT_RESOURCE = "daskpipe.slot"
 GPU_RESOURCE_PREFIX = "daskpipe.gpu."

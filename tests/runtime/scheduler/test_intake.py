@@ -16,6 +16,7 @@ from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.scheduler.control import ControlPath
 from daskpipe.runtime.scheduler.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, ledger_for, sliced_releases
 from daskpipe.runtime.scheduler.ledger import Endings
+from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.metrics import ServiceMetrics
 from tests.helpers import LoopTurns
 from tests.runtime.helpers import deploy_two_stage, frames
@@ -99,9 +100,6 @@ def test_a_bad_key_in_the_schedulers_own_config_refuses_the_model_naming_it():
             [],
             Endings(scheduler=None, slots={}, to_worker=lambda address, message: None, metrics=ServiceMetrics()),
             control=ControlPath(0.001),
-            time_dilation=1.0,
-            bw_gbps=10.0,
-            dispatcher="ppipe",
-            max_queued=None,
+            settings=ServeSettings(),
             sample_nbytes=1,
         )

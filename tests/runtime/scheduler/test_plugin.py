@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import dask.config
 import pytest
@@ -15,7 +16,7 @@ import daskpipe
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.scheduler.plugin import DaskpipeSchedulerPlugin, plugin_of
 from daskpipe.runtime.wire import messages
-from daskpipe.runtime.wire.messages import worker_slot
+from daskpipe.runtime.wire.messages import ServeSettings, worker_slot
 from daskpipe.sched.registry import DATAPLANES
 
 
@@ -58,7 +59,18 @@ def test_stream_handlers_log_their_own_errors_and_keep_the_stream():
 def test_serving_an_unknown_dispatcher_is_a_clear_error():
     plugin = DaskpipeSchedulerPlugin()
     with pytest.raises(DeployError, match="unknown dispatcher 'nope'"):
-        asyncio.run(plugin.serving.serve(model="m", plan={}, profile={}, stages=[], dispatcher="nope"))
+        asyncio.run(plugin.serving.serve(model="m", plan={}, profile={}, stages=[], serving=ServeSettings(dispatcher="nope").to_wire()))
+
+
+def test_serve_settings_that_are_wrong_are_refused_naming_the_field():
+    plugin = DaskpipeSchedulerPlugin()
+    for serving, problem in [
+        ({"dispatcher": 3}, "Expected `str`, got `int` - at `$.dispatcher`"),
+        ({"time_dilation": 0.0}, "time_dilation must be > 0, got 0.0"),
+        ({"max_queue": 5}, "Object contains unknown field `max_queue`"),
+    ]:
+        with pytest.raises(DeployError, match=re.escape(problem)):
+            asyncio.run(plugin.serving.serve(model="m", plan={}, profile={}, stages=[], serving=serving))
 
 
 def test_worker_slots_follow_the_worker_contract():

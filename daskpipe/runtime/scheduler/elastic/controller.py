@@ -43,6 +43,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import msgspec
+
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.deploying.deployment import hand_over, ppipe_launches, retire_stages, start_stages
@@ -50,12 +52,12 @@ from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus
 from daskpipe.runtime.deploying.reprofiling import profile_missing
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.scheduler.elastic.load_watch import LoadWatch
-from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ModelSpec
+from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings, ModelSpec, NewModel
 from daskpipe.runtime.scheduler.ledger import Ledger
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.scheduler.serving import Serving
 from daskpipe.runtime.wire import messages
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import ServeSettings, WorkerSlot
 from daskpipe.sched.api import Action, Dispatcher, Drop, DropReason, Request, Time
 
 if TYPE_CHECKING:
@@ -140,16 +142,16 @@ class Elastic:
         plan: dict,
         stages: dict,
         options: dict,
+        serving: dict,
         slo_us: dict | None = None,
         weights: dict | None = None,
-        time_dilation: float = 1.0,
-        dispatcher: str = "ppipe",
         settings: dict | None = None,
         profile_store: str | None = None,
     ) -> str:
-        """Take over ``group``'s models (already served) for re-planning; ``models`` maps each name
-        to its ``blocks`` (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``;
-        ``options`` are the planner's (:meth:`PlannerOptions.to_dict`)."""
+        """Take over ``group``'s models (already served, as ``serving`` says:
+        :meth:`ServeSettings.to_wire`) for re-planning; ``models`` maps each name to its ``blocks``
+        (pickled one by one), ``input_shapes``, ``input_dtype`` and ``profile``; ``options`` are the
+        planner's (:meth:`PlannerOptions.to_dict`), ``settings`` the controller's (:class:`ElasticSettings`)."""
         missing = [m for m in models if m not in self.models.ledgers]
         if missing:
             raise DeployError(f"models {missing} are not served; serve them before making them elastic")
@@ -165,8 +167,7 @@ class Elastic:
             planner=PlannerOptions.from_dict(options),
             slo_us={m: float(slo) for m, slo in (slo_us or {}).items()},
             weights=dict(weights or {m: 1.0 for m in specs}),
-            time_dilation=float(time_dilation),
-            dispatcher=dispatcher,
+            serving=ServeSettings.from_wire(serving),
             profile_store=profile_store,
         )
         if self._ticker is None:
@@ -316,11 +317,11 @@ class Elastic:
         slots: list[WorkerSlot],
         reasons: list[str],
         started: float,
-        serve: dict[str, dict[str, Any]] | None = None,
+        serve: dict[str, NewModel] | None = None,
     ) -> None:
         """Serve ``dep`` on ``plan``: its stages start on ``slots`` while the old ones serve (PPipe's
-        preload), the models of ``serve`` (name -> :meth:`~daskpipe.runtime.scheduler.serving.Serving.serve`'s
-        options; new to the plugin, :mod:`daskpipe.runtime.scheduler.lifecycle`) start serving, then the
+        preload), the models of ``serve`` (new to the plugin, :mod:`daskpipe.runtime.scheduler.lifecycle`)
+        start serving, then the
         others switch at once. A stage or a new model that cannot start raises :class:`DeployError`
         and leaves the plan in force as it was, every new stage released."""
         dep = self.deployments[group]
@@ -340,18 +341,16 @@ class Elastic:
         except Exception as exc:
             raise DeployError(f"the new plan's stages could not start ({exc!r})") from exc
         self._stage_futures.update((str(future.key), future) for future in stages.futures)
-        bw_gbps = float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps))
+        settings = msgspec.structs.replace(dep.serving, bw_gbps=float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps)))
         try:
-            for model, options in (serve or {}).items():
+            for model, new in (serve or {}).items():
                 await self.serving.serve(
                     model,
                     plan.to_dict(),
                     dep.models[model].profile.to_dict(),
                     stages.rows[model],
-                    time_dilation=dep.time_dilation,
-                    bw_gbps=bw_gbps,
-                    dispatcher=dep.dispatcher,
-                    **options,
+                    msgspec.structs.replace(settings, max_queued=new.max_queued).to_wire(),
+                    new.sample_nbytes,
                 )
         except Exception:
             self.models.close([m for m in serve or {} if m in self.models.ledgers], reason="shutdown")
@@ -425,9 +424,7 @@ class Elastic:
                     plan,
                     dep.models[model].profile,
                     rows[model],
-                    dispatcher=dep.dispatcher,
-                    time_dilation=dep.time_dilation,
-                    bw_gbps=float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps)),
+                    settings=msgspec.structs.replace(dep.serving, bw_gbps=float(plan.cluster.get("bw_gbps", dep.planner.bw_gbps))),
                     first_id=dep.epoch * DISPATCH_ID_STRIDE,
                 )
             except Exception:

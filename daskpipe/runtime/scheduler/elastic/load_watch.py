@@ -61,7 +61,7 @@ class LoadWatch:
         """Whether ``plan`` serves every model's observed rate at the target utilisation."""
         rates = self.rates()
         return all(
-            plan.model(m).throughput / dep.time_dilation * self.settings.target_utilisation >= rates.get(m, (0.0, 0.0))[0]
+            plan.model(m).throughput / dep.serving.time_dilation * self.settings.target_utilisation >= rates.get(m, (0.0, 0.0))[0]
             for m in dep.models
         )
 

@@ -12,6 +12,7 @@ from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import Plan
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError
+from daskpipe.runtime.wire.messages import ServeSettings
 
 if TYPE_CHECKING:
     pass
@@ -106,6 +107,14 @@ class ModelSpec:
         return cls(blocks, shapes, tuple(int(x) for x in msg["output_shape"]), str(msg["input_dtype"]), profile)
 
 
+@dataclass(frozen=True)
+class NewModel:
+    """A model a re-plan starts serving (added, or a new version): its own queue bound and sample size."""
+
+    max_queued: int | None = None
+    sample_nbytes: int = 0
+
+
 @dataclass
 class Deployment:
     """The models of one ``deploy`` call: planned together, switched together."""
@@ -116,8 +125,7 @@ class Deployment:
     planner: PlannerOptions  # deploy's, with the plan's bandwidth
     slo_us: dict[str, float]  # deploy's SLOs, where it gave them
     weights: dict[str, float]
-    time_dilation: float
-    dispatcher: str
+    serving: ServeSettings  # deploy's: the data plane, time dilation and queue bound of every plan after
     profile_store: str | None = None  # deploy's store folder: used where this scheduler sees it
     retiring: dict[str, list[list]] = field(default_factory=dict)  # an updated model's old version: its stage rows, until its requests end
     epoch: int = 0
