@@ -36,6 +36,7 @@ from distributed.client import FutureState
 from distributed.comm import CommClosedError
 from distributed.utils import wait_for
 
+from daskpipe.runtime.dask_internals import gate_state_changes
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.tensors import unwire_output
 from daskpipe.runtime.wire import messages
@@ -154,9 +155,7 @@ def _marking(change: Callable[..., None]) -> Callable[..., None]:
     return marked
 
 
-for _change in ("cancel", "finish", "lose", "retry", "set_error", "reset"):  # every way Dask's client moves a future's state
-    if hasattr(FutureState, _change):
-        setattr(LandedState, _change, _marking(getattr(FutureState, _change)))
+gate_state_changes(LandedState, _marking)
 
 
 class ServedFuture(Future):

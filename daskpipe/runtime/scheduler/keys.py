@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from distributed.comm import CommClosedError
 from distributed.protocol import Serialized, serialize
 
+from daskpipe.runtime.dask_internals import put_in_memory, report_in_memory
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.wire.messages import Resolved
@@ -88,14 +89,11 @@ def store(scheduler: Any, worker: str, keys: list, nbytes: list, reports: InMemo
     """The pending ``keys`` in memory on ``worker`` (as ``scatter``'s ``update_data`` puts them,
     its report to the clients left to ``reports``); the others freed there."""
     tasks = scheduler.tasks
-    ws = scheduler.workers[worker]
     stored = []
     for key, size in zip(keys, nbytes):
         ts = tasks.get(key)
         if ts is not None and ts.state == "released":
-            ts.state = "memory"
-            ts.set_nbytes(size)
-            scheduler.add_replica(ts, ws)
+            put_in_memory(scheduler, ts, worker, size)
             stored.append(ts)
     if stored:
         reports.in_memory(scheduler, stored)
@@ -123,7 +121,7 @@ class InMemoryReports:
                 if cs.client_key in self.streams:
                     self.later[ts.key] = ts
                 else:
-                    _report_in_memory(scheduler, cs.client_key, ts)
+                    report_in_memory(scheduler, cs.client_key, ts)
         if self.later and self.due is None:
             self.due = asyncio.get_running_loop().call_later(REPORT_DELAY_S, self._report_later, scheduler)
 
@@ -134,18 +132,7 @@ class InMemoryReports:
             if ts.state == "memory" and scheduler.tasks.get(key) is ts:
                 for cs in ts.who_wants or ():
                     if cs.client_key in self.streams:
-                        _report_in_memory(scheduler, cs.client_key, ts)
-
-
-def _report_in_memory(scheduler: Any, client: str, ts: Any) -> None:
-    """Dask's ``key-in-memory`` for ``ts`` to ``client``, as ``Scheduler.report`` sends it."""
-    comm = scheduler.client_comms.get(client)
-    if comm is None:
-        return
-    try:
-        comm.send({"op": "key-in-memory", "key": ts.key, "workers": [ws.address for ws in ts.who_has or ()]})
-    except CommClosedError:  # the client is leaving
-        pass
+                        report_in_memory(scheduler, cs.client_key, ts)
 
 
 def free_keys(scheduler: Any, worker: str, keys: list, why: str) -> None:

@@ -46,6 +46,7 @@ from torch import nn
 from daskpipe.config import setting
 from daskpipe.profiles.fx import TRACING
 from daskpipe.profiles.graphs import device_runner
+from daskpipe.runtime.dask_internals import wrap_worker_handlers, wrapped
 from daskpipe.runtime.errors import RequestFailed
 from daskpipe.runtime.gctune import freeze_heap, raise_gc_thresholds
 from daskpipe.runtime.tensors import PACKED_BYTES, from_wire, output_nbytes, pack_output, split_output, wire_output, wire_tensor
@@ -571,12 +572,7 @@ def _store_kept_first(worker: Any, slot: _SlotRuntime) -> None:
     (:meth:`_SlotRuntime.keep`)."""
 
     def storing_first(handler: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(handler)  # Dask reads the handler's signature (a first ``comm``)
-        def handle(*args: Any, **kwargs: Any) -> Any:
-            slot.store_kept(worker)
-            return handler(*args, **kwargs)
-
-        return handle
+        return wrapped(handler, functools.partial(slot.store_kept, worker))
 
     def dropping_kept(handler: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(handler)
@@ -586,12 +582,10 @@ def _store_kept_first(worker: Any, slot: _SlotRuntime) -> None:
 
         return handle
 
-    for name in ("get_data", "keys", "run", "run_coroutine"):
-        worker.handlers[name] = storing_first(worker.handlers[name])
-    for name in ("compute-task", "acquire-replicas", "remove-replicas"):
-        worker.stream_handlers[name] = storing_first(worker.stream_handlers[name])
-    worker.handlers["free_keys"] = dropping_kept(worker.handlers["free_keys"])
-    worker.stream_handlers["free-keys"] = dropping_kept(worker.stream_handlers["free-keys"])
+    wrap_worker_handlers(
+        worker, ("get_data", "keys", "run", "run_coroutine"), ("compute-task", "acquire-replicas", "remove-replicas"), storing_first
+    )
+    wrap_worker_handlers(worker, ("free_keys",), ("free-keys",), dropping_kept)
 
 
 async def _reply_stream(worker: Any, comm: Any, client: str) -> Status:
