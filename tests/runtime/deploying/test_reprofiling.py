@@ -10,6 +10,7 @@ from daskpipe.runtime.client.service import inventory
 from daskpipe.runtime.deploying.profiling import profile_on_cluster
 from daskpipe.runtime.deploying.reprofiling import kind_tables, profile_missing
 from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec
+from daskpipe.runtime.wire.messages import ServeSettings
 from tests.runtime.helpers import example, tiny_model
 
 
@@ -42,7 +43,7 @@ def test_kinds_that_join_are_measured_or_estimated_and_a_stored_table_is_reused(
     blocks = [pickle.dumps([block]) for block in result.blocked.blocks]
     shapes = [result.blocked.input_shape, *result.blocked.boundary_shapes]
     spec = ModelSpec(blocks, shapes, tuple(result.blocked.output_shape), "float32", result.profile)
-    dep = Deployment({"tiny": spec}, Plan(0.0, ()), {}, PlannerOptions(), {}, {"tiny": 1.0}, 1.0, "ppipe", profile_store=str(store))
+    dep = Deployment({"tiny": spec}, Plan(0.0, ()), {}, PlannerOptions(), {}, {"tiny": 1.0}, ServeSettings(), profile_store=str(store))
     names = {address: str(ws.name) for address, ws in cluster.scheduler.workers.items()}
 
     async def profile() -> None:
