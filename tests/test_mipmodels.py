@@ -34,4 +34,4 @@ def test_the_same_script_with_a_plain_model_deadlocks():
     lookup waits on the lock its own thread holds."""
     plain = FREED_UNDER_THE_LOCK.replace('mip_model(sense="MAX", solver_name="CBC")', 'mip.Model(sense="MAX", solver_name="CBC")')
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=10)
+        subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=6)
