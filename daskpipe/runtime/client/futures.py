@@ -34,6 +34,7 @@ import msgspec
 from distributed import Client, Future
 from distributed.client import FutureState
 from distributed.comm import CommClosedError
+from distributed.core import clean_exception
 from distributed.utils import wait_for
 
 from daskpipe.runtime.dask_internals import gate_state_changes
@@ -179,6 +180,9 @@ class ServedFuture(Future):
                 raise TimeoutError(f"timed out after {timeout} s.")
             if state.output_in_hand:
                 return unwire_output(state.output)
+            if state.status == "error":
+                _, error, traceback = clean_exception(state.exception, state.traceback)
+                raise error.with_traceback(traceback)
         return super().result(timeout)
 
     @property
