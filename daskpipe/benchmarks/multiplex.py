@@ -213,32 +213,44 @@ def sim_goodput(plan: Any, profiles: dict, policy: Policy, trials: Trials) -> fl
     return highest_rate(meets, pool_bound(plan), trials.precision)
 
 
-def sim_goodputs(plan: Any, profiles: dict, policies: Sequence[Policy], trials: Trials) -> dict[str, Any]:
-    """Every policy's simulated goodput, the best timeout's, deferred's ratios to eager and to it,
-    and each policy's mean batch and GPUs' busy share at its goodput."""
+@dataclass(frozen=True)
+class SimGoodputs:
+    """Every policy's simulated goodput on one pool, with its mean batch and the GPUs' busy share there."""
+
+    gpus: int
+    found: dict[Policy, float]
+    at_goodput: dict[Policy, dict[str, Any]]
+
+    @property
+    def best_timeout(self) -> Policy:
+        return max((p for p in self.found if p.dataplane == "timeout"), key=lambda p: self.found[p])
+
+    def of(self, dataplane: str) -> float:
+        return next(found for p, found in self.found.items() if p.dataplane == dataplane)
+
+    def summary(self) -> dict[str, Any]:
+        """Goodputs (req/s), the best timeout, and deferred's ratios to eager and to it."""
+        deferred = self.of("deferred")
+        return {
+            "gpus": self.gpus,
+            "policies": {p.label: {"goodput_per_s": round(found, 1), **self.at_goodput[p]} for p, found in self.found.items()},
+            "best_timeout": self.best_timeout.label,
+            **{
+                f"deferred_over_{name}": round(deferred / other, 3) if other else None
+                for name, other in (("eager", self.of("eager")), ("best_timeout", self.found[self.best_timeout]))
+            },
+        }
+
+
+def sim_goodputs(plan: Any, profiles: dict, policies: Sequence[Policy], trials: Trials) -> SimGoodputs:
+    """Every policy's goodput in the simulator (``policies``: deferred, eager and timeouts)."""
     names = [m.name for m in plan.models]
     found = {p: sim_goodput(plan, profiles, p, trials) for p in policies}
-    timeouts = [p for p in policies if p.dataplane == "timeout"]
-    best = max(timeouts, key=lambda p: found[p]) if timeouts else None
-    deferred = next((found[p] for p in policies if p.dataplane == "deferred"), None)
-    eager = next((found[p] for p in policies if p.dataplane == "eager"), None)
-
-    def over(other: float | None) -> float | None:
-        return round(deferred / other, 3) if deferred is not None and other else None
-
     at_goodput = {}
     for p in policies:
         trial = sim_trial(plan, profiles, p, trials.arrivals(names, found[p])) if found[p] > 0 else {}
-        at_goodput[p.label] = {"goodput_per_s": round(found[p], 1), "mean_batch": trial.get("mean_batch"), "busy": trial.get("busy")}
-    return {
-        "gpus": gpus_of(plan),
-        "policies": at_goodput,
-        "best_timeout": best.label if best is not None else None,
-        "deferred_over_eager": over(eager),
-        "deferred_over_best_timeout": over(found[best] if best is not None else None),
-        "_found": found,
-        "_best": best,
-    }
+        at_goodput[p] = {"mean_batch": trial.get("mean_batch"), "busy": trial.get("busy")}
+    return SimGoodputs(gpus_of(plan), found, at_goodput)
 
 
 def runtime_trial(
@@ -362,15 +374,17 @@ def measure_policy(
 
 
 def run_multiplex(
-    *, trials: Trials, time_dilation: float, timeout_shares: Sequence[float], sweep_gpus: Sequence[int], advance: Callable[..., None]
+    *,
+    trials: Trials,
+    time_dilation: float,
+    timeout_shares: Sequence[float],
+    sweep_gpus: Sequence[int],
+    sim_only: bool,
+    advance: Callable[..., None],
 ) -> dict[str, Any]:
-    """Every policy's goodput in the simulator; deferred's, eager's and the best timeout's on the
-    runtime too; with ``sweep_gpus``, the simulator's on those GPU counts as well."""
+    """Every policy's goodput in the simulator; unless ``sim_only``, deferred's, eager's and the
+    best timeout's on the runtime too; with ``sweep_gpus``, the simulator's on those GPU counts."""
     import os
-
-    from distributed import Client
-
-    from daskpipe.runtime.cluster import EmulatedCluster
 
     load_before = os.getloadavg()
     profiles, module, example = zoo_profiles()
@@ -378,35 +392,7 @@ def run_multiplex(
     policies = [Policy("deferred"), Policy("eager"), *(Policy("timeout", share) for share in timeout_shares)]
     advance(0, note="goodput in the simulator")
     sim = sim_goodputs(plan, profiles, policies, trials)
-    found, best_timeout = sim.pop("_found"), sim.pop("_best")
-    on_runtime = (policies[0], policies[1], best_timeout)
-    rows: dict[str, dict[str, Any]] = {
-        p.label: {"sim_goodput_per_s": round(found[p], 1), **sim["policies"][p.label], "on_runtime": p in on_runtime} for p in policies
-    }
-    for row in rows.values():
-        row.pop("goodput_per_s")
-    advance(1, note=f"starting {GPUS} emulated {GPU}s")
-    with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
-        for policy in on_runtime:
-            measured = measure_policy(
-                client, plan, profiles, module, example, policy, found[policy], trials=trials, k=time_dilation, advance=advance
-            )
-            row = rows[policy.label]
-            row.update(measured)
-            row["ratio"] = round(measured["runtime_goodput_per_s"] / found[policy], 3) if found[policy] else None
-            advance(1)
-    runtime = {label: row.get("runtime_goodput_per_s") for label, row in rows.items()}
-
-    def over(other: str) -> float | None:
-        return round(runtime["deferred"] / runtime[other], 3) if runtime.get(other) else None
-
-    sweep = []
-    for gpus in sweep_gpus:
-        advance(0, note=f"the simulator on {gpus} GPUs")
-        swept = sim_goodputs(pool_plan(profiles, gpus), profiles, policies, trials)
-        swept.pop("_found"), swept.pop("_best")
-        sweep.append(swept)
-    return {
+    figures: dict[str, Any] = {
         "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in ZOO],
         "gpus": f"{GPUS} x {GPU} (emulated, hold-only)",
         "time_dilation": time_dilation,
@@ -416,12 +402,52 @@ def run_multiplex(
         "bisection_bound_per_s": round(pool_bound(plan), 1),
         "goodput": "the highest offered rate (req/s, before time dilation; equal per model, Poisson) at which every model "
         "has >= 99% of its requests on time",
-        "best_timeout": best_timeout.label,
+        "sim": sim.summary(),
+    }
+    if not sim_only:
+        figures["runtime"] = on_runtime(plan, profiles, module, example, sim, trials=trials, k=time_dilation, advance=advance)
+    sweep = []
+    for gpus in sweep_gpus:
+        advance(0, note=f"the simulator on {gpus} GPUs")
+        sweep.append(sim_goodputs(pool_plan(profiles, gpus), profiles, policies, trials).summary())
+    figures["sim_sweep_gpus"] = sweep
+    figures["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    return figures
+
+
+def on_runtime(
+    plan: Any,
+    profiles: dict,
+    module: nn.Module,
+    example: torch.Tensor,
+    sim: SimGoodputs,
+    *,
+    trials: Trials,
+    k: float,
+    advance: Callable[..., None],
+) -> dict[str, Any]:
+    """Deferred's, eager's and the best timeout's goodput on the runtime, each against the simulator's."""
+    from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
+
+    policies = [p for p in sim.found if p.dataplane != "timeout"] + [sim.best_timeout]
+    rows: dict[str, dict[str, Any]] = {}
+    advance(1, note=f"starting {GPUS} emulated {GPU}s")
+    with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
+        for policy in policies:
+            found = sim.found[policy]
+            measured = measure_policy(client, plan, profiles, module, example, policy, found, trials=trials, k=k, advance=advance)
+            rows[policy.label] = {"ratio": round(measured["runtime_goodput_per_s"] / found, 3) if found else None, **measured}
+            advance(1)
+    goodput = {label: row["runtime_goodput_per_s"] for label, row in rows.items()}
+    best = sim.best_timeout.label
+    return {
         "policies": rows,
-        "deferred_over_eager": {"sim": sim["deferred_over_eager"], "runtime": over("eager")},
-        "deferred_over_best_timeout": {"sim": sim["deferred_over_best_timeout"], "runtime": over(best_timeout.label)},
-        "sim_sweep_gpus": sweep,
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        **{
+            f"deferred_over_{name}": round(goodput["deferred"] / goodput[other], 3) if goodput[other] else None
+            for name, other in (("eager", "eager"), ("best_timeout", best))
+        },
     }
 
 
@@ -446,16 +472,24 @@ def numbers(text: str, kind: Callable[[str], Any], option: str) -> list[Any]:
     help="The timeout policy's waits, as shares of each model's SLO; the best runs on the runtime.",
 )
 @click.option("--sweep-gpus", default="", help="Also the simulator's goodputs of the same models on these GPU counts (comma-separated).")
+@click.option("--sim-only", is_flag=True, help="The simulator's goodputs only (no runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_multiplex(
-    duration: float, min_requests: int, seed: int, time_dilation: float, timeouts: str, sweep_gpus: str, json_path: str | None
+    duration: float,
+    min_requests: int,
+    seed: int,
+    time_dilation: float,
+    timeouts: str,
+    sweep_gpus: str,
+    sim_only: bool,
+    json_path: str | None,
 ) -> None:
     """Twelve zoo models sharing four emulated GPUs: goodput of deferred, eager and timeout batching, simulated and on the runtime."""
     from daskpipe.progress import progress_bar
 
     shares = numbers(timeouts, float, "--timeouts")
-    if not shares or any(not 0 <= s < 1 for s in shares):
-        raise click.BadParameter(f"at least one share of the SLO, each in [0, 1), got {timeouts!r}", param_hint="--timeouts")
+    if not shares or any(not 0 < s < 1 for s in shares):
+        raise click.BadParameter(f"at least one share of the SLO, each in (0, 1), got {timeouts!r}", param_hint="--timeouts")
     counts = numbers(sweep_gpus, int, "--sweep-gpus")
     if any(c < 1 for c in counts):
         raise click.BadParameter(f"GPU counts >= 1, got {sweep_gpus!r}", param_hint="--sweep-gpus")
@@ -463,7 +497,9 @@ def bench_multiplex(
         raise click.BadParameter("--duration and --time-dilation must be > 0, --min-requests >= 0")
     with progress_bar("multiplex", total=4) as advance:
         trials = Trials(duration, seed, min_requests)
-        figures = run_multiplex(trials=trials, time_dilation=time_dilation, timeout_shares=shares, sweep_gpus=counts, advance=advance)
+        figures = run_multiplex(
+            trials=trials, time_dilation=time_dilation, timeout_shares=shares, sweep_gpus=counts, sim_only=sim_only, advance=advance
+        )
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

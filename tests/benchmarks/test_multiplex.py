@@ -79,3 +79,23 @@ def test_the_timeout_policy_waits_a_share_of_each_models_slo_on_a_pool_of_any_si
     waits = Policy("timeout", 0.1).waits_ms(plan)
     assert waits is not None and waits["DenseNet121"] == pytest.approx(2.1) and waits["EfficientNetV2M"] == pytest.approx(4.9)
     assert Policy("eager").waits_ms(plan) is None and Policy("timeout", 0.1).label == "timeout 0.1 SLO"
+
+
+def test_the_simulator_alone_compares_the_policies_on_the_pool_and_on_more_gpus(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from daskpipe.benchmarks.multiplex import bench_multiplex
+
+    out = tmp_path / "multiplex.json"
+    args = ["--sim-only", "--min-requests", "20", "--timeouts", "0.1", "--sweep-gpus", "8", "--json", str(out)]
+    result = CliRunner().invoke(bench_multiplex, args)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert "runtime" not in figures and figures["sim"]["best_timeout"] == "timeout 0.1 SLO"
+    assert set(figures["sim"]["policies"]) == {"deferred", "eager", "timeout 0.1 SLO"}
+    (swept,) = figures["sim_sweep_gpus"]
+    assert swept["gpus"] == 8 and swept["policies"]["eager"]["goodput_per_s"] > figures["sim"]["policies"]["eager"]["goodput_per_s"]
+    bad = CliRunner().invoke(bench_multiplex, ["--sim-only", "--timeouts", "0"])
+    assert bad.exit_code != 0 and "each in (0, 1)" in bad.output
