@@ -338,7 +338,9 @@ def measure_policy(
 ) -> dict[str, Any]:
     """The runtime's goodput for ``policy``: its highest passing rate among ``sim_rate`` x
     :data:`RUNTIME_STEPS` (tried from the top down, stopping at the first pass), each trial on
-    the simulator's arrivals at that rate, on one deployment; and the pool's control path after."""
+    the simulator's arrivals at that rate, on one deployment; and after them the pool's control
+    path, and where its late requests lost their time (each model's, warm-up included: the
+    scheduler's ``late`` legs)."""
     import daskpipe
     from daskpipe.runtime.client.pools import SharedPools
 
@@ -368,9 +370,11 @@ def measure_policy(
             if runtime["attainment"] >= TARGET:
                 best = rate
                 break
-        control = service.status()[names[0]]["control"]  # the pool's: its models share one control path
+        status = service.status()
+    control = status[names[0]]["control"]  # the pool's: its models share one control path
     path = {key: round(value, 2) for key, value in control.items() if key.endswith("_ms") or key == "batches"}
-    return {"runtime_goodput_per_s": round(best, 1), "trials": rows, "control_path": path}
+    late = {name: status[name]["late"] for name in names if status[name]["late"]["requests"]}
+    return {"runtime_goodput_per_s": round(best, 1), "trials": rows, "control_path": path, "late_legs": late}
 
 
 def run_multiplex(
