@@ -1,20 +1,22 @@
 """``daskpipe bench multiplex``: many models on one shared pool, on the runtime and in the simulator.
 
-Twelve models of Symphony's 1080Ti zoo (Table 3: l(b) = alpha b + beta, SLO = max(20 ms, 2 l(4)))
+Twelve models of Symphony's A100 zoo (Table 4: l(b) = alpha b + beta, SLO = max(20 ms, 2 l(4)))
 share four emulated GPUs (``deploy(..., pools=SharedPools())``): every GPU holds every model, and
 one dispatcher decides batch by batch which model a free GPU runs. The stages are hold-only (one
 block that keeps every 64th value, held to the profiled latency), so two cores can drive them;
 every latency and SLO is time-dilated by ``--time-dilation`` (the runtime's path, about a
 millisecond or more a request on this machine, is then a smaller share of each SLO).
 
-For each data plane, deferred (Symphony), eager and timeout (each of ``--timeouts``, the best
-one reported), the same workload runs in the simulator (:func:`daskpipe.sim.simulate_pool`) and
-on the runtime: Poisson arrivals at an equal rate per model, the same arrival times in both.
+The workload is Symphony's (§3.4, §5): Poisson arrivals, every model equally popular. The
+policies are its Fig. 6 baselines: deferred (Symphony), eager, and timeout with each model's wait a
+share of its SLO (Fig. 6b; one run per share of ``--timeouts``, the best reported). The same
+arrivals run in the simulator (:func:`daskpipe.sim.simulate_pool`) and on the runtime.
 
-Goodput is Symphony's: the highest offered rate at which at least 99% of all requests end within
-their SLO (the runtime: their output in the client's hands). It is found by bisection over the
-offered rate, in the simulator and on the runtime alike, each trial on the same arrivals in both.
-The runtime/simulator ratio is of those rates.
+Goodput is Symphony's: the highest offered rate at which every model has at least 99% of its
+requests done within its SLO (the runtime: their output in the client's hands), found by
+bisection over the offered rate in the simulator, and on the runtime at steps of the simulator's.
+``--sweep-gpus`` also finds the simulator's goodputs with the same twelve models on other GPU
+counts: Symphony evaluated one GPU a model or more (docs/batching.md, "Shared pools").
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ ZOO = (
 )
 """Twelve rows of Symphony's Table 4 (A100), from ``../shared/notes/001_symphony.md`` §6.10: beta/alpha
 from 1.5 to 195, both batching regimes, SLOs of 20 to 49 ms."""
+TIMEOUT_SHARES = (0.05, 0.1, 0.2, 0.3)
+"""The timeout policy's waits, as shares of each model's SLO (Fig. 6b's axis)."""
 
 
 class KeepEvery64th(nn.Module):
@@ -94,19 +98,24 @@ def zoo_profiles(models: Sequence[LinearModel] = ZOO):
     return profiles, module, example
 
 
-def pool_plan(profiles: dict) -> Any:
-    """Every model on every one of the :data:`GPUS` GPUs."""
+def pool_plan(profiles: dict, gpus: int = GPUS) -> Any:
+    """Every model on every one of ``gpus`` GPUs."""
     from daskpipe.plan.shared import SharedGroup, shared_plan
 
-    return shared_plan(profiles, [SharedGroup(tuple(profiles), {(GPU, 1): GPUS})])
+    return shared_plan(profiles, [SharedGroup(tuple(profiles), {(GPU, 1): gpus})])
+
+
+def gpus_of(plan: Any) -> int:
+    """The GPUs of a one-sub-cluster pool's plan (each model has a pipeline on every one)."""
+    return sum(pipeline.partitions[0].vgpus for pipeline in plan.models[0].pipelines)
 
 
 def workload(names: Sequence[str], rate: float, duration: float, seed: int, *, min_requests: int = 0) -> list[tuple[float, str]]:
     """Poisson arrivals of ``rate`` req/s in all, an equal share per model: (time, model), sorted;
-    over ``duration`` seconds, or longer at a low rate, so that about ``min_requests`` arrive (one
-    late request then stays a small share of the 1% that the goodput's target lets miss)."""
+    over ``duration`` seconds, or longer at a low rate, so that about ``min_requests`` arrive for
+    each model (one late request is then at most a share of the 1% that the goodput lets a model miss)."""
     rng = np.random.default_rng(seed)
-    duration = max(duration, min_requests / rate) if rate > 0 else duration
+    duration = max(duration, min_requests * len(names) / rate) if rate > 0 else duration
     arrivals = [(float(t), name) for name in names for t in np.cumsum(rng.exponential(len(names) / rate, int(2 * rate * duration)))]
     return sorted(a for a in arrivals if a[0] < duration)
 
@@ -114,11 +123,12 @@ def workload(names: Sequence[str], rate: float, duration: float, seed: int, *, m
 @dataclass(frozen=True)
 class Trials:
     """How every goodput is measured: trials of ``duration`` seconds of arrivals (profile time) at
-    least, and of about ``min_requests`` requests at least; bisection to ``precision`` x the bound."""
+    least, and of about ``min_requests`` requests per model at least; bisection to ``precision`` x
+    the search's upper bound."""
 
     duration: float = 1.0
     seed: int = 1
-    min_requests: int = 600
+    min_requests: int = 200
     precision: float = 0.002
 
     def arrivals(self, names: Sequence[str], rate: float) -> list[tuple[float, str]]:
@@ -127,44 +137,74 @@ class Trials:
 
 @dataclass(frozen=True)
 class Policy:
+    """A data plane; ``timeout_share``: the timeout plane's wait as a share of each model's SLO."""
+
     dataplane: str
-    timeout_ms: float = 0.0
+    timeout_share: float = 0.0
 
     @property
     def label(self) -> str:
-        return f"timeout {self.timeout_ms:g} ms" if self.dataplane == "timeout" else self.dataplane
+        return f"timeout {self.timeout_share:g} SLO" if self.dataplane == "timeout" else self.dataplane
+
+    def waits_ms(self, plan: Any) -> dict[str, float] | None:
+        """Each model's wait (ms, before time dilation), for the timeout plane."""
+        return {m.name: self.timeout_share * m.slo_us / 1e3 for m in plan.models} if self.dataplane == "timeout" else None
+
+
+def attainments(outcomes: Sequence[tuple[str, bool]]) -> dict[str, Any]:
+    """Of (model, on time) pairs: the least model's share on time (what the goodput's target is
+    read against), all requests' share, and the model that had the least."""
+    good: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for name, on_time in outcomes:
+        total[name] = total.get(name, 0) + 1
+        good[name] = good.get(name, 0) + int(on_time)
+    shares = {name: good[name] / total[name] for name in total}
+    worst = min(shares, key=lambda name: shares[name]) if shares else None
+    return {
+        "attainment": shares[worst] if worst is not None else 1.0,
+        "worst_model": worst,
+        "overall": sum(good.values()) / len(outcomes) if outcomes else 1.0,
+    }
 
 
 def sim_trial(plan: Any, profiles: dict, policy: Policy, arrivals: list[tuple[float, str]]) -> dict[str, Any]:
-    """The simulator on ``arrivals``, in the profiles' time (the runtime runs them ``k`` times slower)."""
+    """The simulator on ``arrivals``, in the profiles' time (the runtime runs them ``k`` times
+    slower); ``busy``: the GPUs' busy share until the last batch ends."""
     from daskpipe.sched.api import Request, Slot
     from daskpipe.sim import simulate_pool
     from daskpipe.sim.engine import on_time
 
     slos = {m.name: m.slo_us * 1e-6 for m in plan.models}
-    slots = [Slot(f"gpu{i}", GPU, 1, SERVER) for i in range(GPUS)]
+    slots = [Slot(f"gpu{i}", GPU, 1, SERVER) for i in range(gpus_of(plan))]
     requests = (Request(i, name, t, t + slos[name]) for i, (t, name) in enumerate(arrivals))
-    trace = simulate_pool(plan, profiles, policy.dataplane, slots, requests, timeout_s=policy.timeout_ms * 1e-3)
-    good = sum(on_time(r) for r in trace.requests.values())
+    waits = policy.waits_ms(plan)
+    timeout_s = {name: ms * 1e-3 for name, ms in waits.items()} if waits is not None else 0.0
+    trace = simulate_pool(plan, profiles, policy.dataplane, slots, requests, timeout_s=timeout_s)
+    computes = [d.hops[0].compute for _, d in trace.dispatches]
     sizes = [d.batch_size for _, d in trace.dispatches]
+    end = max((c.end for c in computes), default=0.0)
     return {
-        "attainment": good / len(arrivals) if arrivals else 1.0,
-        "mean_batch": float(np.mean(sizes)) if sizes else None,
+        **attainments([(r.model, on_time(r)) for r in trace.requests.values()]),
+        "mean_batch": round(float(np.mean(sizes)), 2) if sizes else None,
+        "busy": round(sum(c.end - c.start for c in computes) / (len(slots) * end), 3) if end > 0 else 0.0,
         "dropped": sum(r.dropped is not None for r in trace.requests.values()),
     }
 
 
 def pool_bound(plan: Any) -> float:
-    """The pool's rate bound with equal shares (req/s): every model at its largest batch on every
-    GPU, each taking the share of the pool that its share of the requests needs, i.e. the harmonic
-    mean of the models' own whole-pool throughputs (their arithmetic mean is no bound: the slow
-    models' shares cost more GPU time than the fast ones')."""
+    """The bisection's upper bound (req/s, equal shares): every model at its largest batch on
+    every GPU, each taking the share of the pool that its share of the requests needs, i.e. the
+    harmonic mean of the models' own whole-pool throughputs. No pool reaches it: a batch of b
+    forms only where a model gets b requests within its SLO less l(b), and with three models a GPU
+    at the zoo's SLOs (2 l(4)) it gets about one (docs/batching.md, "Shared pools")."""
     return len(plan.models) / sum(1 / m.throughput for m in plan.models)
 
 
 def sim_goodput(plan: Any, profiles: dict, policy: Policy, trials: Trials) -> float:
-    """The highest offered rate (req/s, profile time) with >= 99% of requests on time, by bisection
-    (:func:`~daskpipe.benchmarks.experiments.highest_rate`) to ``trials.precision`` x :func:`pool_bound`."""
+    """The highest offered rate (req/s, profile time) at which every model has >= 99% of its
+    requests on time, by bisection (:func:`~daskpipe.benchmarks.experiments.highest_rate`) to
+    ``trials.precision`` x :func:`pool_bound`."""
     names = [m.name for m in plan.models]
 
     def meets(rate: float) -> bool:
@@ -173,13 +213,53 @@ def sim_goodput(plan: Any, profiles: dict, policy: Policy, trials: Trials) -> fl
     return highest_rate(meets, pool_bound(plan), trials.precision)
 
 
+@dataclass(frozen=True)
+class SimGoodputs:
+    """Every policy's simulated goodput on one pool, with its mean batch and the GPUs' busy share there."""
+
+    gpus: int
+    found: dict[Policy, float]
+    at_goodput: dict[Policy, dict[str, Any]]
+
+    @property
+    def best_timeout(self) -> Policy:
+        return max((p for p in self.found if p.dataplane == "timeout"), key=lambda p: self.found[p])
+
+    def of(self, dataplane: str) -> float:
+        return next(found for p, found in self.found.items() if p.dataplane == dataplane)
+
+    def summary(self) -> dict[str, Any]:
+        """Goodputs (req/s), the best timeout, and deferred's ratios to eager and to it."""
+        deferred = self.of("deferred")
+        return {
+            "gpus": self.gpus,
+            "policies": {p.label: {"goodput_per_s": round(found, 1), **self.at_goodput[p]} for p, found in self.found.items()},
+            "best_timeout": self.best_timeout.label,
+            **{
+                f"deferred_over_{name}": round(deferred / other, 3) if other else None
+                for name, other in (("eager", self.of("eager")), ("best_timeout", self.found[self.best_timeout]))
+            },
+        }
+
+
+def sim_goodputs(plan: Any, profiles: dict, policies: Sequence[Policy], trials: Trials) -> SimGoodputs:
+    """Every policy's goodput in the simulator (``policies``: deferred, eager and timeouts)."""
+    names = [m.name for m in plan.models]
+    found = {p: sim_goodput(plan, profiles, p, trials) for p in policies}
+    at_goodput = {}
+    for p in policies:
+        trial = sim_trial(plan, profiles, p, trials.arrivals(names, found[p])) if found[p] > 0 else {}
+        at_goodput[p] = {"mean_batch": trial.get("mean_batch"), "busy": trial.get("busy")}
+    return SimGoodputs(gpus_of(plan), found, at_goodput)
+
+
 def runtime_trial(
     service: Any, slos_s: dict[str, float], example: torch.Tensor, arrivals: list[tuple[float, str]], k: float
 ) -> dict[str, Any]:
     """``arrivals`` (profile time) sent open-loop ``k`` times slower; a request is on time when its
     output is in a client thread's hands (``Service.as_completed``) within its model's SLO (dilated)
-    of its scheduled send. Every request is accounted for: on time, late, dropped by reason,
-    failed, or lost (not ended by the drain)."""
+    of its scheduled send. Every request is accounted for: on time, late (and by how much, real
+    time), dropped by reason, failed, or lost (not ended by the drain)."""
     from daskpipe.runtime.errors import RequestDropped
 
     due = np.array([at * k for at, _ in arrivals]) + time.perf_counter() + 0.2
@@ -216,23 +296,27 @@ def runtime_trial(
         completed.add(future)
     sending.clear()
     collector.join()
-    on_time = late = failed = lost = 0
+    failed = lost = 0
+    late_by: list[float] = []
     dropped: dict[str, int] = {}
+    outcomes = []
     for (_, name), at, done, future in zip(arrivals, due, in_hand, futures):
+        on_time = False
         if np.isnan(done):
             lost += 1
         elif future.status == "finished":
-            on_time += int(done - at <= slos_s[name])
-            late += int(done - at > slos_s[name])
+            on_time = bool(done - at <= slos_s[name])
+            if not on_time:
+                late_by.append(done - at - slos_s[name])
         elif isinstance(exc := future.exception(), RequestDropped):
             dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
         else:
             failed += 1
-    count = len(arrivals)
+        outcomes.append((name, on_time))
     return {
-        "attainment": on_time / count if count else 1.0,
-        "on_time": on_time,
-        "late": late,
+        **attainments(outcomes),
+        "late": len(late_by),
+        "late_by_ms": {"p50": round(float(np.median(late_by)) * 1e3, 1), "max": round(max(late_by) * 1e3, 1)} if late_by else None,
         "dropped": dropped,
         "failed": failed,
         "lost": lost,
@@ -254,7 +338,9 @@ def measure_policy(
 ) -> dict[str, Any]:
     """The runtime's goodput for ``policy``: its highest passing rate among ``sim_rate`` x
     :data:`RUNTIME_STEPS` (tried from the top down, stopping at the first pass), each trial on
-    the simulator's arrivals at that rate, on one deployment."""
+    the simulator's arrivals at that rate, on one deployment; and after them the pool's control
+    path, and where its late requests lost their time (each model's, warm-up included: the
+    scheduler's ``late`` legs)."""
     import daskpipe
     from daskpipe.runtime.client.pools import SharedPools
 
@@ -268,7 +354,7 @@ def measure_policy(
         profiles=profiles,
         time_dilation=k,
         dispatcher=policy.dataplane,
-        pools=SharedPools(timeout_ms=policy.timeout_ms),
+        pools=SharedPools(timeout_ms=policy.waits_ms(plan)),
     )
     best = 0.0
     with service:
@@ -280,92 +366,143 @@ def measure_policy(
             gc.collect()
             runtime = runtime_trial(service, slos_s, example, arrivals, k)
             sim = sim_trial(plan, profiles, policy, arrivals)
-            rows.append({"rate_per_s": rate, "requests": len(arrivals), "runtime": runtime, "sim": sim})
+            rows.append({"rate_per_s": round(rate, 1), "requests": len(arrivals), "runtime": runtime, "sim": sim})
             if runtime["attainment"] >= TARGET:
                 best = rate
                 break
-    return {"runtime_goodput_per_s": best, "trials": rows}
+        status = service.status()
+    control = status[names[0]]["control"]  # the pool's: its models share one control path
+    path = {key: round(value, 2) for key, value in control.items() if key.endswith("_ms") or key == "batches"}
+    late = {name: status[name]["late"] for name in names if status[name]["late"]["requests"]}
+    return {"runtime_goodput_per_s": round(best, 1), "trials": rows, "control_path": path, "late_legs": late}
 
 
-def run_multiplex(*, trials: Trials, time_dilation: float, timeouts_ms: Sequence[float], advance: Callable[..., None]) -> dict[str, Any]:
-    """Every policy's goodput in the simulator; deferred's, eager's and the best timeout's on the runtime too."""
+def run_multiplex(
+    *,
+    trials: Trials,
+    time_dilation: float,
+    timeout_shares: Sequence[float],
+    sweep_gpus: Sequence[int],
+    sim_only: bool,
+    advance: Callable[..., None],
+) -> dict[str, Any]:
+    """Every policy's goodput in the simulator; unless ``sim_only``, deferred's, eager's and the
+    best timeout's on the runtime too; with ``sweep_gpus``, the simulator's on those GPU counts."""
     import os
-
-    from distributed import Client
-
-    from daskpipe.runtime.cluster import EmulatedCluster
 
     load_before = os.getloadavg()
     profiles, module, example = zoo_profiles()
     plan = pool_plan(profiles)
-    policies = [Policy("deferred"), Policy("eager"), *(Policy("timeout", t) for t in timeouts_ms)]
+    policies = [Policy("deferred"), Policy("eager"), *(Policy("timeout", share) for share in timeout_shares)]
     advance(0, note="goodput in the simulator")
-    sim = {policy: sim_goodput(plan, profiles, policy, trials) for policy in policies}
-    timeouts = [p for p in policies if p.dataplane == "timeout"]
-    best_timeout = max(timeouts, key=lambda p: sim[p])
-    rows: dict[str, dict[str, Any]] = {
-        p.label: {"sim_goodput_per_s": round(sim[p], 1), "on_runtime": p in (policies[0], policies[1], best_timeout)} for p in policies
-    }
-    advance(1, note=f"starting {GPUS} emulated {GPU}s")
-    with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
-        for policy in (policies[0], policies[1], best_timeout):
-            measured = measure_policy(
-                client, plan, profiles, module, example, policy, sim[policy], trials=trials, k=time_dilation, advance=advance
-            )
-            row = rows[policy.label]
-            row.update(measured)
-            row["ratio"] = measured["runtime_goodput_per_s"] / sim[policy] if sim[policy] else None
-            advance(1)
-    runtime = {label: row.get("runtime_goodput_per_s") for label, row in rows.items()}
-
-    def over(figures: dict[str, Any], other: str) -> float | None:
-        return figures["deferred"] / figures[other] if figures.get(other) else None
-
-    sim_by_label = {p.label: sim[p] for p in policies}
-    return {
+    sim = sim_goodputs(plan, profiles, policies, trials)
+    figures: dict[str, Any] = {
         "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in ZOO],
         "gpus": f"{GPUS} x {GPU} (emulated, hold-only)",
         "time_dilation": time_dilation,
         "duration_s": trials.duration,
-        "min_requests": trials.min_requests,
+        "min_requests_per_model": trials.min_requests,
         "seed": trials.seed,
-        "pool_bound_per_s": round(pool_bound(plan), 1),
-        "goodput": "the highest offered rate (req/s, before time dilation; equal per model, Poisson) with >= 99% of all requests on time",
-        "best_timeout": best_timeout.label,
-        "policies": rows,
-        "deferred_over_eager": {"sim": over(sim_by_label, "eager"), "runtime": over(runtime, "eager")},
-        "deferred_over_best_timeout": {"sim": over(sim_by_label, best_timeout.label), "runtime": over(runtime, best_timeout.label)},
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "bisection_bound_per_s": round(pool_bound(plan), 1),
+        "goodput": "the highest offered rate (req/s, before time dilation; equal per model, Poisson) at which every model "
+        "has >= 99% of its requests on time",
+        "sim": sim.summary(),
     }
+    if not sim_only:
+        figures["runtime"] = on_runtime(plan, profiles, module, example, sim, trials=trials, k=time_dilation, advance=advance)
+    sweep = []
+    for gpus in sweep_gpus:
+        advance(0, note=f"the simulator on {gpus} GPUs")
+        sweep.append(sim_goodputs(pool_plan(profiles, gpus), profiles, policies, trials).summary())
+    figures["sim_sweep_gpus"] = sweep
+    figures["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    return figures
+
+
+def on_runtime(
+    plan: Any,
+    profiles: dict,
+    module: nn.Module,
+    example: torch.Tensor,
+    sim: SimGoodputs,
+    *,
+    trials: Trials,
+    k: float,
+    advance: Callable[..., None],
+) -> dict[str, Any]:
+    """Deferred's, eager's and the best timeout's goodput on the runtime, each against the simulator's."""
+    from distributed import Client
+
+    from daskpipe.runtime.cluster import EmulatedCluster
+
+    policies = [p for p in sim.found if p.dataplane != "timeout"] + [sim.best_timeout]
+    rows: dict[str, dict[str, Any]] = {}
+    advance(1, note=f"starting {GPUS} emulated {GPU}s")
+    with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
+        for policy in policies:
+            found = sim.found[policy]
+            measured = measure_policy(client, plan, profiles, module, example, policy, found, trials=trials, k=k, advance=advance)
+            rows[policy.label] = {"ratio": round(measured["runtime_goodput_per_s"] / found, 3) if found else None, **measured}
+            advance(1)
+    goodput = {label: row["runtime_goodput_per_s"] for label, row in rows.items()}
+    best = sim.best_timeout.label
+    return {
+        "policies": rows,
+        **{
+            f"deferred_over_{name}": round(goodput["deferred"] / goodput[other], 3) if goodput[other] else None
+            for name, other in (("eager", "eager"), ("best_timeout", best))
+        },
+    }
+
+
+def numbers(text: str, kind: Callable[[str], Any], option: str) -> list[Any]:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list, got {text!r}", param_hint=option) from None
 
 
 @click.command("multiplex")
 @click.option("--duration", default=1.0, show_default=True, help="Seconds of arrivals per trial, before time dilation.")
-@click.option("--min-requests", default=600, show_default=True, help="Requests per trial at the least (a low rate's trial runs longer).")
+@click.option(
+    "--min-requests", default=200, show_default=True, help="Requests per model and trial at the least (a low rate's trial runs longer)."
+)
 @click.option("--seed", default=1, show_default=True, help="Seeds the Poisson arrivals.")
 @click.option("--time-dilation", default=20.0, show_default=True, help="Every latency and SLO is this many times longer on the runtime.")
 @click.option(
     "--timeouts",
-    default="1,2,5,10",
+    default=",".join(f"{s:g}" for s in TIMEOUT_SHARES),
     show_default=True,
-    help="The timeout policy's waits (ms, before time dilation); the best runs on the runtime.",
+    help="The timeout policy's waits, as shares of each model's SLO; the best runs on the runtime.",
 )
+@click.option("--sweep-gpus", default="", help="Also the simulator's goodputs of the same models on these GPU counts (comma-separated).")
+@click.option("--sim-only", is_flag=True, help="The simulator's goodputs only (no runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_multiplex(duration: float, min_requests: int, seed: int, time_dilation: float, timeouts: str, json_path: str | None) -> None:
+def bench_multiplex(
+    duration: float,
+    min_requests: int,
+    seed: int,
+    time_dilation: float,
+    timeouts: str,
+    sweep_gpus: str,
+    sim_only: bool,
+    json_path: str | None,
+) -> None:
     """Twelve zoo models sharing four emulated GPUs: goodput of deferred, eager and timeout batching, simulated and on the runtime."""
     from daskpipe.progress import progress_bar
 
-    try:
-        waits = [float(t) for t in timeouts.split(",") if t.strip()]
-    except ValueError:
-        raise click.BadParameter(f"a comma-separated list of milliseconds, got {timeouts!r}", param_hint="--timeouts") from None
-    if not waits or any(not 0 <= t < float("inf") for t in waits):
-        raise click.BadParameter(f"at least one wait, each >= 0 ms, got {timeouts!r}", param_hint="--timeouts")
+    shares = numbers(timeouts, float, "--timeouts")
+    if not shares or any(not 0 < s < 1 for s in shares):
+        raise click.BadParameter(f"at least one share of the SLO, each in (0, 1), got {timeouts!r}", param_hint="--timeouts")
+    counts = numbers(sweep_gpus, int, "--sweep-gpus")
+    if any(c < 1 for c in counts):
+        raise click.BadParameter(f"GPU counts >= 1, got {sweep_gpus!r}", param_hint="--sweep-gpus")
     if not (duration > 0 and time_dilation > 0 and min_requests >= 0):
         raise click.BadParameter("--duration and --time-dilation must be > 0, --min-requests >= 0")
     with progress_bar("multiplex", total=4) as advance:
+        trials = Trials(duration, seed, min_requests)
         figures = run_multiplex(
-            trials=Trials(duration, seed, min_requests), time_dilation=time_dilation, timeouts_ms=waits, advance=advance
+            trials=trials, time_dilation=time_dilation, timeout_shares=shares, sweep_gpus=counts, sim_only=sim_only, advance=advance
         )
     text = json.dumps(figures, indent=1)
     click.echo(text)

@@ -144,7 +144,7 @@ def make_shared_dispatcher(
     models: Mapping[str, tuple[ModelPlan, Profile]],
     slots: Sequence[Slot],
     *,
-    timeout_s: float = TIMEOUT_S,
+    timeout_s: float | Mapping[str, float] = TIMEOUT_S,
     max_batch: int | None = None,
     settings: Any = None,
 ) -> DeferredDispatcher:
@@ -154,7 +154,8 @@ def make_shared_dispatcher(
     Each model's plan has one single-partition pipeline per (GPU, slices) kind of ``slots``
     (``daskpipe.plan.shared``); a batch is timed on its slot's kind, and a model's largest batch is
     its pipelines' smallest planned one (what its slowest kind allows within the SLO). ``settings``
-    is a ``DeferredSettings``; ``max_batch`` caps every model's batches.
+    is a ``DeferredSettings``; ``max_batch`` caps every model's batches; ``timeout_s`` is the
+    timeout plane's wait, one for all models or one each (Symphony's Fig. 6b: a share of each SLO).
     """
     plane = check_name(name)
     if plane not in MULTIPLEXING:

@@ -266,7 +266,7 @@ def simulate_pool(
     slots: Sequence[Slot],
     requests: Iterable[Request],
     *,
-    timeout_s: float = TIMEOUT_S,
+    timeout_s: float | Mapping[str, float] = TIMEOUT_S,
     settings: Any = None,
 ) -> Trace:
     """``requests`` (in arrival order) served by a shared pool: every model of ``plan`` (a shared

@@ -129,6 +129,27 @@ def test_multiple_models_share_the_gpus():
     assert all(r.finish is not None or r.dropped for r in trace.requests.values())
 
 
+def test_a_freed_gpu_takes_the_most_urgent_schedulable_batch_and_one_whose_window_passes_on_busy_gpus_drops():
+    """Alg. 1 over several models on one GPU: a lone request's window is ``[d - l(2), d - l(1)]``,
+    alpha (1) wide. ``w`` holds the GPU until 10; ``x`` (window [9, 10]) and ``y`` ([9.5, 10.5])
+    wait for it, and at 10 it takes ``x``, the smaller latest (OnGpuTimer); ``y``'s window passes
+    while ``x`` runs and it is dropped (its head cannot finish even alone), not run late; ``z``
+    (window [17.5, 18.5]) is not sent to the GPU idle since 16 before its window opens.
+    This is why deferred loses to eager where GPUs are few for many models: an alpha-wide window
+    that comes due while every GPU runs other models' batches is lost."""
+
+    def lat(model: str, batch: int) -> float:
+        return 10.0 * batch if model == "w" else batch + 5.0
+
+    slos = {"w": 100.0, "x": 16.0, "y": 16.5, "z": 24.5}
+    d = DeferredDispatcher(slos, GPUS[:1], lat, max_batch={"w": 1, "x": 4, "y": 4, "z": 4})
+    engine = Engine({m: d for m in "wxyz"}, {GPUS[0].id: GPUS[0]}, ReservedDurations())
+    engine.add_arrivals(Request(m, m, 0.0, slo) for m, slo in slos.items())
+    trace = engine.run()
+    assert [(d.model, d.hops[0].compute.start) for _, d in trace.dispatches] == [("w", 0.0), ("x", 10.0), ("z", 17.5)]
+    assert trace.requests["y"].dropped == "deadline" and trace.requests["z"].finish == pytest.approx(23.5)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

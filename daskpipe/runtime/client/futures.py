@@ -182,6 +182,7 @@ class ServedFuture(Future):
                 return unwire_output(state.output)
             if state.status == "error":
                 _, error, traceback = clean_exception(state.exception, state.traceback)
+                assert error is not None, "an erred future holds its exception"
                 raise error.with_traceback(traceback)
         return super().result(timeout)
 

@@ -49,13 +49,15 @@ class SharedPools:
         place of ``deploy``'s estimate (its weights, and one host forward pass's activations).
     context_bytes: the CUDA context every slot's process holds before any model.
     timeout_ms: how long the ``timeout`` data plane lets a batch's first request wait (before
-        time dilation), for the baseline's sweep; ``None``: the registry's ``TIMEOUT_S``.
+        time dilation), for the baseline's sweep: one wait for every model, or one for each (a
+        mapping that names every model of the deployment; Symphony's Fig. 6b gives each model a
+        share of its SLO); ``None``: the registry's ``TIMEOUT_S``.
     """
 
     subclusters: tuple[SubCluster, ...] = ()
     memory: Mapping[str, ModelMemory] = field(default_factory=dict)
     context_bytes: int = CUDA_CONTEXT_BYTES
-    timeout_ms: float | None = None
+    timeout_ms: float | Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.subclusters, tuple) or not all(isinstance(s, SubCluster) for s in self.subclusters):
@@ -64,10 +66,21 @@ class SharedPools:
             raise DeployError("SharedPools.memory must map model names to ModelMemory")
         if isinstance(self.context_bytes, bool) or not isinstance(self.context_bytes, int) or self.context_bytes < 0:
             raise DeployError(f"SharedPools.context_bytes must be a number of bytes >= 0, got {self.context_bytes!r}")
-        if self.timeout_ms is not None and (
-            isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)) or not 0 <= self.timeout_ms < math.inf
-        ):
-            raise DeployError(f"SharedPools.timeout_ms must be None or a number of milliseconds >= 0, got {self.timeout_ms!r}")
+        waits = self.timeout_ms.values() if isinstance(self.timeout_ms, Mapping) else [] if self.timeout_ms is None else [self.timeout_ms]
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in waits):
+            raise DeployError(
+                f"SharedPools.timeout_ms must be None, a number of milliseconds >= 0 or a mapping of model names to such numbers, "
+                f"got {self.timeout_ms!r}"
+            )
+
+    def timeouts_s(self, models: Sequence[str]) -> float | dict[str, float] | None:
+        """The timeout plane's wait for ``models`` (a sub-cluster's) in seconds, as the scheduler takes it."""
+        if not isinstance(self.timeout_ms, Mapping):
+            return None if self.timeout_ms is None else self.timeout_ms * 1e-3
+        missing = [name for name in models if name not in self.timeout_ms]
+        if missing:
+            raise DeployError(f"SharedPools.timeout_ms gives no wait for model(s) {missing}")
+        return {name: self.timeout_ms[name] * 1e-3 for name in models}
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,9 @@ class Pool:
 
 
 def resolve(pools: SharedPools, names: Sequence[str], slots: Sequence[WorkerSlot]) -> list[Pool]:
-    """``pools``' sub-clusters on ``slots``; every model of ``names`` in exactly one, no slot in two."""
+    """``pools``' sub-clusters on ``slots``; every model of ``names`` in exactly one, no slot in two
+    (and a timeout for each, where ``timeout_ms`` gives them one by one)."""
+    pools.timeouts_s(names)
     if not pools.subclusters:
         return [Pool(tuple(names), tuple(sorted(slots, key=lambda s: (s.server, s.address))))]
     placed = [m for sub in pools.subclusters for m in sub.models]

@@ -814,7 +814,7 @@ def deploy(
                 stages={name: stage_rows[name] for name in pool.models},
                 serving=serving,
                 sample_nbytes={name: specs[name].sample_nbytes for name in pool.models},
-                timeout_s=None if pools is None or pools.timeout_ms is None else pools.timeout_ms * 1e-3,
+                timeout_s=pools.timeouts_s(pool.models) if pools is not None else None,
             )
             served.extend(pool.models)
         for name in names if not shared else ():

@@ -42,6 +42,13 @@ model's tightest budget leaves beyond a lone request's latency (nor of the budge
 request can always still be dispatched, with room to queue, so batches keep running and being
 measured through a stall, and what the pipeline can still serve in time is served.
 
+A data plane that sends its batches at the last moment of their window (deferred: Symphony's
+``d - l(b+1)``, ``alpha`` before the last) leaves them no slack but the margin, so a p99 margin
+makes about 1% of them late: all of a 99% target. Its margin (:func:`control_path`) is
+:data:`LAST_MOMENT_QUANTILE` of the latest :data:`WINDOW` batches, however old: a tail that rare
+needs that many, and the horizon's recent few say only what the last seconds' load did. Eager
+batching and the other planes keep the slack of their SLOs beyond it, as PPipe's plans do.
+
 Dropping a request is a sure miss, so a request is dropped only when its batch cannot finish by
 the SLO less the *typical* delay (the median of the same batches, :attr:`ControlPath.typical_s`):
 the dispatcher is given the difference as the request's tolerance
@@ -57,10 +64,15 @@ from itertools import repeat
 
 import numpy as np
 
+from daskpipe.sched.registry import DataPlane
+
 WINDOW = 1000
 """Batches the margin is computed over at most: enough for a p99, recent enough to follow the load."""
 HORIZON_S = 10.0
 MARGIN_QUANTILE = 0.99
+LAST_MOMENT_QUANTILE = 0.999
+"""The margin's percentile where batches leave at their last moment (:func:`control_path`)."""
+LAST_MOMENT_PLANES = frozenset({DataPlane.DEFERRED.value})
 MIN_BATCHES = 20
 RECOMPUTE_EVERY = 20
 """Batches between two recomputations of the margin (a percentile of the window costs ~30 us)."""
@@ -76,10 +88,14 @@ KINDS = ("send", "dispatch", "hop", "done", "done_worker", "done_wire")
 class ControlPath:
     """One model's control-path delays (seconds) and the margin planned from them.
 
-    ``cap_s``: the most the margin may be (the headroom, at most :data:`MAX_SHARE` of the tightest budget)."""
+    ``cap_s``: the most the margin may be (the headroom, at most :data:`MAX_SHARE` of the tightest budget).
+    ``quantile``: the batch delays' percentile the margin is; ``horizon_s``: how old a batch it
+    forgets (it keeps the latest :data:`MIN_BATCHES` however old)."""
 
     seed_s: float
     cap_s: float = float("inf")
+    quantile: float = MARGIN_QUANTILE
+    horizon_s: float = HORIZON_S
     batches: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (when, total)
     parts: dict[str, deque[float]] = field(default_factory=lambda: {kind: deque(maxlen=WINDOW) for kind in KINDS})
     margin_s: float = 0.0
@@ -124,11 +140,11 @@ class ControlPath:
     def refresh(self, now: float) -> None:
         """Recompute the margin from the batches within the horizon, or the latest :data:`MIN_BATCHES`."""
         batches = self.batches
-        while len(batches) > MIN_BATCHES and batches[0][0] < now - HORIZON_S:
+        while len(batches) > MIN_BATCHES and batches[0][0] < now - self.horizon_s:
             batches.popleft()
         margin = typical = max(self.seed_s, MIN_MARGIN_S)
         if len(batches) >= MIN_BATCHES:
-            median, high = np.quantile([total for _, total in batches], (0.5, MARGIN_QUANTILE))
+            median, high = np.quantile([total for _, total in batches], (0.5, self.quantile))
             margin, typical = max(margin, float(high)), float(median)
         self.margin_s = min(margin, self.cap_s)
         self.typical_s = min(typical, self.margin_s)
@@ -147,6 +163,15 @@ class ControlPath:
                 p50, p99 = np.quantile(np.fromiter(values, float, len(values)), (0.5, 0.99))
                 out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = float(p50) * 1e3, float(p99) * 1e3
         return out
+
+
+def control_path(seed_s: float, dataplane: str) -> ControlPath:
+    """A control path seeded at ``seed_s`` for a model (or a shared pool) served by ``dataplane``:
+    a plane of :data:`LAST_MOMENT_PLANES` plans with :data:`LAST_MOMENT_QUANTILE` of the latest
+    :data:`WINDOW` batches, any other with :data:`MARGIN_QUANTILE` of the horizon's."""
+    if dataplane in LAST_MOMENT_PLANES:
+        return ControlPath(seed_s, quantile=LAST_MOMENT_QUANTILE, horizon_s=float("inf"))
+    return ControlPath(seed_s)
 
 
 def seed_from_round_trips(round_trips_s: list[float], messages: int) -> float:

@@ -187,19 +187,29 @@ def check_dilation(time_dilation: Any) -> None:
 
 
 def pool_dispatcher(
-    dispatcher: str, plan: dict, profiles: dict[str, dict], slots: Sequence[WorkerSlot], *, time_dilation: float, timeout_s: float | None
+    dispatcher: str,
+    plan: dict,
+    profiles: dict[str, dict],
+    slots: Sequence[WorkerSlot],
+    *,
+    time_dilation: float,
+    timeout_s: float | dict[str, float] | None,
 ) -> DeferredDispatcher:
     """The one dispatcher of a shared pool: every model of ``profiles`` on every one of ``slots``
     (``daskpipe.sched.registry.make_shared_dispatcher``), time-dilated as :func:`ledger_for`
-    dilates; ``timeout_s``: the timeout data plane's wait (``None``: ``TIMEOUT_S``)."""
+    dilates; ``timeout_s``: the timeout data plane's wait, one for all models or one each
+    (``None``: ``TIMEOUT_S``)."""
     check_dilation(time_dilation)
     check_dispatcher(dispatcher)
     k = float(time_dilation)
     whole = Plan.from_dict(plan)
     models = {name: dilated(whole.model(name), Profile.from_dict(profile), k) for name, profile in profiles.items()}
     try:
-        wait = TIMEOUT_S if timeout_s is None else float(timeout_s)
-        return make_shared_dispatcher(dispatcher, models, [as_slot(s) for s in slots], timeout_s=wait * k)
+        if isinstance(timeout_s, dict):
+            wait: float | dict[str, float] = {name: float(s) * k for name, s in timeout_s.items()}
+        else:
+            wait = k * (TIMEOUT_S if timeout_s is None else float(timeout_s))
+        return make_shared_dispatcher(dispatcher, models, [as_slot(s) for s in slots], timeout_s=wait)
     except ValueError as exc:
         raise DeployError(str(exc)) from None
 

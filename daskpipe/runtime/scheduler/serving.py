@@ -11,6 +11,7 @@ switches it onto new stages with every request in its care (:meth:`Serving.switc
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -19,7 +20,7 @@ from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.gctune import freeze_heap
 from daskpipe.runtime.scheduler.batches import Batches
-from daskpipe.runtime.scheduler.control import ControlPath, seed_from_round_trips
+from daskpipe.runtime.scheduler.control import ControlPath, control_path, seed_from_round_trips
 from daskpipe.runtime.scheduler.intake import check_dispatcher, check_feasible, ledger_for, pool_dispatcher
 from daskpipe.runtime.scheduler.ledger import Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
@@ -73,7 +74,7 @@ class Serving:
         pipelines = Plan.from_dict(plan).model(model).pipelines
         longest = max((len(p.partitions) for p in pipelines), default=1)
         round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
-        control = ControlPath(seed_from_round_trips(round_trips, longest + 2))
+        control = control_path(seed_from_round_trips(round_trips, longest + 2), settings.dispatcher)
         self.start_serving(model, plan, profile, stages, control=control, settings=settings, sample_nbytes=sample_nbytes)
         ledger = self.models.ledgers[model]
         delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id)
@@ -86,7 +87,7 @@ class Serving:
                     ledger.model,
                     ledger.profile,
                     ledger.budgets,
-                    trial_margin(delays),
+                    trial_margin(delays, ledger.control.quantile),
                     bw_gbps=ledger.durations.bw_gbps,
                     time_dilation=k,
                 )
@@ -104,14 +105,15 @@ class Serving:
         stages: dict[str, list[list]],
         serving: dict,
         sample_nbytes: dict[str, int] | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | dict[str, float] | None = None,
     ) -> str:
         """Start serving a shared pool (:mod:`daskpipe.runtime.client.pools`): ``models``, each on every
         slot of the pool (``stages[model]``: its rows, as :meth:`serve` takes them), with one
         dispatcher of ``serving``'s kind for all of them, whose dispatches go to the model they are for
-        (:meth:`~daskpipe.runtime.scheduler.models.Models.act`). Each model keeps its own requests, counts and control-path margin, all
-        seeded from one measurement of the pool's workers. All of them are served, or none.
-        ``timeout_s``: the timeout data plane's wait, before time dilation."""
+        (:meth:`~daskpipe.runtime.scheduler.models.Models.act`). Each model keeps its own requests and
+        counts; they share one control path, measured from all their batches, whose margin is
+        capped for the tightest of them. All of them are served, or none.
+        ``timeout_s``: the timeout data plane's wait, one for all models or one each, before time dilation."""
         settings = read_settings(serving)
         addresses = sorted({str(row[2]) for rows in stages.values() for row in rows})
         unknown = [a for a in addresses if a not in self.models.slots]
@@ -126,10 +128,14 @@ class Serving:
             timeout_s=timeout_s,
         )
         round_trips = [t for address in addresses for t in await self.links.pings.round_trips(self.links.to_worker, address, PINGS)]
+        # one control path for the pool: its models' batches take the same scheduler, workers and
+        # links, and each model alone runs too few of them for a tail (a deferred batch leaves at
+        # its last moment: the margin is all it has for the path)
+        control = control_path(seed_from_round_trips(round_trips, 3), settings.dispatcher)
+        caps: list[float] = []
         started: list[str] = []
         try:
             for model in models:
-                control = ControlPath(seed_from_round_trips(round_trips, 3))
                 self.start_serving(
                     model,
                     plan,
@@ -140,11 +146,14 @@ class Serving:
                     shared=shared,
                     sample_nbytes=(sample_nbytes or {}).get(model, 0),
                 )
+                caps.append(control.cap_s)  # each model's own (start_serving sets it for the model)
                 started.append(model)
         except Exception:
             for model in started:
                 del self.models.ledgers[model]
             raise
+        control.cap_s = min(caps)  # every model's lone request stays servable with the pool's margin
+        control.refresh(time.monotonic())
         shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in models))
         freeze_heap()
         return "OK"

@@ -124,9 +124,9 @@ def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int) -> Fl
     )
 
 
-def trial_margin(delays_s: list[float]) -> float:
-    """The trial's margin: :data:`~daskpipe.runtime.scheduler.control.MARGIN_QUANTILE` of its batches' delays."""
-    return float(np.quantile(delays_s, MARGIN_QUANTILE)) if delays_s else 0.0
+def trial_margin(delays_s: list[float], quantile: float = MARGIN_QUANTILE) -> float:
+    """The trial's margin: ``quantile`` of its batches' delays (the model's control path's)."""
+    return float(np.quantile(delays_s, quantile)) if delays_s else 0.0
 
 
 def trial_summary(delays_s: list[float]) -> dict[str, Any]:

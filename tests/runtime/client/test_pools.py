@@ -151,3 +151,28 @@ def test_a_slot_killed_under_a_shared_pool_loses_no_request():
             assert all(isinstance(f.exception(), RequestDropped) for f in futures if f.status == "error")
             assert {f.exception().reason for f in futures if f.status == "error"} <= {"worker-lost"}  # a retry out of time
             assert [f.status for f in later] == ["finished"] * len(later)  # the dead slot is out of the pool for every model
+
+
+def test_the_models_of_a_shared_pool_plan_with_one_control_path_measured_from_all_their_batches(two_t4):
+    """They share its scheduler, workers and links, and one model alone runs too few batches for a
+    tail: the margin of a model that has run none is measured from the others' batches."""
+    _, client = two_t4
+    service, models = deploy_six(client)
+    with service:
+        client.gather(service.map("m0", frames(16, seed=1)) + service.map("m1", frames(16, seed=2)))
+        controls = [service.status()[name]["control"] for name in models]
+        assert controls[0]["batches"] >= 4  # full batches of 8: two a model at least
+        assert all(c["batches"] == controls[0]["batches"] and c["margin_ms"] == controls[0]["margin_ms"] for c in controls)
+        assert len({c["cap_ms"] for c in controls}) == 1  # the tightest model's cap, so that each stays servable
+
+
+def test_the_timeout_plane_gives_each_model_of_a_pool_its_own_wait_and_names_one_given_none(two_t4):
+    cluster, client = two_t4
+    waits = {f"m{i}": 1.0 + i for i in range(MODELS)}
+    service, models = deploy_six(client, dispatcher="timeout", pools=SharedPools(timeout_ms=waits))
+    with service:
+        dispatcher = plugin_of(cluster.scheduler).models.ledgers["m0"].dispatcher
+        assert dispatcher.max_wait_s == pytest.approx({name: ms * 1e-3 for name, ms in waits.items()})
+        assert client.gather(service.map("m3", frames(2, seed=3)))[0].shape[0] == 1
+    with pytest.raises(DeployError, match=r"gives no wait for model\(s\) \['m5'\]"):
+        deploy_six(client, dispatcher="timeout", pools=SharedPools(timeout_ms={f"m{i}": 1.0 for i in range(MODELS - 1)}))
