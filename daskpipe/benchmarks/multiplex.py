@@ -17,6 +17,8 @@ requests done within its SLO (the runtime: their output in the client's hands), 
 bisection over the offered rate in the simulator, and on the runtime at steps of the simulator's.
 ``--sweep-gpus`` also finds the simulator's goodputs with the same twelve models on other GPU
 counts: Symphony evaluated one GPU a model or more (docs/batching.md, "Shared pools").
+``--fig6-beta`` serves ``--fig6-models`` copies of Fig. 6a's synthetic profile instead of the zoo,
+where batching pays (beta/alpha up to 15) and the simulator finds deferred ahead of eager.
 """
 
 from __future__ import annotations
@@ -385,20 +387,23 @@ def run_multiplex(
     sweep_gpus: Sequence[int],
     sim_only: bool,
     advance: Callable[..., None],
+    models: Sequence[LinearModel] = ZOO,
+    gpus: int = GPUS,
 ) -> dict[str, Any]:
-    """Every policy's goodput in the simulator; unless ``sim_only``, deferred's, eager's and the
-    best timeout's on the runtime too; with ``sweep_gpus``, the simulator's on those GPU counts."""
+    """Every policy's goodput in the simulator for ``models`` on ``gpus`` GPUs; unless
+    ``sim_only``, deferred's, eager's and the best timeout's on the runtime too; with
+    ``sweep_gpus``, the simulator's on those GPU counts."""
     import os
 
     load_before = os.getloadavg()
-    profiles, module, example = zoo_profiles()
-    plan = pool_plan(profiles)
+    profiles, module, example = zoo_profiles(models)
+    plan = pool_plan(profiles, gpus)
     policies = [Policy("deferred"), Policy("eager"), *(Policy("timeout", share) for share in timeout_shares)]
     advance(0, note="goodput in the simulator")
     sim = sim_goodputs(plan, profiles, policies, trials)
     figures: dict[str, Any] = {
-        "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in ZOO],
-        "gpus": f"{GPUS} x {GPU} (emulated, hold-only)",
+        "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in models],
+        "gpus": f"{gpus} x {GPU} (emulated, hold-only)",
         "time_dilation": time_dilation,
         "duration_s": trials.duration,
         "min_requests_per_model": trials.min_requests,
@@ -437,8 +442,9 @@ def on_runtime(
 
     policies = [p for p in sim.found if p.dataplane != "timeout"] + [sim.best_timeout]
     rows: dict[str, dict[str, Any]] = {}
-    advance(1, note=f"starting {GPUS} emulated {GPU}s")
-    with EmulatedCluster({GPU: GPUS}, dashboard_address=None) as cluster, Client(cluster) as client:
+    gpus = gpus_of(plan)
+    advance(1, note=f"starting {gpus} emulated {GPU}s")
+    with EmulatedCluster({GPU: gpus}, dashboard_address=None) as cluster, Client(cluster) as client:
         for policy in policies:
             found = sim.found[policy]
             measured = measure_policy(client, plan, profiles, module, example, policy, found, trials=trials, k=k, advance=advance)
@@ -475,8 +481,15 @@ def numbers(text: str, kind: Callable[[str], Any], option: str) -> list[Any]:
     show_default=True,
     help="The timeout policy's waits, as shares of each model's SLO; the best runs on the runtime.",
 )
+@click.option("--gpus", default=GPUS, show_default=True, type=click.IntRange(min=1), help="Emulated GPUs the models share.")
 @click.option("--sweep-gpus", default="", help="Also the simulator's goodputs of the same models on these GPU counts (comma-separated).")
 @click.option("--sim-only", is_flag=True, help="The simulator's goodputs only (no runtime).")
+@click.option(
+    "--fig6-beta",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Instead of the zoo: copies of Symphony's Fig. 6a profile (alpha 1 ms, this beta in ms, SLO 2 l(8)).",
+)
+@click.option("--fig6-models", default=10, show_default=True, type=click.IntRange(min=1), help="How many copies --fig6-beta serves.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_multiplex(
     duration: float,
@@ -484,11 +497,15 @@ def bench_multiplex(
     seed: int,
     time_dilation: float,
     timeouts: str,
+    gpus: int,
     sweep_gpus: str,
     sim_only: bool,
+    fig6_beta: float | None,
+    fig6_models: int,
     json_path: str | None,
 ) -> None:
-    """Twelve zoo models sharing four emulated GPUs: goodput of deferred, eager and timeout batching, simulated and on the runtime."""
+    """Twelve zoo models (or Fig. 6a's) sharing emulated GPUs: the goodput of deferred, eager and timeout batching, simulated and run."""
+    from daskpipe.benchmarks.symphony import fig6_models as fig6
     from daskpipe.progress import progress_bar
 
     shares = numbers(timeouts, float, "--timeouts")
@@ -502,7 +519,14 @@ def bench_multiplex(
     with progress_bar("multiplex", total=4) as advance:
         trials = Trials(duration, seed, min_requests)
         figures = run_multiplex(
-            trials=trials, time_dilation=time_dilation, timeout_shares=shares, sweep_gpus=counts, sim_only=sim_only, advance=advance
+            trials=trials,
+            time_dilation=time_dilation,
+            timeout_shares=shares,
+            sweep_gpus=counts,
+            sim_only=sim_only,
+            advance=advance,
+            models=ZOO if fig6_beta is None else fig6(fig6_models, fig6_beta),
+            gpus=gpus,
         )
     text = json.dumps(figures, indent=1)
     click.echo(text)

@@ -99,3 +99,24 @@ def test_the_simulator_alone_compares_the_policies_on_the_pool_and_on_more_gpus(
     assert swept["gpus"] == 8 and swept["policies"]["eager"]["goodput_per_s"] > figures["sim"]["policies"]["eager"]["goodput_per_s"]
     bad = CliRunner().invoke(bench_multiplex, ["--sim-only", "--timeouts", "0"])
     assert bad.exit_code != 0 and "each in (0, 1)" in bad.output
+
+
+def test_fig6s_profile_shares_a_pool_of_the_gpus_asked_for(tmp_path):
+    """``--fig6-beta`` serves copies of Symphony's Fig. 6a profile (alpha 1 ms, SLO 2 l(8)) in place of the zoo, on ``--gpus`` GPUs."""
+    import json
+
+    from click.testing import CliRunner
+
+    from daskpipe.benchmarks.multiplex import bench_multiplex
+
+    out = tmp_path / "fig6.json"
+    fig6 = ["--fig6-beta", "15", "--fig6-models", "3", "--gpus", "2"]
+    args = ["--sim-only", *fig6, "--min-requests", "20", "--timeouts", "0.2", "--json", str(out)]
+    result = CliRunner().invoke(bench_multiplex, args)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["models"] == [{"name": f"m{i}", "alpha_ms": 1.0, "beta_ms": 15.0, "slo_ms": 46.0} for i in range(3)]
+    assert figures["gpus"].startswith("2 x") and figures["sim"]["gpus"] == 2
+    assert figures["sim"]["policies"]["eager"]["goodput_per_s"] > 0
+    bad = CliRunner().invoke(bench_multiplex, ["--sim-only", "--fig6-beta", "0"])
+    assert bad.exit_code != 0 and "--fig6-beta" in bad.output
