@@ -145,7 +145,10 @@ async def start_stages(
     """Start every launch, its streams to the pools it feeds open; all of them or none.
 
     Each model's per-block pickles are scattered once (not embedded in every stage's task, a large
-    graph through the scheduler) and released once the stages hold them. A stage that cannot
+    graph through the scheduler), under keys of this start's own, and released once the stages
+    hold them: under their content's hash, a start after one whose blocks died with their worker
+    reused the lost keys, and its stages waited out the whole timeout (`bench chaos --fault flap`:
+    60 s of an empty plan, 2000 requests dropped as no-capacity). A stage that cannot
     start fails the whole start with a :class:`DeployError` naming it and its cause, and every
     stage started is released.
     """
@@ -153,7 +156,7 @@ async def start_stages(
     scattered: dict[str, list[Future]] = {}
     try:
         for name in dict.fromkeys(launch.model for launch in launches):
-            scattered[name] = await client.scatter(blocks[name])
+            scattered[name] = await client.scatter(blocks[name], hash=False)
         futures = [launch.submit(client, scattered[launch.model]) for launch in launches]
         await _started(client, launches, futures, timeout)
         for launch, future in zip(launches, futures):
