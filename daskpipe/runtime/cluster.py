@@ -13,11 +13,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import dask
+from dask.utils import parse_timedelta
 from distributed import LocalCluster
 
 from daskpipe.runtime.wire.protocols import resolve_protocol
 from daskpipe.runtime.worker.environ import stage_worker_environ
 from daskpipe.runtime.worker.slots import SlotSpec, WorkerSpecError, equal_memory_share, positive_int, worker_specs
+
+#: How long a slot's worker may be gone before its Nanny is closed for good (Dask's default is 15 s).
+RESTART_GRACE_S = 120.0
 
 
 def emulated_slots(gpus: Mapping[str, int], *, slices: int | Mapping[str, int] = 1, servers: int = 1) -> list[SlotSpec]:
@@ -120,6 +125,17 @@ class EmulatedCluster(LocalCluster):
         for slot in self.slots:
             self.worker_spec[slot.name] = {"cls": base["cls"], "options": {**base["options"], **slot.worker_options()}}
         await super()._start()
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        """Give a killed slot's Nanny :data:`RESTART_GRACE_S` to bring its worker back.
+
+        SpecCluster closes the Nanny of a worker that has not come back within
+        ``distributed.deploy.lost-worker-timeout``; a worker importing torch on a loaded machine
+        can take longer than its 15 s, and the slot would then be gone for good. A longer setting wins.
+        """
+        configured = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": max(configured, RESTART_GRACE_S)}):
+            super()._update_worker_status(op, msg)
 
     async def _correct_state_internal(self) -> None:
         """SpecCluster creates the workers' Nannies here: without glibc malloc settings

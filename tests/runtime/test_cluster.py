@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import dask
 import pytest
 from distributed import Client
 
@@ -88,8 +89,11 @@ def test_ucx_cluster_moves_data_worker_to_worker():
 
 
 def test_mps_fault_takes_down_every_slice_of_that_gpu_only():
-    """M1: a fatal MPS fault reaches every client on the GPU; the Nannies bring the slices back."""
-    with EmulatedCluster({"L4": 1, "T4": 1}, slices={"T4": 2}, dashboard_address=None) as cluster:
+    """M1: a fatal MPS fault reaches every client on the GPU; the Nannies bring the slices back, even
+    where Dask would close a lost worker's Nanny at once (a restart importing torch on a loaded
+    machine outlasts its default 15 s)."""
+    gives_up_at_once = dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"})
+    with gives_up_at_once, EmulatedCluster({"L4": 1, "T4": 1}, slices={"T4": 2}, dashboard_address=None) as cluster:
         with Client(cluster) as client:
             before = _pids(client)
             assert len(set(before.values())) == 3, "each slot runs in its own process"
