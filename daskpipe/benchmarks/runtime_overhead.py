@@ -46,6 +46,9 @@ less (large inputs: a 2-core machine carries a few hundred 110 KB requests a sec
 backlog of 2000 a second took a minute to drain, measuring the queue rather than the path)."""
 LOAD_FACTOR = 0.8
 SLO_MS = 10_000.0  # generous: the throughput run is a burst, and nothing should be dropped
+LOAD_SLO_MS = 1_000.0
+"""The background model's SLO, generous for its 8 ms path: once the load stops, its last partial
+batch is held to its latest start, and the loaded run waits for it (10 s at :data:`SLO_MS`)."""
 INPUT_SHAPE = (16,)
 """A request's sample: 64 bytes of float32, so that the control path is all there is to measure
 (``--input-shape 3,224,224`` carries 602 KB images instead, to measure their way through)."""
@@ -60,9 +63,11 @@ def trivial_model() -> nn.Module:
     return nn.Sequential(nn.ReLU(), nn.ReLU()).eval()
 
 
-def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US, input_shape: tuple[int, ...] = INPUT_SHAPE):
+def profile_and_plan(
+    names_batches: dict[str, int], stage_us: float = STAGE_US, input_shape: tuple[int, ...] = INPUT_SHAPE, slo_ms: float = SLO_MS
+):
     """A profile and a 2-partition plan on ``cpu`` slots for each (model name, batch size), each
-    block profiled at ``stage_us`` at any batch size, for requests of ``input_shape``."""
+    block profiled at ``stage_us`` at any batch size, for requests of ``input_shape`` under ``slo_ms``."""
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
@@ -75,7 +80,7 @@ def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US, 
         table = np.full((2, batch), stage_us)
         profiles[name] = Profile(
             model=name,
-            slo_us=SLO_MS * 1e3,
+            slo_us=slo_ms * 1e3,
             num_blocks=2,
             latency_us={("cpu", 1): table},
             boundary_bytes=tuple(float(b) for b in blocked.boundary_bytes),
@@ -86,7 +91,7 @@ def profile_and_plan(names_batches: dict[str, int], stage_us: float = STAGE_US, 
         throughput = batch / (stage_us * 1e-6)
         parts = tuple(Partition(blocks=(i, i + 1), gpu="cpu", slices=1, vgpus=1, latency_us=stage_us) for i in range(2))
         models.append(
-            ModelPlan(name=name, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(Pipeline(batch, throughput, parts),))
+            ModelPlan(name=name, slo_us=slo_ms * 1e3, weight=1.0, throughput=throughput, pipelines=(Pipeline(batch, throughput, parts),))
         )
     return profiles, Plan(objective=min(m.throughput for m in models), models=tuple(models), cluster={"bw_gbps": 10.0})
 
@@ -272,7 +277,9 @@ def _loaded(client: Any, samples: int, input_shape: tuple[int, ...], carried_per
     import daskpipe
 
     profiles, plan = profile_and_plan({"trivial-b1": 1}, input_shape=input_shape)
-    load_profiles, load_plan = profile_and_plan({"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US, input_shape=input_shape)
+    load_profiles, load_plan = profile_and_plan(
+        {"trivial-load": LOAD_BATCH}, stage_us=LOAD_STAGE_US, input_shape=input_shape, slo_ms=LOAD_SLO_MS
+    )
     plan = type(plan)(objective=plan.objective, models=plan.models + load_plan.models, cluster=plan.cluster)
     model, x = trivial_model(), torch.zeros(1, *input_shape)
     svc = daskpipe.deploy(
@@ -320,7 +327,7 @@ def offer_load(address: str, model: str, payload: bytes, rate: float, flowing: A
     from daskpipe.benchmarks.remote_client import RemoteSender
 
     with Client(address) as client, RemoteSender(client) as sender:
-        slo_s = SLO_MS * 1e-3
+        slo_s = LOAD_SLO_MS * 1e-3
         futures, sent_at, done_at = [], [], {}
         flowing.set()
         started = due = time.perf_counter()
@@ -442,6 +449,12 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
 )
 @click.option("--rounds", default=3, show_default=True, help="Throughput rounds of each kind, alternated; the best of each is reported.")
 @click.option(
+    "--latency-samples",
+    default=200,
+    show_default=True,
+    help="Closed-loop requests of each latency run (daskpipe, plain Dask, daskpipe under load).",
+)
+@click.option(
     "--input-shape",
     default=",".join(map(str, INPUT_SHAPE)),
     show_default=True,
@@ -449,7 +462,9 @@ def _closed_loop(submit: Callable[[], Any], samples: int) -> list[float]:
     "background load stays at 1600 requests/s, more than 2 cores move at that size.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
-def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, input_shape: str, json_path: str | None) -> None:
+def bench_runtime(
+    requests: int, protocol: str, processes: bool, rounds: int, latency_samples: int, input_shape: str, json_path: str | None
+) -> None:
     """Requests/s and per-request overhead of the Dask runtime with trivial stages, vs plain Dask tasks/s."""
     from daskpipe.profiles.cli import parse_shape
 
@@ -457,6 +472,8 @@ def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, in
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     if rounds < 1:
         raise click.BadParameter("must be >= 1", param_hint="--rounds")
+    if latency_samples < 2:
+        raise click.BadParameter("must be >= 2 (a median and a p99 of one request say nothing)", param_hint="--latency-samples")
     try:
         shape = parse_shape(input_shape)
     except click.BadParameter as exc:
@@ -464,7 +481,15 @@ def bench_runtime(requests: int, protocol: str, processes: bool, rounds: int, in
     from daskpipe.progress import progress_bar
 
     with progress_bar("throughput rounds, loaded run", total=2 * rounds + 1) as advance:
-        figures = run_bench(requests, protocol=protocol, processes=processes, rounds=rounds, input_shape=shape, advance=advance)
+        figures = run_bench(
+            requests,
+            protocol=protocol,
+            processes=processes,
+            latency_samples=latency_samples,
+            rounds=rounds,
+            input_shape=shape,
+            advance=advance,
+        )
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import time
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import click
@@ -27,13 +26,6 @@ from daskpipe.benchmarks.runtime_overhead import bench_cluster, profile_and_plan
 MODEL = "tiny"
 WARM_UP = 30  # requests of each deploy, not counted
 BAR = 0.99
-
-
-def with_slo(profiles: dict, plan: Any, slo_ms: float) -> tuple[dict, Any]:
-    """``profile_and_plan``'s profile and plan of :data:`MODEL`, at ``slo_ms``."""
-    slo_us = slo_ms * 1e3
-    model = replace(plan.models[0], slo_us=slo_us)
-    return {MODEL: replace(profiles[MODEL], slo_us=slo_us)}, replace(plan, models=(model,))
 
 
 def offer(svc: Any, x: torch.Tensor, rate: float, count: int, seed: int) -> list[float | None]:
@@ -66,7 +58,7 @@ def one_deploy(client: Any, slo_ms: float, rate: float, count: int, seed: int) -
     import daskpipe
     from daskpipe.runtime.errors import DeployError
 
-    profiles, plan = with_slo(*profile_and_plan({MODEL: 1}), slo_ms)
+    profiles, plan = profile_and_plan({MODEL: 1}, slo_ms=slo_ms)
     x = torch.zeros(1, 16)
     started = time.monotonic()
     try:

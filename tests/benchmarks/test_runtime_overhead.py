@@ -13,7 +13,21 @@ from daskpipe.cli import main
 @pytest.mark.parametrize("shape, nbytes", [("16", 64), ("3,96,96", 110_592)], ids=["small", "large-inputs-as-frames"])
 def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path, shape, nbytes):
     out = tmp_path / "runtime.json"
-    args = ["bench", "runtime", "--requests", "50", "--rounds", "1", "--in-process", "--input-shape", shape, "--json", str(out)]
+    args = [
+        "bench",
+        "runtime",
+        "--requests",
+        "50",
+        "--rounds",
+        "1",
+        "--latency-samples",
+        "20",
+        "--in-process",
+        "--input-shape",
+        shape,
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
@@ -33,3 +47,8 @@ def test_bench_runtime_reports_both_paths_and_loses_nothing(tmp_path, shape, nby
 def test_bench_runtime_names_a_bad_input_shape():
     result = CliRunner().invoke(main, ["bench", "runtime", "--input-shape", "3,x"])
     assert result.exit_code != 0 and "--input-shape" in result.output and "comma-separated integers" in result.output
+
+
+def test_bench_runtime_names_too_few_latency_samples():
+    result = CliRunner().invoke(main, ["bench", "runtime", "--latency-samples", "1"])
+    assert result.exit_code == 2 and "--latency-samples" in result.output and "must be >= 2" in result.output
