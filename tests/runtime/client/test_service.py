@@ -573,6 +573,7 @@ def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == reference(frames(1))[0].shape
 
 
+@pytest.mark.alone
 def test_drops_err_with_the_reason(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=120.0) as svc:  # a lone request fits; a burst of 12 cannot
