@@ -14,7 +14,6 @@ from daskpipe.cli import main
 from daskpipe.runtime.cluster import EmulatedCluster
 
 
-@pytest.mark.alone
 def test_bench_serve_offers_load_from_processes_and_checks_a_refusal(tmp_path):
     out = tmp_path / "serve.json"
     with EmulatedCluster({"L4": 1}, processes=False, dashboard_address=None, protocol="tcp") as cluster:

@@ -157,7 +157,6 @@ FLOODS = {
 
 
 @pytest.mark.parametrize("flooded", list(FLOODS))
-@pytest.mark.alone
 def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100ms_slo(flooded):
     """The bar of #43: the other client's requests >= 99% on time at a 100 ms SLO, and the
     scheduler's loop never held over 50 ms of its thread's CPU (its wall-clock lag on a busy
@@ -207,7 +206,6 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
             flooder.sync(stream.close)
 
 
-@pytest.mark.alone
 def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_meet_the_slo(emulated_inproc):
     cluster, client = emulated_inproc
     k = 10.0

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tests.runtime.helpers import counted, deploy_two_stage, frames
 
 SLO_S = 1.0  # generous: a lone request takes 15-30 ms over TCP here, up to 135 ms over TLS on a busy machine
 
 
-@pytest.mark.alone
 def test_lone_requests_on_an_idle_cluster_finish_well_within_their_slo(emulated_inproc):
     """The default data plane, an SLO of 1 s, stages of 4 and 6 ms: each of ten requests is sent
     once the answer to the last one is in hand, so none ever finds another outstanding, and none

@@ -26,7 +26,6 @@ from tests.runtime.helpers import serve_at_load_factor, tls_security
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.alone
 def test_processes_cluster_over_tls_serves_at_load_factor_0_7(tmp_path):
     serve_at_load_factor("tls", k=20.0, security=tls_security(tmp_path))
 

@@ -562,7 +562,6 @@ def test_a_bad_gray_failure_knob_fails_the_deploy_naming_it(emulated_inproc):
         deploy_two_stage(client)
 
 
-@pytest.mark.alone
 def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_one(emulated_inproc):
     cluster, client = emulated_inproc
     with pytest.raises(DeployError, match=r"a lone request takes 80.0 ms .* the smallest SLO it can serve is (\d+\.\d) ms") as refused:
@@ -573,7 +572,6 @@ def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == reference(frames(1))[0].shape
 
 
-@pytest.mark.alone
 def test_drops_err_with_the_reason(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=120.0) as svc:  # a lone request fits; a burst of 12 cannot
@@ -594,7 +592,6 @@ def test_drops_err_with_the_reason(emulated_inproc):
         svc.submit("tiny", frames(1)[0]).result()
 
 
-@pytest.mark.alone
 def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
     """No time dilation: 4 + 6 ms stages (17.5 ms at the planned batch of 4) under a 50 ms SLO, the
     control path measured and planned for, at half the plan's capacity."""
@@ -622,7 +619,6 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
         assert all(client.run(gc.get_freeze_count).values()), "each stage worker froze its heap once set up"
 
 
-@pytest.mark.alone
 def test_processes_cluster_at_load_factor_0_7_meets_99_percent_attainment():
     serve_at_load_factor("tcp", k=20.0)
 

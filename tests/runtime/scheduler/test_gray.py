@@ -241,7 +241,6 @@ def test_a_failed_batch_splits_by_the_time_its_deadlines_leave(left_s, lanes, pa
     assert isolation_split([1] * 8, left_s, stage_costs, lanes, report_s=0.002) == parts
 
 
-@pytest.mark.alone
 def test_one_poisoned_input_of_eight_fails_alone_at_an_slo_of_three_pipeline_passes():
     """Pools of four slots each, batches of eight: the retries spread over the pools' slots, each
     request alone when bisection's three more rounds would not fit, and the seven others complete."""

@@ -106,7 +106,6 @@ DILATION = 10.0  # the plan's 457 requests/s become 46: two cores carry 70% of i
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dataplane", DATAPLANES)
-@pytest.mark.alone
 def test_every_data_plane_serves_70_percent_of_the_plans_capacity_on_time(two_slots, dataplane):
     """Each registered data plane, staged ones (reactive: one partition per batch, the data parked
     between them) included, serves an open-loop stream at 70% of the plan's capacity with at least

@@ -87,7 +87,6 @@ def test_a_worker_lost_mid_batch_has_its_requests_re_dispatched_to_the_rest_of_i
         assert svc.status()["tiny"]["dropped"] == {}
 
 
-@pytest.mark.alone
 def test_a_retry_that_cannot_meet_its_deadline_is_dropped_as_worker_lost(l4_and_three_t4):
     cluster, client = l4_and_three_t4
     # one request alone: 100 ms per stage, dispatched at the paper's last moment (~230 ms); the
@@ -204,7 +203,6 @@ def test_a_shift_in_the_load_mix_re_plans_with_the_observed_rates():
             assert status["completed"] + sum(status["dropped"].values()) == status["submitted"] == len(futures)
 
 
-@pytest.mark.alone
 def test_stages_that_run_outside_the_profiles_band_re_plan_on_the_measured_latencies(caplog):
     profile, _ = two_stage(stage_ms=(20.0, 20.0), slo_ms=400.0)
     settings = ElasticSettings(load_interval_s=0.0, profile_band=1.3, debounce_s=0.1)
