@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_a_bad_store_entry_is_moved_aside_and_its_kind_measured_again(cpu_cluste
     (entry,) = tmp_path.glob("*.json")
     spoil(entry)
     again = profiled()
-    assert again.profiling_tasks == 1, "measured again, not planned on the bad entry"
+    assert again.profiling_tasks >= 1, "measured again (twice when a busy machine spoiled a timing), not planned on the bad entry"
     table = again.profile.table("cpu", 1)
     assert table.shape == first.profile.table("cpu", 1).shape and table.min() >= MIN_LATENCY_US
     assert len(list(tmp_path.glob("*.rejected"))) == 1 and not list(tmp_path.glob("*.tmp"))
@@ -262,3 +263,21 @@ def test_daskpipe_profile_cluster_fills_the_store_that_deploy_then_reads(cpu_clu
 def test_a_bad_profiling_option_is_named(fields, message):
     with pytest.raises(DeployError, match="^" + re.escape(message)):
         ProfilingOptions(**fields)
+
+
+class SlowerAlone(torch.nn.Module):
+    """Takes longer for one sample than for two: the table a busy machine's spoiled timing gives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.004 if x.shape[0] == 1 else 0.0005)
+        return x + 1
+
+
+def test_a_table_the_store_would_refuse_is_measured_again_and_not_kept(cpu_cluster, tmp_path, caplog):
+    cluster, client = cpu_cluster
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), SlowerAlone(), torch.nn.ReLU()).eval()
+    store = ProfileStore(tmp_path)
+    result = profile_on_cluster(client, inventory(client), "alone", model, example(), slo_us=None, num_blocks=2, batch_sizes=2, store=store)
+    assert result.profiling_tasks == 2, "measured again once"
+    assert not list(tmp_path.glob("*.json")), "a table the store would refuse on reading is not written"
+    assert "not kept for the next deploy" in caplog.text and "not a measurement" in caplog.text
