@@ -23,7 +23,7 @@ def test_recovery_is_the_end_of_the_last_window_below_target_after_the_kill():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_worker_and_two_new_gpus_lose_no_request_and_the_new_plan_uses_them():
-    figures = run_chaos(seed=7, phase_s=11.0)
+    figures = run_chaos(seed=7, phase_s=5.0)
     assert figures["lost"] == 0, figures
     assert figures["submitted"] == figures["completed"] + sum(figures["dropped"].values()) + sum(figures["failed"].values())
     assert set(figures["dropped"]) <= {"deadline", "worker-lost"} and not figures["failed"]
