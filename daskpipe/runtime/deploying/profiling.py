@@ -213,7 +213,8 @@ def profile_on_cluster(
             if fault := _unstorable(tables[kind], keys[kind]):
                 logger.warning("daskpipe: %s on %s: not kept for the next deploy: %s", name, kind_label(*kind), fault)
             else:
-                measurements[kind_label(*kind)]["store"] = str(store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()}))
+                stored = store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()})
+                measurements[kind_label(*kind)]["store"] = str(stored)
     origin.update({kind_label(*k): MEASURED for k in tables})
     for kind, reason in excluded.items():
         logger.warning("daskpipe: %s on %s is excluded from the deploy: %s", name, kind_label(*kind), reason)
@@ -262,7 +263,8 @@ def profile_on_cluster(
             **({"excluded": {kind_label(*k): r for k, r in excluded.items()}} if excluded else {}),
         },
     )
-    return ClusterProfile(profile, blocked, excluded, profiling_tasks=sum(len(probe.together) for probe in [*to_measure.values(), *noisy.values()]))
+    tasks = sum(len(probe.together) for probe in [*to_measure.values(), *noisy.values()])
+    return ClusterProfile(profile, blocked, excluded, profiling_tasks=tasks)
 
 
 def _default_slo(tables: dict[Kind, np.ndarray]) -> float | None:
