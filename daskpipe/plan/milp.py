@@ -347,9 +347,16 @@ LAST_FULL_SHARE = 0.75
 these (four types on 40 GPUs: 10.1-10.2 s with the whole rest of a 10 s limit)."""
 
 FEW_MODELS = 3
-"""Up to this many models (PPipe's groups) the search over levels with one priced MILP per model
-(:func:`_search_levels`) proves plans that the search over allocations does not (3 partitions on
-40 GPUs: 0.36% against 0.7-1.8%); with more, the search over allocations finds better plans."""
+"""Up to this many models (PPipe's groups) on up to :data:`FEW_TYPES` GPU types, the search over
+levels with one priced MILP per model (:func:`_search_levels`) proves plans that the search over
+allocations does not (3 partitions on 40 GPUs: 0.36% against 0.7-1.8%); with more models the search
+over allocations finds better plans."""
+
+FEW_TYPES = 2
+"""With more GPU types the search over allocations does better for few models too (PPipe's four
+groups on four types, 40 and 100 GPUs, December 6: the gap smaller on six of eight, e.g. 5.3% ->
+4.1% and 2.0% -> 0.7-1.0%, larger on one, 1.8% -> 2.0%; with 3 partitions 7.0% -> 6.5% and
+4.2% -> 2.3%)."""
 
 FEW_MODELS_LEVEL_SHARE = 0.7
 """Share of the time left that :func:`_search_levels` may take; the full MILP gets the rest."""
@@ -365,8 +372,8 @@ def _size_pools(
     the duals of the GPU counts, a price per GPU type; water-filling at those prices gives a first
     plan, a MILP over each model's cheapest configurations (plus those of ``start``) and the GPU
     exchange better ones; a search over levels then tightens both the plan and the bound (with up
-    to :data:`FEW_MODELS` models :func:`_search_levels`, one priced MILP per model; with more,
-    :func:`_search_allocations` over whole GPUs per model); the full MILP, started from the best
+    to :data:`FEW_MODELS` models on up to :data:`FEW_TYPES` GPU types :func:`_search_levels`, one
+    priced MILP per model; else :func:`_search_allocations` over whole GPUs per model); the full MILP, started from the best
     plan so far, uses the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
     is never bettered by a worse plan.
     """
@@ -385,7 +392,7 @@ def _size_pools(
     if not _proven(best, bound, tolerance) and sum(map(len, configs.values())) <= SMALL_MILP:
         best, bound = _solve_full(spec, full, best, bound, _share_of(deadline, FULL_FIRST_SHARE))
     if not _proven(best, bound, tolerance) and len(configs) > 1:
-        if len(configs) > FEW_MODELS:
+        if len(configs) > FEW_MODELS or sum(n > 0 for n in gpus.values()) > FEW_TYPES:
             best, bound = _search_allocations(spec, configs, gpus, full, best, bound, _share_of(deadline, LEVEL_SHARE))
         else:
             best, bound = _search_levels(spec, configs, gpus, full.prices, best, bound, _share_of(deadline, FEW_MODELS_LEVEL_SHARE))
