@@ -23,6 +23,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -209,12 +210,8 @@ def profile_on_cluster(
             from rich.console import Console
 
             Console(stderr=True).print(f"daskpipe: {name} on {kind_label(*kind)}: {timing['warning']}")
-        elif store is not None and kind in keys:
-            if fault := _unstorable(tables[kind], keys[kind]):
-                logger.warning("daskpipe: %s on %s: not kept for the next deploy: %s", name, kind_label(*kind), fault)
-            else:
-                stored = store.put(keys[kind], tables[kind], {"model": name, "measured_at": time.time()})
-                measurements[kind_label(*kind)]["store"] = str(stored)
+        elif store is not None and kind in keys and (stored := keep_measurement(store, keys[kind], tables[kind], name)):
+            measurements[kind_label(*kind)]["store"] = str(stored)
     origin.update({kind_label(*k): MEASURED for k in tables})
     for kind, reason in excluded.items():
         logger.warning("daskpipe: %s on %s is excluded from the deploy: %s", name, kind_label(*kind), reason)
@@ -344,6 +341,16 @@ def _unstorable(table: np.ndarray, key: MeasurementKey) -> str | None:
     except ProfileError as exc:
         return str(exc)
     return None
+
+
+def keep_measurement(store: ProfileStore, key: MeasurementKey, table: np.ndarray, model: str) -> Path | None:
+    """Write a new table of ``model`` under ``key``, unless the store would refuse it on reading it
+    back (a timing a busy machine spoiled): that one is planned on where it was measured, said, and
+    not kept. Returns the entry's path, or ``None``."""
+    if fault := _unstorable(table, key):
+        logger.warning("daskpipe: %s on %s: not kept for the next deploy: %s", model, kind_label(key.gpu, key.slices), fault)
+        return None
+    return store.put(key, table, {"model": model, "measured_at": time.time()})
 
 
 def _measure(

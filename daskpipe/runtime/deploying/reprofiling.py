@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -118,7 +117,7 @@ async def profile_missing(
 async def _measure_chain(client: Client, dep: Deployment, name: str, spec: ModelSpec, chain: list[tuple[tuple[str, int], str]]) -> dict:
     """Measure the kinds of one physical GPU one after another; a kind that fails is left out (logged)."""
     from daskpipe.profiles.store import ProfileStore
-    from daskpipe.runtime.deploying.profiling import PROFILE_KEY_PREFIX, describe_device, measurement_key
+    from daskpipe.runtime.deploying.profiling import PROFILE_KEY_PREFIX, describe_device, keep_measurement, measurement_key
 
     profile = spec.profile
     store = (
@@ -151,7 +150,7 @@ async def _measure_chain(client: Client, dep: Deployment, name: str, spec: Model
             )
             tables.update(measured)
             if store is not None and key is not None:
-                store.put(key, measured[kind], {"model": name, "measured_at": time.time()})
+                keep_measurement(store, key, measured[kind], name)
         except Exception as exc:
             logger.warning(
                 "daskpipe: could not profile %s on %s for %s (%r); the re-plan leaves it out", kind_label(*kind), address, name, exc
