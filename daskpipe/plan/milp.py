@@ -374,8 +374,8 @@ def _size_pools(
     exchange better ones; a search over levels then tightens both the plan and the bound (with up
     to :data:`FEW_MODELS` models on up to :data:`FEW_TYPES` GPU types :func:`_search_levels`, one
     priced MILP per model; else :func:`_search_allocations` over whole GPUs per model); the full
-    MILP, started from the best plan so far, uses the time left. Each stage is skipped once the plan is proven within ``options.gap``; ``start``
-    is never bettered by a worse plan.
+    MILP, started from the best plan so far, uses the time left. Each stage is skipped once the
+    plan is proven within ``options.gap``; ``start`` is never bettered by a worse plan.
     """
     tolerance = spec.options.gap
     full = _PoolSizing(spec, configs, gpus)
