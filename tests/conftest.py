@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,33 +33,3 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and item.get_closest_marker("heavy") and os.environ.get("DASKPIPE_REQUIRE_HEAVY") == "1":
         report.outcome = "failed"
         report.longrepr = f"heavy check skipped but DASKPIPE_REQUIRE_HEAVY=1: {report.longrepr}"
-
-
-@contextmanager
-def machine_share(exclusive: bool) -> Iterator[None]:
-    """Under pytest-xdist, a test marked ``alone`` runs while no other test does, and the others
-    share the machine: a readers-writer lock of two ``flock`` files, the first a turnstile that an
-    ``alone`` test holds while it waits, so that the others cannot keep it out. Without xdist it does nothing."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        yield
-        return
-    directory = Path(tempfile.gettempdir()) / f"daskpipe-tests-{run}"
-    directory.mkdir(exist_ok=True)
-    with open(directory / "turnstile", "a") as turnstile, open(directory / "machine", "a") as machine:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """A test's setup, call and teardown under :func:`machine_share`."""
-    with machine_share(exclusive=item.get_closest_marker("alone") is not None):
-        yield

@@ -77,7 +77,6 @@ def test_profiles_in_a_dask_worker_with_the_threads_its_slot_serves_with():
     assert profile.meta["cpu_threads"] == 3  # the worker's threads, not torch's default
 
 
-@pytest.mark.alone
 def test_a_timing_whose_thread_was_off_the_cpu_half_the_time_says_the_machine_was_busy(monkeypatch):
     """The thread's CPU clock runs at half the wall clock, as when another process takes its core
     half of the time. The OS's own scheduling is too uneven for a test: in two full-suite runs, a

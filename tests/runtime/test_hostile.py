@@ -184,7 +184,6 @@ def flood_from_another_process(address: str, model: str, go, report) -> None:
 
 
 @pytest.mark.parametrize("flooded", list(FLOODS))
-@pytest.mark.alone
 def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100ms_slo(flooded):
     """The bar of #43: the other client's requests >= 99% on time at a 100 ms SLO, and the
     scheduler's loop never held over 50 ms of its thread's CPU (its wall-clock lag on a busy

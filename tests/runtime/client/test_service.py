@@ -592,7 +592,6 @@ def test_drops_err_with_the_reason(emulated_inproc):
         svc.submit("tiny", frames(1)[0]).result()
 
 
-@pytest.mark.alone
 def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
     """No time dilation: 4 + 6 ms stages (17.5 ms at the planned batch of 4) under a 50 ms SLO, the
     control path measured and planned for, at half the plan's capacity."""

@@ -71,7 +71,6 @@ def test_emulated_kinds_are_estimated_and_marked(emulated_inproc):
     assert {result.profile.origin(g, v) for g, v in result.profile.latency_us} == {"estimated"}
 
 
-@pytest.mark.alone  # a busy machine's timings can fail the store's check, and a refused table is measured twice
 def test_the_store_serves_a_second_profile_and_a_changed_weight_or_input_shape_misses(cpu_cluster, tmp_path):
     cluster, client = cpu_cluster
     store = ProfileStore(tmp_path / "store")

@@ -88,6 +88,8 @@ def offer(svc, rate: float, seconds: float) -> list[tuple[float, object, list]]:
 
     sent = paced(send, rate, seconds=seconds, poisson=False)
     wait([f for _, f, _ in sent], timeout=60)
+    # Dask runs done-callbacks on a thread of its own: one may not have run yet when wait returns
+    wait_until(lambda: all(ended for _, _, ended in sent), timeout=10, what="every request's done-callback")
     return sent
 
 

@@ -118,7 +118,6 @@ def only_stages_of(emulated, models) -> None:
     wait_until(released, timeout=30, what=f"the stages of {models} alone")
 
 
-@pytest.mark.alone
 def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_others_stay_on_time(cluster):
     emulated, client = cluster
     plugin = plugin_of(emulated.scheduler)
@@ -138,7 +137,6 @@ def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_other
         only_stages_of(emulated, ["a", "b", "c"])
 
 
-@pytest.mark.alone
 def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cluster):
     emulated, client = cluster
     plugin = plugin_of(emulated.scheduler)
@@ -161,7 +159,6 @@ def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cl
         only_stages_of(emulated, ["a", "b"])
 
 
-@pytest.mark.alone
 def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_finishes_the_old_ones_on_the_old(cluster):
     emulated, client = cluster
     plugin = plugin_of(emulated.scheduler)
