@@ -193,6 +193,8 @@ class Batches:
                 address = flight.route[index]["address"]
                 flight.slot_free[fb.partition] = before = self.slot_ends.get(address, -np.inf)
                 self.slot_ends[address] = max(fb.end, before)
+                if flight.trial:  # measured, not watched
+                    continue
                 if index + 1 < len(flight.planned):
                     _, planned_start, transfer = flight.planned[index + 1]
                     self.watch.watch_hop(ledger, model, dispatch, flight, index + 1, max(planned_start, fb.end + transfer))
@@ -201,6 +203,8 @@ class Batches:
                 ):  # before the dispatcher hears of it: it may send the next stage at once
                     self._park(ledger, model, dispatch, flight, now)
                 self.watch.pace(ledger, model, address, fb.end - fb.start, flight.spans[index], now)
+            if flight is not None and flight.trial:  # the plugin's, not the dispatcher's
+                continue
             self.models.metrics.feedback(model, fb)
             self.models.act(ledger, model, ledger.step(lambda: ledger.dispatcher.feedback(fb, now)))
 
@@ -295,7 +299,6 @@ class Batches:
         ledger.flights[dispatch] = flight
         if dispatch >= self.next_ids.get(model, 0):
             self.next_ids[model] = dispatch + 1
-        latest = self.watch.watch_batch(ledger, model, dispatch, flight)
         retries = flight.retries
         batch: BatchHeader = {
             "op": messages.BATCH,
@@ -304,9 +307,10 @@ class Batches:
             "keys": flight.keys,
             "sizes": [n for _, _, n in retries],
             "route": flight.route,
-            "expires": latest + time.time() - time.monotonic(),
             "clients": (clients := clients_of(self.models.scheduler, self.links.client_streams, flight.keys)),
         }
+        if not flight.trial:  # a trial's slow batches are what it measures: the watch would take them away
+            batch["expires"] = self.watch.watch_batch(ledger, model, dispatch, flight) + time.time() - time.monotonic()
         last = flight.route[-1]["address"]
         for client in clients:  # a stage worker new since its first requests (a re-plan): before it has outputs for it
             self.links.reach(client, [last])

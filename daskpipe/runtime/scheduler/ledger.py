@@ -60,6 +60,7 @@ class Flight:
     route: list[Hop] = field(default_factory=list)  # as sent: where each hop runs
     spans: list[float] = field(default_factory=list)  # per hop: planned compute seconds
     isolating: bool = False  # a part of a failed or stalled batch, retried apart (poison and hang isolation)
+    trial: bool = False  # a deploy's trial batch: measured, never policed (no hop bound, no late limit)
     stalled_on: str = ""  # a request of a batch that stalled on this worker, re-dispatched alone (hang isolation)
     pipeline: int = 0  # the plan's pipeline it runs on
     sources: list[str] = field(

@@ -121,6 +121,7 @@ def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int) -> Fl
         route=route,
         spans=spans,
         pipeline=pipeline,
+        trial=True,
     )
 
 
