@@ -44,7 +44,19 @@ class TimeoutDispatcher(DeferredDispatcher):
             if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (wait >= 0 and math.isfinite(wait)):
                 raise ValueError(f"model {name!r}: max_wait_s must be a non-negative number of seconds, got {wait!r}")
         self.max_wait_s = {name: float(wait) for name, wait in waits.items()}
+        self._wait_for_all = None if isinstance(max_wait_s, Mapping) else float(max_wait_s)
         super().__init__(models, slots, latency, max_batch=max_batch, route=route, settings=settings)
+
+    def add_model(self, name: str, slo: float, max_batch: int, max_wait_s: float | None = None) -> None:
+        """As the deferred dispatcher's, with ``name``'s wait: ``max_wait_s``, or the one every
+        model was given (a dispatcher made with a wait for each model needs one)."""
+        wait = self._wait_for_all if max_wait_s is None else max_wait_s
+        if wait is None:
+            raise ValueError(f"model {name!r}: this dispatcher gives each model its own max_wait_s; give one for it")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (wait >= 0 and math.isfinite(wait)):
+            raise ValueError(f"model {name!r}: max_wait_s must be a non-negative number of seconds, got {wait!r}")
+        super().add_model(name, slo, max_batch)
+        self.max_wait_s[name] = float(wait)
 
     def _exec_bound(self, model: ModelQueue, samples: int, deadline: Time) -> Time:
         if samples >= model.max_batch:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
-from daskpipe.sched.api import Dispatcher, Placement, Slot
+from daskpipe.sched.api import Action, Dispatcher, Placement, Slot
 from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
 from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
@@ -160,27 +160,10 @@ def make_shared_dispatcher(
     plane = check_name(name)
     if plane not in MULTIPLEXING:
         raise ValueError(f"data plane {name!r} does not share slots between models; a shared pool runs one of {', '.join(MULTIPLEXING)}")
-    kinds = {slot.id: (slot.gpu, slot.slices) for slot in slots}
-    pipelines: dict[str, dict[str, int]] = {}
-    blocks: dict[str, tuple[int, int]] = {}
-    for model, (model_plan, _) in models.items():
-        by_kind = {
-            (pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(model_plan.pipelines) if len(pl.partitions) == 1
-        }
-        missing = sorted({f"{gpu}/v{v}" for gpu, v in kinds.values() if (gpu, v) not in by_kind})
-        if missing:
-            raise ValueError(
-                f"the plan of {model!r} has no whole-model pipeline on {', '.join(missing)}, a kind of its shared pool's slots"
-            )
-        pipelines[model] = {slot: by_kind[kind] for slot, kind in kinds.items()}
-        blocks[model] = model_plan.pipelines[0].partitions[0].blocks
-
-    def latency(model: str, slot: str, batch: int) -> float:
-        gpu, v = kinds[slot]
-        return models[model][1].latency(gpu, v, batch, *blocks[model]) / 1e6
-
-    route = SharedPoolRoute(latency, pipelines)
-    caps = {m: min(min(pl.batch_size for pl in plan.pipelines), max_batch or math.inf) for m, (plan, _) in models.items()}
+    route = SharedPoolRoute()
+    caps = {}
+    for model, (model_plan, profile) in models.items():
+        caps[model] = _join_route(route, model, model_plan, profile, slots, max_batch)
     policy: dict[str, Any] = {"max_wait_s": timeout_s} if plane == DataPlane.TIMEOUT else {}
     kind = {DataPlane.DEFERRED: DeferredDispatcher, DataPlane.EAGER: EagerDispatcher, DataPlane.TIMEOUT: TimeoutDispatcher}[
         DataPlane(plane)
@@ -189,8 +172,62 @@ def make_shared_dispatcher(
         {m: plan.slo_us / 1e6 for m, (plan, _) in models.items()},
         slots,
         route.slowest,
-        max_batch={m: int(cap) for m, cap in caps.items()},
+        max_batch=caps,
         route=route,
         settings=settings,
         **policy,
     )
+
+
+def add_shared_model(
+    dispatcher: DeferredDispatcher,
+    name: str,
+    model_plan: ModelPlan,
+    profile: Profile,
+    slots: Sequence[Slot],
+    *,
+    max_wait_s: float | None = None,
+    max_batch: int | None = None,
+) -> None:
+    """Model ``name`` joins the shared pool ``dispatcher`` serves (:func:`make_shared_dispatcher`'s,
+    on ``slots``), as that function would have placed it; ``max_wait_s``: its wait on the timeout
+    plane (default: the one every model has there)."""
+    if not isinstance(dispatcher.route, SharedPoolRoute):
+        raise ValueError(f"{type(dispatcher).__name__} does not serve a shared pool: models cannot join it")
+    if name in dispatcher.route.pipelines:
+        raise ValueError(f"model {name!r} is served by this pool already")
+    cap = _join_route(dispatcher.route, name, model_plan, profile, slots, max_batch)
+    try:
+        if isinstance(dispatcher, TimeoutDispatcher):
+            dispatcher.add_model(name, model_plan.slo_us / 1e6, cap, max_wait_s=max_wait_s)
+        else:
+            dispatcher.add_model(name, model_plan.slo_us / 1e6, cap)
+    except ValueError:
+        dispatcher.route.remove(name)
+        raise
+
+
+def remove_shared_model(dispatcher: DeferredDispatcher, name: str, now: float) -> list[Action]:
+    """Model ``name`` leaves the shared pool ``dispatcher`` serves; the drops of what it had queued."""
+    actions = dispatcher.remove_model(name, now)
+    if isinstance(dispatcher.route, SharedPoolRoute):
+        dispatcher.route.remove(name)
+    return actions
+
+
+def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profile: Profile, slots: Sequence[Slot], cap: int | None) -> int:
+    """Put ``model`` on every one of ``slots`` in ``route``: its whole-model pipeline of each slot's
+    kind, timed on that kind. Its largest batch: its pipelines' smallest planned one, at most ``cap``."""
+    kinds = {slot.id: (slot.gpu, slot.slices) for slot in slots}
+    by_kind = {(pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(model_plan.pipelines) if len(pl.partitions) == 1}
+    missing = sorted({f"{gpu}/v{v}" for gpu, v in kinds.values() if (gpu, v) not in by_kind})
+    if missing:
+        raise ValueError(f"the plan of {model!r} has no whole-model pipeline on {', '.join(missing)}, a kind of its shared pool's slots")
+    blocks = model_plan.pipelines[0].partitions[0].blocks
+
+    def latency(slot: str, batch: int) -> float:
+        gpu, v = kinds[slot]
+        return profile.latency(gpu, v, batch, *blocks) / 1e6
+
+    route.add(model, latency, {slot: by_kind[kind] for slot, kind in kinds.items()})
+    return int(min(min(pl.batch_size for pl in model_plan.pipelines), cap or math.inf))

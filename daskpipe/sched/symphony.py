@@ -81,10 +81,21 @@ class SharedPoolRoute:
     kinds: a batch runs for its own slot's latency, ``latency(model, slot, batch)``, and on
     ``pipelines[model][slot]``, the model's pipeline of that slot's kind in the plan (what the
     executor holds the batch for). The window takes :meth:`slowest`, as Symphony takes the slowest
-    GPU's profile, so a batch sent to a faster slot only ends earlier."""
+    GPU's profile, so a batch sent to a faster slot only ends earlier. Models join and leave while
+    the pool serves (:meth:`add`, :meth:`remove`)."""
 
-    def __init__(self, latency: Callable[[str, str, int], float], pipelines: Mapping[str, Mapping[str, int]]) -> None:
-        self.latency, self.pipelines = latency, pipelines
+    def __init__(self) -> None:
+        self.latencies: dict[str, Callable[[str, int], float]] = {}  # model -> latency(slot, batch), seconds
+        self.pipelines: dict[str, Mapping[str, int]] = {}
+
+    def add(self, model: str, latency: Callable[[str, int], float], pipelines: Mapping[str, int]) -> None:
+        self.latencies[model], self.pipelines[model] = latency, pipelines
+
+    def remove(self, model: str) -> None:
+        del self.latencies[model], self.pipelines[model]
+
+    def latency(self, model: str, slot: str, batch: int) -> float:
+        return self.latencies[model](slot, batch)
 
     def slowest(self, model: str, batch: int) -> float:
         return max(self.latency(model, slot, batch) for slot in self.pipelines[model])
@@ -280,24 +291,14 @@ class DeferredDispatcher(Dispatcher):
             raise ValueError(f"slot ids must be unique, got {ids}")
         self.settings = settings or DeferredSettings()
         self.stats = Stats()
+        self._latency = latency
         self._models: dict[str, ModelQueue] = {}
         for name, slo in models.items():
-            if not (isinstance(slo, (int, float)) and slo > 0 and math.isfinite(slo)):
-                raise ValueError(f"model {name!r}: SLO must be a positive number of seconds, got {slo!r}")
-            cap = max_batch[name] if isinstance(max_batch, Mapping) else max_batch
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-                raise ValueError(f"model {name!r}: max_batch must be an integer >= 1, got {cap!r}")
-            table: list[float] = []
-            for b in range(1, cap + 1):
-                value = float(latency(name, b))
-                if not (value > 0 and math.isfinite(value)):
-                    raise ValueError(f"model {name!r}: latency at batch {b} must be a positive number of seconds, got {value!r}")
-                table.append(max(value, table[-1]) if table else value)
-            self._models[name] = ModelQueue(name, float(slo), table)
+            self._models[name] = self._model_queue(name, slo, max_batch[name] if isinstance(max_batch, Mapping) else max_batch)
         self._units = [_Unit(i, s.id) for i, s in enumerate(slots)]
-        self._route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
+        self.route = route or WholeModelRoute(lambda name, batch: self._models[name].l(batch))
         # a slot that runs whole models is one unit: it can leave and come back (a plan's route books later pools of its own)
-        self.supports_pools = isinstance(self._route, (WholeModelRoute, SharedPoolRoute))
+        self.supports_pools = isinstance(self.route, (WholeModelRoute, SharedPoolRoute))
         self._gone: set[int] = set()  # units taken out (remove_slot)
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
         self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
@@ -306,6 +307,39 @@ class DeferredDispatcher(Dispatcher):
         self._pending: list[tuple[Time, int, str, int]] = []  # (latest, seq, model, version)
         self._seq = itertools.count()
         self._dispatch_ids = itertools.count()
+
+    def _model_queue(self, name: str, slo: float, cap: int) -> ModelQueue:
+        """``name``'s queue, its latency table profiled up to ``cap`` samples, checked."""
+        if not (isinstance(slo, (int, float)) and slo > 0 and math.isfinite(slo)):
+            raise ValueError(f"model {name!r}: SLO must be a positive number of seconds, got {slo!r}")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"model {name!r}: max_batch must be an integer >= 1, got {cap!r}")
+        table: list[float] = []
+        for b in range(1, cap + 1):
+            value = float(self._latency(name, b))
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"model {name!r}: latency at batch {b} must be a positive number of seconds, got {value!r}")
+            table.append(max(value, table[-1]) if table else value)
+        return ModelQueue(name, float(slo), table)
+
+    # -- models joining and leaving a shared pool ----------------------------------------------
+    def add_model(self, name: str, slo: float, max_batch: int) -> None:
+        """Serve ``name`` too, on every slot, from now on (its latency is the constructor's
+        ``latency``: a shared pool's route must know it first)."""
+        if name in self._models:
+            raise ValueError(f"model {name!r} is served by this dispatcher already")
+        self._models[name] = self._model_queue(name, slo, max_batch)
+
+    def remove_model(self, name: str, now: Time, reason: DropReason = "shutdown") -> list[Action]:
+        """Stop serving ``name``: what it has queued is dropped for ``reason``; the other models
+        keep their queues and the slots (its batches in flight are the executor's)."""
+        if name not in self._models:
+            raise ValueError(f"model {name!r} is not served by this dispatcher (serves {sorted(self._models)})")
+        if len(self._models) == 1:
+            raise ValueError(f"model {name!r} is this dispatcher's last model")
+        actions = self.drain(now, reason, models=[name])
+        del self._models[name]
+        return actions
 
     # -- construction on a plan --------------------------------------------------------------
     @classmethod
@@ -515,8 +549,8 @@ class DeferredDispatcher(Dispatcher):
             heapq.heappush(self._model_timers, (candidate.exec, next(self._seq), model.name, model.version))
 
     def _valid(self, entry: tuple[Time, int, str, int], pending: bool) -> bool:
-        model = self._models[entry[2]]
-        return model.candidate is not None and model.version == entry[3] and model.candidate.pending == pending
+        model = self._models.get(entry[2])  # none: it left the pool (remove_model)
+        return model is not None and model.candidate is not None and model.version == entry[3] and model.candidate.pending == pending
 
     def _clean(self, heap: list, pending: bool) -> None:
         while heap and not self._valid(heap[0], pending):
@@ -584,7 +618,7 @@ class DeferredDispatcher(Dispatcher):
             return False
         count, samples = candidate.requests, candidate.samples
         while True:  # later partitions may queue: shrink the batch until its route meets the head's deadline
-            pipeline, hops, free = self._route.probe(model.name, unit.slot, now, samples)
+            pipeline, hops, free = self.route.probe(model.name, unit.slot, now, samples)
             if hops[-1].compute.end <= candidate.deadline:
                 break
             count = model.queue.count_fitting(samples - 1)
@@ -593,7 +627,7 @@ class DeferredDispatcher(Dispatcher):
                 self._update_candidate(model, now, actions)
                 return False
             samples = model.queue.head_samples(count)
-        self._route.commit(hops)
+        self.route.commit(hops)
         requests = model.queue.pop(count)
         unit.free = free
         heapq.heappush(self._busy, (unit.free, unit.index))

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from daskpipe.plan.shared import SharedGroup, shared_plan
 from daskpipe.sched.api import Dispatch, Dispatcher, Drop, Placement, PoolsFixed, Request, Slot
-from daskpipe.sched.registry import DATAPLANES, MULTIPLEXING, known, make_dispatcher, make_shared_dispatcher, register
-from tests.sched.helpers import two_kind_pool
+from daskpipe.sched.registry import (
+    DATAPLANES,
+    MULTIPLEXING,
+    add_shared_model,
+    known,
+    make_dispatcher,
+    make_shared_dispatcher,
+    register,
+    remove_shared_model,
+)
+from tests.sched.helpers import linear, two_kind_pool
 from tests.sim.helpers import toy_plan, toy_profile
 
 
@@ -86,6 +96,60 @@ def test_a_shared_dispatcher_runs_every_model_on_every_slot_timed_by_its_kind(na
         assert pipeline.partitions[0].gpu == {"l4": "L4", "t4": "T4"}[d.hops[0].slot]
         compute = d.hops[0].compute
         assert compute.end - compute.start == pytest.approx(profiles[d.model].latency(pipeline.partitions[0].gpu, 1, d.batch_size) / 1e6)
+
+
+def run_out(dispatcher, actions: list, until: float = float("inf")) -> list:
+    while (wake := dispatcher.next_wake()) is not None and wake <= until:
+        actions += dispatcher.wake(wake)
+    return actions
+
+
+@pytest.mark.parametrize("name", MULTIPLEXING)
+def test_models_join_and_leave_a_shared_pool_while_it_serves(name):
+    """ "c" joins a pool serving "a" and "b" and runs on both slots at its own kind's latency; "a"
+    leaves with requests queued: they end dropped as "shutdown", later ones are refused, and the
+    others keep their queues and the slots."""
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher(name, {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s=0.001)
+    profiles["c"] = linear("c", 1.5, 3.0, 25.0)
+    grown = shared_plan(profiles, [SharedGroup(("a", "b", "c"), {("T4", 1): 1, ("L4", 1): 1})])
+    add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
+    with pytest.raises(ValueError, match="model 'c' is served by this pool already"):
+        add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
+    actions = run_out(dispatcher, [a for i in range(90) for a in dispatcher.submit(Request(i, "abc"[i % 3], 0.0, 0.1), 0.0)])
+    dispatches = [a for a in actions if isinstance(a, Dispatch)]
+    assert sum(len(d.requests) for d in dispatches) + sum(isinstance(a, Drop) for a in actions) == 90 and {
+        d.hops[0].slot for d in dispatches if d.model == "c"
+    } == {"l4", "t4"}
+    for d in (d for d in dispatches if d.model == "c"):
+        gpu = grown.model("c").pipelines[d.pipeline].partitions[0].gpu
+        assert gpu == {"l4": "L4", "t4": "T4"}[d.hops[0].slot]
+        assert d.hops[0].compute.end - d.hops[0].compute.start == pytest.approx(profiles["c"].latency(gpu, 1, d.batch_size) / 1e6)
+    queued = [a for i in range(100, 130) for a in dispatcher.submit(Request(i, "abc"[(i - 100) % 3], 1.0, 1.5), 1.0)]
+    left = remove_shared_model(dispatcher, "a", 1.0)
+    assert left and all(isinstance(a, Drop) and a.reason == "shutdown" and a.request.model == "a" for a in left)
+    with pytest.raises(ValueError, match="for model 'a', which this dispatcher does not serve"):
+        dispatcher.submit(Request(99, "a", 1.0, 1.5), 1.0)
+    rest = run_out(dispatcher, queued)
+    served = {r.id for a in rest if isinstance(a, Dispatch) for r in a.requests}
+    dropped_a = {a.request.id for a in left}
+    assert served | dropped_a | {a.request.id for a in rest if isinstance(a, Drop)} == set(range(100, 130))
+    assert {i for i in range(100, 130) if (i - 100) % 3} <= served, "b and c are served on"
+    with pytest.raises(ValueError, match="not served by this dispatcher"):
+        remove_shared_model(dispatcher, "a", 2.0)
+
+
+def test_a_model_joining_a_timeout_pool_of_per_model_waits_needs_its_own():
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher(
+        "timeout", {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s={"a": 0.001, "b": 0.002}
+    )
+    profiles["c"] = linear("c", 1.5, 3.0, 25.0)
+    grown = shared_plan(profiles, [SharedGroup(("a", "b", "c"), {("T4", 1): 1, ("L4", 1): 1})])
+    with pytest.raises(ValueError, match="gives each model its own max_wait_s"):
+        add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
+    add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots, max_wait_s=0.003)  # the failed join left nothing behind
+    assert dispatcher.max_wait_s["c"] == 0.003
 
 
 def test_a_shared_pool_refuses_a_data_plane_that_does_not_multiplex():

@@ -4,14 +4,16 @@ Every model of a sub-cluster runs whole on every slot of it, and one multiplexin
 sub-cluster (deferred, eager or timeout: ``daskpipe.sched.registry.make_shared_dispatcher``, the
 one the simulator runs) decides, batch by batch, which model a free slot runs next. This module
 turns the user's sub-clusters into slots, checks that each slot holds its models, and places one
-stage per (model, slot); the scheduler plugin's ``serve_pool`` serves each sub-cluster. Torch-free.
+stage per (model, slot); the scheduler plugin's ``serve_pool`` serves each sub-cluster. A service
+changes a deployed pool's models with :class:`SharedDeployment` (the scheduler's ``join_pool`` and
+``leave_pool``). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from daskpipe.plan.schema import Plan, PlanError
@@ -19,7 +21,7 @@ from daskpipe.plan.shared import SharedGroup, check_memory, shared_plan
 from daskpipe.profiles.memory import CUDA_CONTEXT_BYTES, ModelMemory
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.wire.messages import WorkerSlot
+from daskpipe.runtime.wire.messages import ServeSettings, WorkerSlot
 
 
 @dataclass(frozen=True)
@@ -149,3 +151,65 @@ def plan_pools(
     except PlanError as exc:
         raise DeployError(str(exc)) from None
     return plan
+
+
+@dataclass
+class SharedDeployment:
+    """A shared-pool deployment as its service changes its models while it serves: its pools, and
+    what planning them again takes, under the names the scheduler serves the models as (an updated
+    model's version, ``name@v2``). A joining model's stages start on every slot of its pool, and
+    the pool's other models serve on: no re-plan, no switch."""
+
+    pools: list[Pool]
+    settings: SharedPools
+    serving: ServeSettings  # what the pools serve with
+    profiles: dict[str, Profile]
+    slo_us: dict[str, float]  # the SLOs given at deploy or change (the others: their profiles')
+    memory: dict[str, ModelMemory]
+    stages: dict[str, set[str]]  # model -> the keys of its stage actors, one per slot of its pool (the service holds them)
+
+    def plan_join(
+        self, name: str, profile: Profile, slo_us: float | None, memory: ModelMemory, beside: str | None = None
+    ) -> tuple[int, Plan]:
+        """The sub-cluster ``name`` joins and the deployment's plan with it there: ``beside``'s (a
+        new version joins its old one's, both held until the old one ends), else the sub-cluster
+        of fewest models whose slots hold it beside them within the SLO and memory (ties: the
+        first); or a :class:`DeployError` that says why each could not."""
+        refusals = []
+        candidates = sorted(range(len(self.pools)), key=lambda i: (len(self.pools[i].models), i))
+        if beside is not None:
+            candidates = [i for i in candidates if beside in self.pools[i].models]
+        for index in candidates:
+            pools = [Pool((*pool.models, name), pool.slots) if i == index else pool for i, pool in enumerate(self.pools)]
+            slos = {**self.slo_us, name: slo_us} if slo_us is not None else self.slo_us
+            profiles, memories = {**self.profiles, name: profile}, {**self.memory, name: memory}
+            try:
+                return index, plan_pools(pools, profiles, slos, memories, self.settings.context_bytes)
+            except DeployError as exc:
+                refusals.append(f"sub-cluster {index} ({', '.join(self.pools[index].models)}): {exc}")
+        raise DeployError(f"no sub-cluster can serve {name!r} beside its models: {'; '.join(refusals)}")
+
+    def joined(self, index: int, name: str, profile: Profile, slo_us: float | None, memory: ModelMemory, stages: set[str]) -> None:
+        """``name`` serves in sub-cluster ``index`` now, on ``stages``."""
+        self.pools[index] = replace(self.pools[index], models=(*self.pools[index].models, name))
+        self.profiles[name], self.memory[name], self.stages[name] = profile, memory, stages
+        if slo_us is not None:
+            self.slo_us[name] = slo_us
+
+    def left(self, name: str) -> set[str]:
+        """``name`` serves no more; the keys of its stages, to release."""
+        pools = [replace(pool, models=tuple(m for m in pool.models if m != name)) for pool in self.pools]
+        self.pools = [pool for pool in pools if pool.models]  # a pool's last model leaving leaves its slots idle
+        self.profiles.pop(name, None)
+        self.memory.pop(name, None)
+        self.slo_us.pop(name, None)
+        return self.stages.pop(name, set())
+
+    def plan(self) -> Plan:
+        """The deployment's plan as its models are now."""
+        return plan_pools(self.pools, self.profiles, self.slo_us, self.memory, self.settings.context_bytes)
+
+    def timeout_s(self, name: str) -> float | None:
+        """``name``'s wait on the timeout data plane, where the settings give each model its own."""
+        wait = self.settings.timeouts_s([name])
+        return wait[name] if isinstance(wait, dict) else None

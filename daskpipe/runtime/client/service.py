@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
+import msgspec
 import numpy as np
 import torch
 from distributed import Client, Future
@@ -42,7 +43,7 @@ from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import ProfileStore, configured_store
 from daskpipe.runtime.client.arguments import check_deploy_arguments, check_model_change
 from daskpipe.runtime.client.futures import ClientStream, LandedFutures, ServedFuture
-from daskpipe.runtime.client.pools import SharedPools, plan_pools, pool_placement, resolve
+from daskpipe.runtime.client.pools import Pool, SharedDeployment, SharedPools, plan_pools, pool_placement, resolve
 from daskpipe.runtime.deploying.deployment import pickle_blocks, plan_launches, release, start_stages
 from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus, place
 from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
@@ -213,6 +214,7 @@ class Service:
         time_dilation: float,
         entries: Mapping[tuple[str, int], InputSpec] | None = None,
         changeable: bool = False,
+        shared: SharedDeployment | None = None,
     ):
         self.client = client
         self._stream = open_stream(client)
@@ -225,7 +227,9 @@ class Service:
         self._token = uuid.uuid4().hex[:12]
         self._counter = itertools.count()
         self.closed = False
-        self._changeable = changeable  # its deployment is elastic: models can be added, removed and updated
+        # its deployment is elastic, or of shared pools: models can be added, removed and updated
+        self._changeable = changeable or shared is not None
+        self._shared = shared
         self._routing = threading.Lock()  # a model's name -> the served model its requests go to, and the count sent there
         self._served_as: dict[str, str] = {}  # an updated model -> its version served now (``name@v2``)
         self._sent: Counter[str] = Counter()  # served model -> requests sent to it, awaited before it is retired
@@ -399,13 +403,15 @@ class Service:
         requests wait through the switch, as on a re-plan). Returns once ``name`` takes requests.
 
         The arguments are ``deploy``'s for one model; ``weight`` is its workload share against
-        the others' (deploy's ``weights``, default 1). Awaitable with an asynchronous client.
+        the others' (deploy's ``weights``, default 1). Awaitable with an asynchronous client. On a
+        shared-pool service it joins one sub-cluster instead, with no re-plan (docs/operations.md,
+        "Model life cycle").
 
         Raises
         ------
         DeployError
-            On a closed or non-elastic service, a bad argument, a name already served, or a model
-            the cluster cannot fit beside the others (the plan in force stays).
+            On a closed service or one whose plan is fixed, a bad argument, a name already served,
+            or a model the cluster cannot fit beside the others (the plan in force stays).
         """
         return self._change(self._add_model, name, module, example_input, slo_ms, profile, weight, max_queued, allow_nonfinite, profiling)
 
@@ -469,7 +475,7 @@ class Service:
         if not self._changeable:
             raise DeployError(
                 f"{what}: this service keeps its plan (deployed with elastic=None, or a hybrid deployment); deploy with "
-                f"elastic=ElasticSettings() to add, remove or update models"
+                f"elastic=ElasticSettings(), or with pools=SharedPools(), to add, remove or update models"
             )
 
     def _add_model(
@@ -492,16 +498,19 @@ class Service:
             raise DeployError(f"model {name!r} is already served by this service; update_model rolls out a new version of it")
         slo_us = slo_ms * 1e3 if slo_ms is not None else None
         profile, blocked, spec = self._prepare(name, module, example, profile, slo_us, profiling, allow_nonfinite)
-        plan = self.client.sync(
-            self.client.scheduler.daskpipe_add_model,
-            models=self._served_names(),
-            model=name,
-            spec=scheduler_spec(blocked, spec, profile, pickle_blocks(blocked.blocks)),
-            slo_us=slo_us,
-            weight=float(weight),
-            max_queued=max_queued,
-            sample_nbytes=spec.sample_nbytes,
-        )
+        if self._shared is not None:
+            plan = self._join_pool(self._shared, name, module, example, profile, blocked, spec, slo_us, max_queued)
+        else:
+            plan = self.client.sync(
+                self.client.scheduler.daskpipe_add_model,
+                models=self._served_names(),
+                model=name,
+                spec=scheduler_spec(blocked, spec, profile, pickle_blocks(blocked.blocks)),
+                slo_us=slo_us,
+                weight=float(weight),
+                max_queued=max_queued,
+                sample_nbytes=spec.sample_nbytes,
+            )
         with self._routing:
             self._removed.discard(name)
             self._specs[name] = replace(spec, max_samples=Plan.from_dict(plan).model(name).max_batch)
@@ -521,9 +530,13 @@ class Service:
             self._removed.add(name)
             sent = self._sent.pop(served, 0)
         try:
-            plan = self.client.sync(
-                self.client.scheduler.daskpipe_remove_model, models=served_names, model=served, sent=sent, timeout_s=float(timeout)
-            )
+            if self._shared is not None:
+                self.client.sync(self.client.scheduler.daskpipe_leave_pool, model=served, sent=sent, timeout_s=float(timeout))
+                plan = self._left_pool(self._shared, served)
+            else:
+                plan = self.client.sync(
+                    self.client.scheduler.daskpipe_remove_model, models=served_names, model=served, sent=sent, timeout_s=float(timeout)
+                )
         except Exception:  # refused before anything changed there: it serves on
             with self._routing:
                 self._removed.discard(name)
@@ -566,23 +579,31 @@ class Service:
                 f"{old_spec.dtype}; the new version takes (n, {', '.join(map(str, spec.shape))}) of {spec.dtype}; serve it as a new "
                 f"model with add_model"
             )
-        plan = self.client.sync(
-            self.client.scheduler.daskpipe_update_model,
-            models=self._served_names(),
-            model=old,
-            version=version,
-            spec=scheduler_spec(blocked, spec, new_profile, pickle_blocks(blocked.blocks)),
-            slo_us=slo_us,
-            max_queued=max_queued,
-            sample_nbytes=spec.sample_nbytes,
-        )
+        if self._shared is not None:  # both versions in the old one's pool until the old one ends
+            slo = slo_us if slo_us is not None else self._shared.slo_us.get(old)
+            plan = self._join_pool(self._shared, version, module, example, new_profile, blocked, spec, slo, max_queued, beside=old)
+        else:
+            plan = self.client.sync(
+                self.client.scheduler.daskpipe_update_model,
+                models=self._served_names(),
+                model=old,
+                version=version,
+                spec=scheduler_spec(blocked, spec, new_profile, pickle_blocks(blocked.blocks)),
+                slo_us=slo_us,
+                max_queued=max_queued,
+                sample_nbytes=spec.sample_nbytes,
+            )
         with self._routing:  # new requests go to the new version from here on
             self._served_as[name] = version
             self._specs[name] = replace(spec, max_samples=Plan.from_dict(plan).model(version).max_batch)
             sent = self._sent.pop(old, 0)
         self.profiles[name] = new_profile
         self._plan = self._public_plan(plan)
-        self.client.sync(self.client.scheduler.daskpipe_retire_model, model=old, sent=sent, timeout_s=float(timeout))
+        if self._shared is not None:
+            self.client.sync(self.client.scheduler.daskpipe_leave_pool, model=old, sent=sent, timeout_s=float(timeout))
+            self._plan = self._public_plan(self._left_pool(self._shared, old))
+        else:
+            self.client.sync(self.client.scheduler.daskpipe_retire_model, model=old, sent=sent, timeout_s=float(timeout))
 
     def _prepare(
         self,
@@ -602,6 +623,60 @@ class Service:
         if profile is None:
             measured = on_kinds(measured, [s for s in slots if (s.gpu, s.slices) not in excluded])
         return measured, blocked, request_spec(blocked, measured, example, 1, allow_nonfinite)
+
+    def _join_pool(
+        self,
+        shared: SharedDeployment,
+        served: str,
+        module: nn.Module,
+        example: Any,
+        profile: Profile,
+        blocked: BlockedModel,
+        spec: InputSpec,
+        slo_us: float | None,
+        max_queued: int | None,
+        beside: str | None = None,
+    ) -> dict:
+        """Serve ``served`` in a sub-cluster of ``shared`` (``beside``'s, else the one
+        :meth:`SharedDeployment.plan_join` picks): its stages start on every slot there, then the
+        scheduler adds it to the pool's dispatcher. The deployment's plan with it."""
+        from daskpipe.profiles.memory import measure_memory
+
+        memory = shared.settings.memory.get(served) or measure_memory(module, example)
+        index, plan = shared.plan_join(served, profile, slo_us, memory, beside)
+        grown = Pool((*shared.pools[index].models, served), shared.pools[index].slots)
+        launches = plan_launches(
+            plan,
+            {served: pool_placement(plan, [grown])[served]},
+            {served: [blocked.input_shape, *blocked.boundary_shapes]},
+            {served: str(spec.dtype).removeprefix("torch.")},
+        )
+        started = self.client.sync(start_stages, self.client, launches, {served: pickle_blocks(blocked.blocks)})
+        try:
+            self.client.sync(
+                self.client.scheduler.daskpipe_join_pool,
+                model=served,
+                pool=list(shared.pools[index].models),
+                plan=plan.to_dict(),
+                profile=profile.to_dict(),
+                stages=started.rows[served],
+                serving=msgspec.structs.replace(shared.serving, max_queued=max_queued).to_wire(),
+                sample_nbytes=spec.sample_nbytes,
+                timeout_s=shared.timeout_s(served),
+            )
+        except Exception:
+            release(started.futures)
+            raise
+        shared.joined(index, served, profile, slo_us, memory, {str(future.key) for future in started.futures})
+        self._stages.extend(started.futures)
+        return plan.to_dict()
+
+    def _left_pool(self, shared: SharedDeployment, served: str) -> dict:
+        """``served`` left its pool on the scheduler: release its stages; the deployment's plan without it."""
+        stages = shared.left(served)
+        release(future for future in self._stages if future.key in stages)
+        self._stages = [future for future in self._stages if future.key not in stages]
+        return shared.plan().to_dict()
 
     def __enter__(self) -> Service:
         return self
@@ -848,7 +923,18 @@ def deploy(
             client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
         release(stage_futures)
         raise
-    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None)
+    deployment = None
+    if shared and pools is not None:
+        deployment = SharedDeployment(
+            pools=list(shared),
+            settings=pools,
+            serving=ServeSettings.from_wire(serving),
+            profiles={name: profiles[name] for name in names},
+            slo_us=slos_us,
+            memory=memory,
+            stages={name: {str(row[3]) for row in stage_rows[name]} for name in names},
+        )
+    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None, shared=deployment)
 
 
 # -- steps of deploy ---------------------------------------------------------------------------

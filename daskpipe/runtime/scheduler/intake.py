@@ -29,7 +29,7 @@ from daskpipe.runtime.wire.inputs import HeldInput, held_count
 from daskpipe.runtime.wire.messages import MalformedSubmission, ServeSettings, WorkerSlot, read_submission
 from daskpipe.sched.api import Dispatcher, Placement, Request, Slot
 from daskpipe.sched.durations import BatchDurations
-from daskpipe.sched.registry import TIMEOUT_S, check_name, known, make_dispatcher, make_shared_dispatcher
+from daskpipe.sched.registry import TIMEOUT_S, add_shared_model, check_name, known, make_dispatcher, make_shared_dispatcher
 from daskpipe.sched.symphony import DeferredDispatcher
 
 logger = logging.getLogger(__name__)
@@ -210,6 +210,28 @@ def pool_dispatcher(
         else:
             wait = k * (TIMEOUT_S if timeout_s is None else float(timeout_s))
         return make_shared_dispatcher(dispatcher, models, [as_slot(s) for s in slots], timeout_s=wait)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
+
+
+def join_pool_dispatcher(
+    shared: DeferredDispatcher,
+    model: str,
+    plan: dict,
+    profile: dict,
+    slots: Sequence[WorkerSlot],
+    *,
+    time_dilation: float,
+    timeout_s: float | None,
+) -> None:
+    """``model`` joins ``shared``, the dispatcher :func:`pool_dispatcher` made for ``slots``, as that
+    function would have placed it; ``timeout_s``: its wait on the timeout data plane (default: the
+    one the pool's models share)."""
+    k = float(time_dilation)
+    model_plan, dilated_profile = dilated(Plan.from_dict(plan).model(model), Profile.from_dict(profile), k)
+    wait = None if timeout_s is None else float(timeout_s) * k
+    try:
+        add_shared_model(shared, model, model_plan, dilated_profile, [as_slot(s) for s in slots], max_wait_s=wait)
     except ValueError as exc:
         raise DeployError(str(exc)) from None
 

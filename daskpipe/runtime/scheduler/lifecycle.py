@@ -38,6 +38,8 @@ from daskpipe.runtime.scheduler.elastic.state import Deployment, ModelSpec, NewM
 from daskpipe.runtime.scheduler.ledger import Failed
 from daskpipe.runtime.scheduler.models import Models
 from daskpipe.runtime.wire import messages
+from daskpipe.sched.registry import remove_shared_model
+from daskpipe.sched.symphony import DeferredDispatcher, SharedPoolRoute
 
 if TYPE_CHECKING:
     from daskpipe.plan.schema import Plan
@@ -62,6 +64,7 @@ class Lifecycle:
             messages.REMOVE_MODEL: self.remove,
             messages.UPDATE_MODEL: self.update,
             messages.RETIRE_MODEL: self.retire,
+            messages.LEAVE_POOL: self.leave_pool,
         }
 
     # -- rpc handlers ----------------------------------------------------------------------------
@@ -164,6 +167,24 @@ class Lifecycle:
                 raise DeployError(f"model {model!r} is not an old version being retired")
             await self._drain(model, sent, timeout_s)
             self.elastic.retire(row[3] for row in dep.retiring.pop(model))
+        return "OK"
+
+    async def leave_pool(self, model: str, sent: int, timeout_s: float) -> str:
+        """End ``model``, a shared pool's model, as :meth:`remove` ends one (its ``sent`` requests
+        first, at most ``timeout_s``), and take it out of the pool's dispatcher; the pool's other
+        models keep its slots, with no re-plan (a pool's last model leaves them idle). Its
+        service releases its stages."""
+        async with self.elastic.lock:
+            ledger = self.models.ledgers.get(model)
+            if ledger is None or ledger.closing:
+                raise DeployError(f"model {model!r} is not served here")
+            shared = ledger.dispatcher
+            if not (isinstance(shared, DeferredDispatcher) and isinstance(shared.route, SharedPoolRoute)):
+                raise DeployError(f"model {model!r} is not served by a shared pool; its service removes it with a re-plan")
+            staying = any(m != model and other.dispatcher is shared and not other.closing for m, other in self.models.ledgers.items())
+            await self._drain(model, sent, timeout_s)
+            if staying:  # nothing of it is queued there: the drain closed it
+                remove_shared_model(shared, model, time.monotonic())
         return "OK"
 
     # -- steps -----------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.INVENTORY: self.models.inventory,
                     messages.SERVE: self.serving.serve,
                     messages.SERVE_POOL: self.serving.serve_pool,
+                    messages.JOIN_POOL: self.serving.join_pool,
                     messages.CLOSE: self.models.close,
                     messages.STATUS: self.models.status,
                     **self.elastic.handlers(),

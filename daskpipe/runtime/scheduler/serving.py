@@ -21,7 +21,7 @@ from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.gctune import freeze_heap
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import ControlPath, control_path, seed_from_round_trips
-from daskpipe.runtime.scheduler.intake import check_dispatcher, check_feasible, ledger_for, pool_dispatcher
+from daskpipe.runtime.scheduler.intake import check_dispatcher, check_feasible, join_pool_dispatcher, ledger_for, pool_dispatcher
 from daskpipe.runtime.scheduler.ledger import Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
@@ -29,6 +29,8 @@ from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, t
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.api import Dispatcher
+from daskpipe.sched.registry import remove_shared_model
+from daskpipe.sched.symphony import DeferredDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +158,47 @@ class Serving:
         control.refresh(time.monotonic())
         shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in models))
         freeze_heap()
+        return "OK"
+
+    async def join_pool(
+        self,
+        model: str,
+        pool: list[str],
+        plan: dict,
+        profile: dict,
+        stages: list[list],
+        serving: dict,
+        sample_nbytes: int = 0,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Serve ``model`` on the shared pool that serves ``pool``'s models, beside them, on its
+        ``stages`` (one on each of the pool's slots, rows as :meth:`serve` takes them): it joins the
+        pool's dispatcher and control path; the other models serve on undisturbed. ``plan``: the
+        pool's plan with ``model`` in it; ``timeout_s``: its wait on the timeout data plane."""
+        ledgers = [ledger for m in pool if (ledger := self.models.ledgers.get(m)) is not None and not ledger.closing]
+        if not pool or len(ledgers) < len(pool):
+            raise DeployError(f"models {sorted(pool)} are not all served here: {model!r} has no shared pool to join")
+        shared = ledgers[0].dispatcher
+        if not isinstance(shared, DeferredDispatcher) or any(ledger.dispatcher is not shared for ledger in ledgers):
+            raise DeployError(f"models {sorted(pool)} do not share one pool's dispatcher: {model!r} cannot join them")
+        addresses = sorted({str(row[2]) for row in stages})
+        unknown = [a for a in addresses if a not in self.models.slots]
+        if unknown:
+            raise DeployError(f"{model!r}'s stages are on {unknown}, which are not workers of this cluster")
+        settings = read_settings(serving)
+        slots = [self.models.slots[a] for a in addresses]
+        join_pool_dispatcher(shared, model, plan, profile, slots, time_dilation=settings.time_dilation, timeout_s=timeout_s)
+        control = ledgers[0].control
+        cap = control.cap_s
+        try:
+            self.start_serving(model, plan, profile, stages, control=control, settings=settings, shared=shared, sample_nbytes=sample_nbytes)
+        except Exception:
+            control.cap_s = cap
+            remove_shared_model(shared, model, time.monotonic())
+            raise
+        control.cap_s = min(cap, control.cap_s)  # every model's lone request stays servable with the pool's margin
+        control.refresh(time.monotonic())
+        shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in [*pool, model]))  # past every id the pool sent
         return "OK"
 
     def start_serving(

@@ -86,6 +86,8 @@ ADD_MODEL = "daskpipe_add_model"
 REMOVE_MODEL = "daskpipe_remove_model"
 UPDATE_MODEL = "daskpipe_update_model"
 RETIRE_MODEL = "daskpipe_retire_model"  # an updated model's old version, once the service sends to the new one
+JOIN_POOL = "daskpipe_join_pool"  # a model added to a shared pool (daskpipe/runtime/client/pools.py)
+LEAVE_POOL = "daskpipe_leave_pool"  # a model removed from a shared pool, once its requests have ended
 
 
 # -- the messages' shapes -----------------------------------------------------------------------

@@ -11,7 +11,9 @@ import torch
 from distributed import Client, wait
 
 import daskpipe
+from daskpipe.profiles.memory import ModelMemory
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
+from daskpipe.runtime.client.pools import SharedPools
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
@@ -137,18 +139,24 @@ def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_other
         only_stages_of(emulated, ["a", "b", "c"])
 
 
+def remove_b_under_load(svc) -> None:
+    """Remove model "b" with 40 requests of it queued and in flight, under a stream to "a": they are
+    served to their end, none lost, "a" stays on time, and "b" takes no more requests."""
+    with Stream(svc, "a") as stream:
+        burst = svc.map("b", [torch.randn(1, *INPUT) for _ in range(40)])
+        svc.remove_model("b")
+    stream.check()
+    tally = ended(burst)
+    assert sum(tally.values()) == 40 and tally.get("result", 0) >= 39, tally
+    with pytest.raises(InvalidRequest, match="model 'b' was removed from this service"):
+        svc.submit("b", torch.randn(1, *INPUT)).result(timeout=10)
+
+
 def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cluster):
     emulated, client = cluster
     plugin = plugin_of(emulated.scheduler)
     with deploy(client) as svc:
-        with Stream(svc, "a") as stream:
-            burst = svc.map("b", [torch.randn(1, *INPUT) for _ in range(40)])  # queued and in flight as the removal starts
-            svc.remove_model("b")
-        stream.check()
-        tally = ended(burst)
-        assert sum(tally.values()) == 40 and tally.get("result", 0) >= 39, tally  # served to their end, none lost
-        with pytest.raises(InvalidRequest, match="model 'b' was removed from this service"):
-            svc.submit("b", torch.randn(1, *INPUT)).result(timeout=10)
+        remove_b_under_load(svc)
         assert svc.models == ["a"] and "b" not in plugin.models.ledgers
         assert [m.name for m in svc.plan.models] == ["a"]
         only_stages_of(emulated, ["a"])
@@ -159,11 +167,14 @@ def test_a_model_removed_under_load_ends_what_it_was_sent_and_frees_its_slots(cl
         only_stages_of(emulated, ["a", "b"])
 
 
-def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_finishes_the_old_ones_on_the_old(cluster):
+@pytest.mark.parametrize("pools", [None, SharedPools()], ids=["re-planned", "shared-pool"])
+def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_finishes_the_old_ones_on_the_old(cluster, pools):
+    """Re-planned in the old version's place, or (a shared pool) beside it in its sub-cluster."""
     emulated, client = cluster
     plugin = plugin_of(emulated.scheduler)
+    shared = {"elastic": None, "dispatcher": "deferred", "pools": pools} if pools is not None else {}
     # a burst of 30 queued behind the new version's stages loading: 8x the SLO (3.2 s) let one miss on a loaded CI machine
-    with deploy(client, slo_factor=16.0) as svc:
+    with deploy(client, slo_factor=16.0, **shared) as svc:
         with Stream(svc, "a") as stream:
             old_xs = [torch.randn(1, *INPUT) for _ in range(30)]
             old = svc.map("b", old_xs)
@@ -178,6 +189,8 @@ def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_f
             for future, x in zip(new, new_xs):
                 torch.testing.assert_close(future.result(), version(100.0)(x), atol=5e-2, rtol=1e-2)
         assert "b" not in plugin.models.ledgers and "b@v2" in plugin.models.ledgers  # the old version is retired
+        if pools is not None:
+            assert plugin.models.ledgers["b@v2"].dispatcher is plugin.models.ledgers["a"].dispatcher
         only_stages_of(emulated, ["a", "b@v2"])
         assert svc.status()["b"]["completed"] >= 20 and svc.plan.model("b").pipelines
         svc.update_model("b", version(200.0))  # and again: version 3
@@ -225,3 +238,40 @@ def test_the_changes_are_awaitable_with_an_asynchronous_client(cluster):
                 assert svc.models == ["a", "b"] and set((await svc.status())) == {"a", "b"}
 
     emulated.sync(change)
+
+
+def deploy_shared(client, names=("a", "b"), **pools):
+    """``names`` on one shared pool of the cluster's four slots, under one deferred dispatcher."""
+    return deploy(client, names, elastic=None, dispatcher="deferred", pools=SharedPools(**pools))
+
+
+def test_a_shared_pool_takes_a_model_added_and_gives_up_one_removed_under_load_with_no_replan(cluster):
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    with deploy_shared(client) as svc:
+        shared, replans = plugin.models.ledgers["a"].dispatcher, len(plugin.elastic.history)
+        with Stream(svc, "a") as stream:
+            svc.add_model("c", version(50.0), torch.randn(1, *INPUT), profile=profile_of("c"))
+        stream.check()
+        assert plugin.models.ledgers["c"].dispatcher is shared and len(plugin.elastic.history) == replans  # it joined: no re-plan
+        assert {a for _, _, a in plugin.models.ledgers["c"].stages} == set(plugin.models.slots)  # on every slot of it
+        xs = [torch.randn(1, *INPUT) for _ in range(12)]
+        with torch.inference_mode():
+            for out, x in zip(client.gather(svc.map("c", xs)), xs):
+                torch.testing.assert_close(out, version(50.0)(x), atol=5e-2, rtol=1e-2)
+        assert [m.name for m in svc.plan.models] == ["a", "b", "c"]
+        remove_b_under_load(svc)
+        assert svc.models == ["a", "c"] and [m.name for m in svc.plan.models] == ["a", "c"]
+        only_stages_of(emulated, ["a", "c"])
+        assert client.gather(svc.submit("c", xs[0])).shape == (1, 10)  # the pool serves on without it
+
+
+def test_a_model_that_does_not_fit_a_shared_pools_memory_is_refused_naming_it_and_the_pool_serves_on(cluster):
+    emulated, client = cluster
+    huge = ModelMemory(weights_bytes=30 * 10**9, activation_bytes=10**6)
+    with deploy_shared(client, memory={"huge": huge}) as svc:
+        with pytest.raises(DeployError, match=r"no sub-cluster can serve 'huge' beside its models: sub-cluster 0 \(a, b\): .*'huge'"):
+            svc.add_model("huge", version(0.0), torch.randn(1, *INPUT), profile=profile_of("huge"))
+        assert svc.models == ["a", "b"] and "huge" not in plugin_of(emulated.scheduler).models.ledgers
+        only_stages_of(emulated, ["a", "b"])  # none of its stages started
+        assert client.gather(svc.submit("a", torch.randn(1, *INPUT))).shape == (1, 10)
