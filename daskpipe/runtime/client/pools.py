@@ -12,9 +12,10 @@ changes a deployed pool's models with :class:`SharedDeployment` (the scheduler's
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.plan.shared import SharedGroup, check_memory, shared_plan
@@ -54,14 +55,21 @@ class SharedPools:
         time dilation), for the baseline's sweep: one wait for every model, or one for each (a
         mapping that names every model of the deployment; Symphony's Fig. 6b gives each model a
         share of its SLO); ``None``: the registry's ``TIMEOUT_S``.
+    resplit_s: how often the service re-splits its models over its sub-clusters by their rates
+        (``Service.resplit``, Symphony's epoch); ``None``: only when called.
     """
 
     subclusters: tuple[SubCluster, ...] = ()
     memory: Mapping[str, ModelMemory] = field(default_factory=dict)
     context_bytes: int = CUDA_CONTEXT_BYTES
     timeout_ms: float | Mapping[str, float] | None = None
+    resplit_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.resplit_s is not None and (
+            isinstance(self.resplit_s, bool) or not isinstance(self.resplit_s, (int, float)) or not 0 < self.resplit_s < math.inf
+        ):
+            raise DeployError(f"SharedPools.resplit_s must be None or a number of seconds > 0, got {self.resplit_s!r}")
         if not isinstance(self.subclusters, tuple) or not all(isinstance(s, SubCluster) for s in self.subclusters):
             raise DeployError(f"SharedPools.subclusters must be a tuple of SubCluster, got {self.subclusters!r}")
         if not isinstance(self.memory, Mapping) or not all(isinstance(m, ModelMemory) for m in self.memory.values()):
@@ -154,62 +162,76 @@ def plan_pools(
 
 
 @dataclass
+class PoolMember:
+    """A model of a shared pool, as its service keeps it to plan and move it: its profile, memory,
+    SLO (``None``: its profile's), queue bound, cut blocks and the keys of its stage actors (one per
+    slot of its pool; the service holds their futures)."""
+
+    profile: Profile
+    memory: ModelMemory
+    slo_us: float | None
+    max_queued: int | None
+    blocked: Any
+    stages: set[str]
+
+
+@dataclass
 class SharedDeployment:
-    """A shared-pool deployment as its service changes its models while it serves: its pools, and
-    what planning them again takes, under the names the scheduler serves the models as (an updated
-    model's version, ``name@v2``). A joining model's stages start on every slot of its pool, and
-    the pool's other models serve on: no re-plan, no switch."""
+    """A shared-pool deployment as its service changes its models while it serves: its pools and
+    their members, under the names the scheduler serves the models as (an updated or moved model's
+    version, ``name@v2``). A joining model's stages start on every slot of its pool, and the pool's
+    other models serve on: no re-plan, no switch. ``epoch_sent`` and ``epoch_at``: what the
+    service had sent each model (by its own name) at the last re-split, and when."""
 
     pools: list[Pool]
     settings: SharedPools
     serving: ServeSettings  # what the pools serve with
-    profiles: dict[str, Profile]
-    slo_us: dict[str, float]  # the SLOs given at deploy or change (the others: their profiles')
-    memory: dict[str, ModelMemory]
-    stages: dict[str, set[str]]  # model -> the keys of its stage actors, one per slot of its pool (the service holds them)
+    members: dict[str, PoolMember]
+    epoch_sent: dict[str, int] = field(default_factory=dict)
+    epoch_at: float = field(default_factory=time.monotonic)
 
-    def plan_join(
-        self, name: str, profile: Profile, slo_us: float | None, memory: ModelMemory, beside: str | None = None
-    ) -> tuple[int, Plan]:
-        """The sub-cluster ``name`` joins and the deployment's plan with it there: ``beside``'s (a
-        new version joins its old one's, both held until the old one ends), else the sub-cluster
-        of fewest models whose slots hold it beside them within the SLO and memory (ties: the
-        first); or a :class:`DeployError` that says why each could not."""
+    def plan_join(self, name: str, member: PoolMember, into: int | None = None) -> tuple[int, Plan]:
+        """The sub-cluster ``name`` joins (``into``, else the one of fewest models whose slots hold
+        it beside them within its SLO and memory; ties: the first) and the deployment's plan with
+        it there; or a :class:`DeployError` that says why each could not."""
         refusals = []
-        candidates = sorted(range(len(self.pools)), key=lambda i: (len(self.pools[i].models), i))
-        if beside is not None:
-            candidates = [i for i in candidates if beside in self.pools[i].models]
+        candidates = [into] if into is not None else sorted(range(len(self.pools)), key=lambda i: (len(self.pools[i].models), i))
         for index in candidates:
+            if not self.pools[index].models:
+                refusals.append(f"sub-cluster {index} serves no model any more: it has no dispatcher to join")
+                continue
             pools = [Pool((*pool.models, name), pool.slots) if i == index else pool for i, pool in enumerate(self.pools)]
-            slos = {**self.slo_us, name: slo_us} if slo_us is not None else self.slo_us
-            profiles, memories = {**self.profiles, name: profile}, {**self.memory, name: memory}
             try:
-                return index, plan_pools(pools, profiles, slos, memories, self.settings.context_bytes)
+                return index, self._plan(pools, {**self.members, name: member})
             except DeployError as exc:
                 refusals.append(f"sub-cluster {index} ({', '.join(self.pools[index].models)}): {exc}")
         raise DeployError(f"no sub-cluster can serve {name!r} beside its models: {'; '.join(refusals)}")
 
-    def joined(self, index: int, name: str, profile: Profile, slo_us: float | None, memory: ModelMemory, stages: set[str]) -> None:
-        """``name`` serves in sub-cluster ``index`` now, on ``stages``."""
+    def joined(self, index: int, name: str, member: PoolMember) -> None:
+        """``name`` serves in sub-cluster ``index`` now."""
         self.pools[index] = replace(self.pools[index], models=(*self.pools[index].models, name))
-        self.profiles[name], self.memory[name], self.stages[name] = profile, memory, stages
-        if slo_us is not None:
-            self.slo_us[name] = slo_us
+        self.members[name] = member
 
     def left(self, name: str) -> set[str]:
         """``name`` serves no more; the keys of its stages, to release."""
-        pools = [replace(pool, models=tuple(m for m in pool.models if m != name)) for pool in self.pools]
-        self.pools = [pool for pool in pools if pool.models]  # a pool's last model leaving leaves its slots idle
-        self.profiles.pop(name, None)
-        self.memory.pop(name, None)
-        self.slo_us.pop(name, None)
-        return self.stages.pop(name, set())
+        # a pool's last model leaving leaves its slots idle; it keeps its index (a re-split's moves name pools by index)
+        self.pools = [replace(pool, models=tuple(m for m in pool.models if m != name)) for pool in self.pools]
+        return self.members.pop(name).stages
+
+    def index_of(self, name: str) -> int:
+        return next(i for i, pool in enumerate(self.pools) if name in pool.models)
 
     def plan(self) -> Plan:
         """The deployment's plan as its models are now."""
-        return plan_pools(self.pools, self.profiles, self.slo_us, self.memory, self.settings.context_bytes)
+        return self._plan(self.pools, self.members)
 
     def timeout_s(self, name: str) -> float | None:
         """``name``'s wait on the timeout data plane, where the settings give each model its own."""
         wait = self.settings.timeouts_s([name])
         return wait[name] if isinstance(wait, dict) else None
+
+    def _plan(self, pools: Sequence[Pool], members: Mapping[str, PoolMember]) -> Plan:
+        slos = {name: m.slo_us for name, m in members.items() if m.slo_us is not None}
+        profiles = {name: m.profile for name, m in members.items()}
+        memory = {name: m.memory for name, m in members.items()}
+        return plan_pools([pool for pool in pools if pool.models], profiles, slos, memory, self.settings.context_bytes)

@@ -27,7 +27,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import msgspec
 import numpy as np
@@ -37,13 +37,15 @@ from torch import nn
 
 from daskpipe.config import ConfigError, check_settings
 from daskpipe.plan.options import PlannerOptions
-from daskpipe.plan.schema import Plan
+from daskpipe.plan.schema import Plan, PlanError
+from daskpipe.plan.subclusters import ModelDemand, imbalance, partition
 from daskpipe.profiles.fx import BlockedModel, InputLayout, SegmentationError
+from daskpipe.profiles.memory import measure_memory
 from daskpipe.profiles.model import Profile, ProfileError
 from daskpipe.profiles.store import ProfileStore, configured_store
 from daskpipe.runtime.client.arguments import check_deploy_arguments, check_model_change
 from daskpipe.runtime.client.futures import ClientStream, LandedFutures, ServedFuture
-from daskpipe.runtime.client.pools import Pool, SharedDeployment, SharedPools, plan_pools, pool_placement, resolve
+from daskpipe.runtime.client.pools import Pool, PoolMember, SharedDeployment, SharedPools, plan_pools, pool_placement, resolve
 from daskpipe.runtime.deploying.deployment import pickle_blocks, plan_launches, release, start_stages
 from daskpipe.runtime.deploying.placement import gpus_per_server, physical_gpus, place
 from daskpipe.runtime.deploying.profiling import ProfilingOptions, profile_on_cluster
@@ -59,6 +61,7 @@ SUBMIT_CHUNK = 256
 event loop (tens of microseconds each), so this bounds how long one message holds the loop."""
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,11 @@ class Service:
         self._served_as: dict[str, str] = {}  # an updated model -> its version served now (``name@v2``)
         self._sent: Counter[str] = Counter()  # served model -> requests sent to it, awaited before it is retired
         self._removed: set[str] = set()
+        self._requested: Counter[str] = Counter()  # model -> requests sent to it, whatever version: the epochs' rates
+        self._changing = threading.Lock()  # one change of the model set at a time
+        self._stopping = threading.Event()
+        if shared is not None and shared.settings.resplit_s is not None:
+            threading.Thread(target=self._resplit_every, args=(shared.settings.resplit_s,), name="daskpipe-resplit", daemon=True).start()
 
     @property
     def models(self) -> list[str]:
@@ -334,6 +342,7 @@ class Service:
         with self._routing:
             served = self._served_as.get(model, model)
             self._sent[served] += len(keys)
+            self._requested[model] += len(keys)
             self._stream.send_requests(served, keys, inputs, sizes, start_block, sent_at)
 
     def _admit(self, model: str, x: Any, start_block: int = 0) -> tuple[int, bytes]:
@@ -370,6 +379,7 @@ class Service:
         if self.closed:
             return
         self.closed = True
+        self._stopping.set()
         scheduler = self.client.scheduler
         served = self._served_names()
         await scheduler.daskpipe_close(models=served, reason="shutdown")
@@ -461,13 +471,86 @@ class Service:
         """
         return self._change(self._update_model, name, module, example_input, slo_ms, profile, max_queued, profiling, timeout)
 
-    def _change(self, change: Callable[..., None], *args: Any) -> None | Awaitable[None]:
-        """Run ``change``; with an asynchronous client, in a thread, awaitable: profiling and
-        planning block for seconds, and the loop must keep serving meanwhile."""
+    def _change(self, change: Callable[..., T], *args: Any) -> T | Awaitable[T]:
+        """Run ``change``, one change at a time; with an asynchronous client, in a thread,
+        awaitable: profiling and planning block for seconds, and the loop must keep serving meanwhile."""
         if self.client.asynchronous:
-            return asyncio.get_running_loop().run_in_executor(None, functools.partial(change, *args))
-        change(*args)
-        return None
+            return asyncio.get_running_loop().run_in_executor(None, functools.partial(self._one_at_a_time, change, *args))
+        return self._one_at_a_time(change, *args)
+
+    def _one_at_a_time(self, change: Callable[..., T], *args: Any) -> T:
+        with self._changing:
+            return change(*args)
+
+    def resplit(
+        self, *, max_moves: int = 2, time_limit_s: float = 10.0, timeout: float = 30.0
+    ) -> dict[str, tuple[int, int]] | Awaitable[dict[str, tuple[int, int]]]:
+        """Symphony's epoch (section 4.4, Appendix A) on a service of several shared sub-clusters:
+        split its models over them again by the rates this service sent each since the last
+        re-split (or the deploy), balancing rate and memory (``daskpipe.plan.subclusters.partition``
+        within ``time_limit_s``), moving at most ``max_moves`` models. A model moves as
+        ``update_model`` rolls out a version: its stages start in its new sub-cluster, new requests go
+        there, and those already sent end in the old one (``timeout`` as there). Returns the moves
+        made, model -> (from, to) sub-cluster; none when the split in force is as balanced.
+        ``SharedPools(resplit_s=)`` runs it on a schedule. Awaitable with an asynchronous client.
+        """
+        return self._change(self._resplit, max_moves, time_limit_s, timeout)
+
+    def _resplit(self, max_moves: int, time_limit_s: float, timeout: float) -> dict[str, tuple[int, int]]:
+        shared = self._shared
+        if self.closed:
+            raise DeployError("resplit: the service is closed")
+        if shared is None or len(shared.pools) < 2:
+            raise DeployError("resplit: only a service of two or more shared sub-clusters is re-split (pools=SharedPools(subclusters=...))")
+        if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
+            raise DeployError(f"resplit: max_moves must be an integer >= 1, got {max_moves!r}")
+        check_positive("time_limit_s", time_limit_s, " s")
+        check_positive("timeout", timeout, " s")
+        now = time.monotonic()
+        with self._routing:
+            sent, served = dict(self._requested), {name: self._served_as.get(name, name) for name in self._specs}
+        seconds = max(now - shared.epoch_at, 1e-3)
+        rates = {name: (sent.get(name, 0) - shared.epoch_sent.get(name, 0)) / seconds for name in served}
+        shared.epoch_sent, shared.epoch_at = sent, now
+        members = {name: shared.members[s] for name, s in served.items()}
+        demands = [
+            ModelDemand(name, rates[name], m.memory.weights_bytes, m.memory.activations(self._plan.model(name).max_batch))
+            for name, m in members.items()
+        ]
+        previous = {name: shared.index_of(s) for name, s in served.items()}
+        before = imbalance([sum(r for name, r in rates.items() if previous[name] == j) for j in range(len(shared.pools))])
+        try:
+            split = partition(demands, len(shared.pools), previous=previous, max_moves=max_moves, time_limit_s=time_limit_s)
+        except PlanError as exc:
+            raise DeployError(f"resplit: {exc}") from None
+        if split.rate_imbalance >= before:
+            return {}
+        moves = {}
+        for name, to in split.assignment.items():
+            home = previous[name]
+            if to == home:
+                continue
+            if shared.pools[home].models == (served[name],):  # its slots would serve nothing
+                logger.info("daskpipe: re-split: %s stays in sub-cluster %d, its only model", name, home)
+                continue
+            version = next_version(name, served[name])
+            member = replace(members[name], profile=replace(members[name].profile, model=version))
+            try:
+                self._replace_in_pool(shared, name, version, member, self._specs[name], to, timeout)
+            except DeployError as exc:
+                logger.warning("daskpipe: re-split: %s stays in sub-cluster %d: %s", name, home, exc)
+                continue
+            moves[name] = (home, to)
+        logger.info("daskpipe: re-split at rates %s: moved %s (rate imbalance %.2f -> %.2f)", rates, moves, before, split.rate_imbalance)
+        return moves
+
+    def _resplit_every(self, seconds: float) -> None:
+        """The service's epochs: :meth:`resplit` every ``seconds`` until it closes (a thread)."""
+        while not self._stopping.wait(seconds):
+            try:
+                self._one_at_a_time(self._resplit, 2, 10.0, 30.0)
+            except Exception as exc:  # the models serve on as they are; the next epoch tries again
+                logger.warning("daskpipe: the re-split of this epoch failed: %s", exc)
 
     def _check_changeable(self, what: str) -> None:
         if self.closed:
@@ -499,7 +582,8 @@ class Service:
         slo_us = slo_ms * 1e3 if slo_ms is not None else None
         profile, blocked, spec = self._prepare(name, module, example, profile, slo_us, profiling, allow_nonfinite)
         if self._shared is not None:
-            plan = self._join_pool(self._shared, name, module, example, profile, blocked, spec, slo_us, max_queued)
+            memory = self._shared.settings.memory.get(name) or measure_memory(module, example)
+            plan = self._join_pool(self._shared, name, PoolMember(profile, memory, slo_us, max_queued, blocked, set()), spec)
         else:
             plan = self.client.sync(
                 self.client.scheduler.daskpipe_add_model,
@@ -569,7 +653,7 @@ class Service:
                 raise DeployError(f"model {name!r} takes several arguments; give update_model its example_input")
             example = torch.zeros(1, *old_spec.shape, dtype=old_spec.dtype)
         old = self._served_as.get(name, name)
-        version = f"{name}@v{int(old.rpartition('@v')[2]) + 1 if old != name else 2}"
+        version = next_version(name, old)
         slo_us = slo_ms * 1e3 if slo_ms is not None else None
         given = replace(profile, model=version) if profile is not None else None
         new_profile, blocked, spec = self._prepare(version, module, example, given, slo_us, profiling, old_spec.allow_nonfinite)
@@ -580,30 +664,48 @@ class Service:
                 f"model with add_model"
             )
         if self._shared is not None:  # both versions in the old one's pool until the old one ends
-            slo = slo_us if slo_us is not None else self._shared.slo_us.get(old)
-            plan = self._join_pool(self._shared, version, module, example, new_profile, blocked, spec, slo, max_queued, beside=old)
-        else:
-            plan = self.client.sync(
-                self.client.scheduler.daskpipe_update_model,
-                models=self._served_names(),
-                model=old,
-                version=version,
-                spec=scheduler_spec(blocked, spec, new_profile, pickle_blocks(blocked.blocks)),
-                slo_us=slo_us,
-                max_queued=max_queued,
-                sample_nbytes=spec.sample_nbytes,
-            )
-        with self._routing:  # new requests go to the new version from here on
+            shared = self._shared
+            memory = shared.settings.memory.get(name) or measure_memory(module, example)
+            slo = slo_us if slo_us is not None else shared.members[old].slo_us
+            member = PoolMember(new_profile, memory, slo, max_queued, blocked, set())
+            self._replace_in_pool(shared, name, version, member, spec, shared.index_of(old), timeout)
+            return
+        plan = self.client.sync(
+            self.client.scheduler.daskpipe_update_model,
+            models=self._served_names(),
+            model=old,
+            version=version,
+            spec=scheduler_spec(blocked, spec, new_profile, pickle_blocks(blocked.blocks)),
+            slo_us=slo_us,
+            max_queued=max_queued,
+            sample_nbytes=spec.sample_nbytes,
+        )
+        sent = self._route_to(name, version, spec, plan)
+        self.profiles[name] = new_profile
+        self.client.sync(self.client.scheduler.daskpipe_retire_model, model=old, sent=sent, timeout_s=float(timeout))
+
+    def _route_to(self, name: str, version: str, spec: InputSpec, plan: dict) -> int:
+        """New requests for ``name`` go to ``version`` (served on ``plan``) from here on; the
+        count sent to the version before it, which the scheduler awaits before ending it."""
+        with self._routing:
+            old = self._served_as.get(name, name)
             self._served_as[name] = version
             self._specs[name] = replace(spec, max_samples=Plan.from_dict(plan).model(version).max_batch)
             sent = self._sent.pop(old, 0)
-        self.profiles[name] = new_profile
         self._plan = self._public_plan(plan)
-        if self._shared is not None:
-            self.client.sync(self.client.scheduler.daskpipe_leave_pool, model=old, sent=sent, timeout_s=float(timeout))
-            self._plan = self._public_plan(self._left_pool(self._shared, old))
-        else:
-            self.client.sync(self.client.scheduler.daskpipe_retire_model, model=old, sent=sent, timeout_s=float(timeout))
+        return sent
+
+    def _replace_in_pool(
+        self, shared: SharedDeployment, name: str, version: str, member: PoolMember, spec: InputSpec, into: int, timeout: float
+    ) -> None:
+        """Serve ``name`` as ``version`` in sub-cluster ``into``, then end the version serving it now
+        (an update, or a move of a re-split): both are held until the old one has ended what it was sent."""
+        old = self._served_as.get(name, name)
+        plan = self._join_pool(shared, version, member, spec, into)
+        sent = self._route_to(name, version, spec, plan)
+        self.profiles[name] = member.profile
+        self.client.sync(self.client.scheduler.daskpipe_leave_pool, model=old, sent=sent, timeout_s=float(timeout))
+        self._plan = self._public_plan(self._left_pool(shared, old))
 
     def _prepare(
         self,
@@ -624,27 +726,13 @@ class Service:
             measured = on_kinds(measured, [s for s in slots if (s.gpu, s.slices) not in excluded])
         return measured, blocked, request_spec(blocked, measured, example, 1, allow_nonfinite)
 
-    def _join_pool(
-        self,
-        shared: SharedDeployment,
-        served: str,
-        module: nn.Module,
-        example: Any,
-        profile: Profile,
-        blocked: BlockedModel,
-        spec: InputSpec,
-        slo_us: float | None,
-        max_queued: int | None,
-        beside: str | None = None,
-    ) -> dict:
-        """Serve ``served`` in a sub-cluster of ``shared`` (``beside``'s, else the one
+    def _join_pool(self, shared: SharedDeployment, served: str, member: PoolMember, spec: InputSpec, into: int | None = None) -> dict:
+        """Serve ``served`` in a sub-cluster of ``shared`` (``into``, else the one
         :meth:`SharedDeployment.plan_join` picks): its stages start on every slot there, then the
         scheduler adds it to the pool's dispatcher. The deployment's plan with it."""
-        from daskpipe.profiles.memory import measure_memory
-
-        memory = shared.settings.memory.get(served) or measure_memory(module, example)
-        index, plan = shared.plan_join(served, profile, slo_us, memory, beside)
+        index, plan = shared.plan_join(served, member, into)
         grown = Pool((*shared.pools[index].models, served), shared.pools[index].slots)
+        blocked = member.blocked
         launches = plan_launches(
             plan,
             {served: pool_placement(plan, [grown])[served]},
@@ -658,16 +746,16 @@ class Service:
                 model=served,
                 pool=list(shared.pools[index].models),
                 plan=plan.to_dict(),
-                profile=profile.to_dict(),
+                profile=member.profile.to_dict(),
                 stages=started.rows[served],
-                serving=msgspec.structs.replace(shared.serving, max_queued=max_queued).to_wire(),
+                serving=msgspec.structs.replace(shared.serving, max_queued=member.max_queued).to_wire(),
                 sample_nbytes=spec.sample_nbytes,
-                timeout_s=shared.timeout_s(served),
+                timeout_s=shared.timeout_s(served.partition("@v")[0]),
             )
         except Exception:
             release(started.futures)
             raise
-        shared.joined(index, served, profile, slo_us, memory, {str(future.key) for future in started.futures})
+        shared.joined(index, served, replace(member, stages={str(future.key) for future in started.futures}))
         self._stages.extend(started.futures)
         return plan.to_dict()
 
@@ -692,6 +780,11 @@ class Service:
 
     def __repr__(self) -> str:
         return f"<daskpipe.Service models={self.models} {'closed' if self.closed else 'serving'}>"
+
+
+def next_version(name: str, served: str) -> str:
+    """The name the scheduler serves ``name``'s next version as, ``served`` its version now: ``name@v2``, ``@v3``, ..."""
+    return f"{name}@v{int(served.rpartition('@v')[2]) + 1 if served != name else 2}"
 
 
 def awaitable_with_asynchronous_client(function: Callable[..., Service]) -> Callable[..., Any]:
@@ -832,8 +925,6 @@ def deploy(
     slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
     shared = resolve(pools, names, slots) if pools is not None else []
     if shared and pools is not None:
-        from daskpipe.profiles.memory import measure_memory
-
         memory = {name: pools.memory.get(name) or measure_memory(models[name], example_inputs[name]) for name in names}
         plan = plan_pools(shared, profiles, slos_us, memory, pools.context_bytes)
     elif plan is None:
@@ -929,10 +1020,12 @@ def deploy(
             pools=list(shared),
             settings=pools,
             serving=ServeSettings.from_wire(serving),
-            profiles={name: profiles[name] for name in names},
-            slo_us=slos_us,
-            memory=memory,
-            stages={name: {str(row[3]) for row in stage_rows[name]} for name in names},
+            members={
+                name: PoolMember(
+                    profiles[name], memory[name], slos_us.get(name), max_queued, blocked[name], {str(r[3]) for r in stage_rows[name]}
+                )
+                for name in names
+            },
         )
     return Service(client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None, shared=deployment)
 

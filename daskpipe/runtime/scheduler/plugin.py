@@ -85,9 +85,9 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                 {
                     messages.STREAM: self.open_stream,
                     messages.INVENTORY: self.models.inventory,
-                    messages.SERVE: self.serving.serve,
-                    messages.SERVE_POOL: self.serving.serve_pool,
-                    messages.JOIN_POOL: self.serving.join_pool,
+                    messages.SERVE: self.serve,
+                    messages.SERVE_POOL: self.serve_pool,
+                    messages.JOIN_POOL: self.join_pool,
                     messages.CLOSE: self.models.close,
                     messages.STATUS: self.models.status,
                     **self.elastic.handlers(),
@@ -151,6 +151,22 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
             await self.links.close()
         except Exception:
             logger.exception("daskpipe: closing the scheduler plugin failed")
+
+    # -- models starting to serve: a closed elastic service of the same names ends first ------------
+    async def serve(self, model: str, **serve: Any) -> str:
+        """The ``SERVE`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.serve`)."""
+        self.elastic.end_forgotten([model])
+        return await self.serving.serve(model, **serve)
+
+    async def serve_pool(self, models: list[str], **serve: Any) -> str:
+        """The ``SERVE_POOL`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.serve_pool`)."""
+        self.elastic.end_forgotten(models)
+        return await self.serving.serve_pool(models, **serve)
+
+    async def join_pool(self, model: str, **join: Any) -> str:
+        """The ``JOIN_POOL`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.join_pool`)."""
+        self.elastic.end_forgotten([model])
+        return await self.serving.join_pool(model, **join)
 
     async def open_stream(self, comm: Any, client: str | None = None, worker: str | None = None) -> Status:
         """The ``STREAM`` handler (:meth:`~daskpipe.runtime.scheduler.links.Links.open_stream`)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -128,6 +130,21 @@ def test_a_sub_cluster_split_that_leaves_a_model_out_is_refused(two_t4):
     _, client = two_t4
     with pytest.raises(DeployError, match=r"in none: \['m5'\]"):
         deploy_six(client, pools=SharedPools(subclusters=(SubCluster(("m0", "m1", "m2", "m3", "m4"), 2),)))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"subclusters": (("m0",), 1)}, "SharedPools.subclusters must be a tuple of SubCluster"),
+        ({"context_bytes": -1}, "SharedPools.context_bytes must be a number of bytes >= 0, got -1"),
+        ({"timeout_ms": -2.0}, "SharedPools.timeout_ms must be None, a number of milliseconds >= 0"),
+        ({"resplit_s": 0}, "SharedPools.resplit_s must be None or a number of seconds > 0, got 0"),
+        ({"resplit_s": True}, "SharedPools.resplit_s must be None or a number of seconds > 0, got True"),
+    ],
+)
+def test_bad_shared_pool_settings_are_refused_naming_them(settings, message):
+    with pytest.raises(DeployError, match=re.escape(message)):
+        SharedPools(**settings)
 
 
 def test_a_shared_pool_needs_a_multiplexing_data_plane(two_t4):

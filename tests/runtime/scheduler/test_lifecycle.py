@@ -13,7 +13,7 @@ from distributed import Client, wait
 import daskpipe
 from daskpipe.profiles.memory import ModelMemory
 from daskpipe.profiles.small_model import estimated_profile, small_cnn
-from daskpipe.runtime.client.pools import SharedPools
+from daskpipe.runtime.client.pools import SharedPools, SubCluster
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
@@ -117,7 +117,12 @@ def only_stages_of(emulated, models) -> None:
         actors = {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
         return actors == {key for m in models for key in plugin.models.ledgers[m].stages.values()}
 
-    wait_until(released, timeout=30, what=f"the stages of {models} alone")
+    try:
+        wait_until(released, timeout=30, what=f"the stages of {models} alone")
+    except AssertionError as exc:  # say which
+        actors = {key for key, ts in emulated.scheduler.tasks.items() if ts.actor}
+        wanted = {key for m in models for key in plugin.models.ledgers[m].stages.values()}
+        raise AssertionError(f"{exc}: stages left over {sorted(actors - wanted)}, missing {sorted(wanted - actors)}") from None
 
 
 def test_a_model_added_under_load_is_profiled_planned_and_served_while_the_others_stay_on_time(cluster):
@@ -275,3 +280,45 @@ def test_a_model_that_does_not_fit_a_shared_pools_memory_is_refused_naming_it_an
         assert svc.models == ["a", "b"] and "huge" not in plugin_of(emulated.scheduler).models.ledgers
         only_stages_of(emulated, ["a", "b"])  # none of its stages started
         assert client.gather(svc.submit("a", torch.randn(1, *INPUT))).shape == (1, 10)
+
+
+def test_a_resplit_moves_a_model_to_the_idle_sub_cluster_under_load_and_loses_nothing(cluster):
+    """Sub-cluster 0 serves "a" and "b" (two streams), sub-cluster 1 only "c" (idle): a re-split of
+    one move takes "a" or "b" to sub-cluster 1 as a new version, beside "c"; every request of both
+    streams ends, the one that stayed >= 99% on time, and the old version's stages go."""
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    split = (SubCluster(("a", "b"), 2), SubCluster(("c",), 2))
+    with deploy_shared(client, ("a", "b", "c"), subclusters=split) as svc:
+        with pytest.raises(DeployError, match="max_moves must be an integer >= 1, got 0"):
+            svc.resplit(max_moves=0)
+        with Stream(svc, "a") as a_stream, Stream(svc, "b") as b_stream:
+            moves = svc.resplit(max_moves=1)
+        ((moved, (home, to)),) = moves.items()
+        assert moved in ("a", "b") and (home, to) == (0, 1), moves
+        stayed, moved_stream = ("b", a_stream) if moved == "a" else ("a", b_stream)
+        (b_stream if moved == "a" else a_stream).check()
+        tally = ended(moved_stream.futures)
+        assert tally.get("result", 0) >= 0.99 * len(moved_stream.futures), tally
+        ledgers = plugin.models.ledgers
+        assert ledgers[f"{moved}@v2"].dispatcher is ledgers["c"].dispatcher is not ledgers[stayed].dispatcher
+        only_stages_of(emulated, [stayed, f"{moved}@v2", "c"])
+        assert svc.resplit(max_moves=1) == {}, "no request since: nothing to balance"
+    with deploy(client, ("a", "b"), elastic=None, dispatcher="deferred", pools=SharedPools()) as svc:
+        with pytest.raises(DeployError, match="only a service of two or more shared sub-clusters is re-split"):
+            svc.resplit()
+
+
+def test_the_service_re_splits_on_its_own_every_resplit_s(cluster):
+    """``SharedPools(resplit_s=)``: the same imbalance as above, and no call: an epoch moves one of
+    the busy models to the idle sub-cluster while the streams run."""
+    emulated, client = cluster
+    plugin = plugin_of(emulated.scheduler)
+    split = (SubCluster(("a", "b"), 2), SubCluster(("c",), 2))
+    with deploy_shared(client, ("a", "b", "c"), subclusters=split, resplit_s=2.0) as svc:
+        with Stream(svc, "a") as a_stream, Stream(svc, "b") as b_stream:
+            moved = wait_until(lambda: [m for m in ("a", "b") if f"{m}@v2" in plugin.models.ledgers], timeout=30, what="an epoch's move")
+        assert len(moved) == 1 and plugin.models.ledgers[f"{moved[0]}@v2"].dispatcher is plugin.models.ledgers["c"].dispatcher
+        for stream in (a_stream, b_stream):
+            tally = ended(stream.futures)
+            assert tally.get("result", 0) >= 0.99 * len(stream.futures), tally

@@ -452,10 +452,17 @@ class Elastic:
             except Exception:
                 logger.exception("daskpipe: the elastic controller's periodic check failed")
 
-    def _tick(self, now: float) -> None:
+    def end_forgotten(self, names: Iterable[str] | None = None) -> None:
+        """End the deployments whose service closed and whose models were all forgotten (of those
+        with a model of ``names``: about to be served again, by a deploy that may not be elastic;
+        default: all). Each tick ends them too; a deploy under the same names can come first."""
+        wanted = None if names is None else set(names)
         for group, dep in list(self.deployments.items()):
-            if not any(m in self.models.ledgers for m in dep.models):  # its service closed and was forgotten
+            if (wanted is None or wanted & set(dep.models)) and not any(m in self.models.ledgers for m in dep.models):
                 self._end(group)
+
+    def _tick(self, now: float) -> None:
+        self.end_forgotten()
         self.load.sample(now)
         self.load.check_load_mix(self.deployments.values(), now)
         self.load.check_profiles(self.deployments.values(), now)
