@@ -200,6 +200,8 @@ def test_a_model_updated_under_load_serves_new_requests_on_the_new_version_and_f
         assert svc.status()["b"]["completed"] >= 20 and svc.plan.model("b").pipelines
         svc.update_model("b", version(200.0))  # and again: version 3
         assert svc.submit("b", torch.randn(1, *INPUT)).result(timeout=30).mean() > 150
+    with deploy_shared(client):  # at once, under the same names, not elastic: the closed service's re-planned stages go
+        only_stages_of(emulated, ["a", "b"])
 
 
 def test_bad_changes_are_refused_naming_what_is_wrong(cluster):
