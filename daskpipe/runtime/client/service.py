@@ -924,6 +924,8 @@ def deploy(
         profiles[name] = on_kinds(profiles[name], slots)
     slos_us = {m: s * 1e3 for m, s in (slo_ms or {}).items()}
     shared = resolve(pools, names, slots) if pools is not None else []
+    if pools is not None and pools.resplit_s is not None and len(shared) < 2:
+        raise DeployError(f"SharedPools.resplit_s re-splits models over two or more sub-clusters; this deploy has {len(shared)}")
     if shared and pools is not None:
         memory = {name: pools.memory.get(name) or measure_memory(models[name], example_inputs[name]) for name in names}
         plan = plan_pools(shared, profiles, slos_us, memory, pools.context_bytes)

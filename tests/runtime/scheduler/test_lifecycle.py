@@ -306,9 +306,11 @@ def test_a_resplit_moves_a_model_to_the_idle_sub_cluster_under_load_and_loses_no
         assert ledgers[f"{moved}@v2"].dispatcher is ledgers["c"].dispatcher is not ledgers[stayed].dispatcher
         only_stages_of(emulated, [stayed, f"{moved}@v2", "c"])
         assert svc.resplit(max_moves=1) == {}, "no request since: nothing to balance"
-    with deploy(client, ("a", "b"), elastic=None, dispatcher="deferred", pools=SharedPools()) as svc:
+    with deploy_shared(client) as svc:
         with pytest.raises(DeployError, match="only a service of two or more shared sub-clusters is re-split"):
             svc.resplit()
+    with pytest.raises(DeployError, match="SharedPools.resplit_s re-splits models over two or more sub-clusters; this deploy has 1"):
+        deploy_shared(client, resplit_s=60.0)
 
 
 def test_the_service_re_splits_on_its_own_every_resplit_s(cluster):
