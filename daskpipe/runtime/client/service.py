@@ -512,6 +512,8 @@ class Service:
         seconds = max(now - shared.epoch_at, 1e-3)
         rates = {name: (sent.get(name, 0) - shared.epoch_sent.get(name, 0)) / seconds for name in served}
         shared.epoch_sent, shared.epoch_at = sent, now
+        if not any(rates.values()):  # nothing sent this epoch: nothing to balance
+            return {}
         members = {name: shared.members[s] for name, s in served.items()}
         demands = [
             ModelDemand(name, rates[name], m.memory.weights_bytes, m.memory.activations(self._plan.model(name).max_batch))
@@ -731,6 +733,7 @@ class Service:
         :meth:`SharedDeployment.plan_join` picks): its stages start on every slot there, then the
         scheduler adds it to the pool's dispatcher. The deployment's plan with it."""
         index, plan = shared.plan_join(served, member, into)
+        wait_s = shared.timeout_s(served.partition("@v")[0])  # refused before any stage starts
         grown = Pool((*shared.pools[index].models, served), shared.pools[index].slots)
         blocked = member.blocked
         launches = plan_launches(
@@ -750,7 +753,7 @@ class Service:
                 stages=started.rows[served],
                 serving=msgspec.structs.replace(shared.serving, max_queued=member.max_queued).to_wire(),
                 sample_nbytes=spec.sample_nbytes,
-                timeout_s=shared.timeout_s(served.partition("@v")[0]),
+                timeout_s=wait_s,
             )
         except Exception:
             release(started.futures)

@@ -273,6 +273,15 @@ def test_a_shared_pool_takes_a_model_added_and_gives_up_one_removed_under_load_w
         assert client.gather(svc.submit("c", xs[0])).shape == (1, 10)  # the pool serves on without it
 
 
+def test_a_model_joining_a_timeout_pool_of_per_model_waits_without_its_own_is_refused_before_any_stage_starts(cluster):
+    emulated, client = cluster
+    waits = SharedPools(timeout_ms={"a": 1.0, "b": 1.0})
+    with deploy(client, ("a", "b"), elastic=None, dispatcher="timeout", pools=waits) as svc:
+        with pytest.raises(DeployError, match=r"SharedPools.timeout_ms gives no wait for model\(s\) \['c'\]"):
+            svc.add_model("c", version(0.0), torch.randn(1, *INPUT), profile=profile_of("c"))
+        only_stages_of(emulated, ["a", "b"])
+
+
 def test_a_model_that_does_not_fit_a_shared_pools_memory_is_refused_naming_it_and_the_pool_serves_on(cluster):
     emulated, client = cluster
     huge = ModelMemory(weights_bytes=30 * 10**9, activation_bytes=10**6)
@@ -305,6 +314,7 @@ def test_a_resplit_moves_a_model_to_the_idle_sub_cluster_under_load_and_loses_no
         ledgers = plugin.models.ledgers
         assert ledgers[f"{moved}@v2"].dispatcher is ledgers["c"].dispatcher is not ledgers[stayed].dispatcher
         only_stages_of(emulated, [stayed, f"{moved}@v2", "c"])
+        assert svc.resplit(max_moves=1) == {}, "balanced now: nothing moves"
         assert svc.resplit(max_moves=1) == {}, "no request since: nothing to balance"
     with deploy_shared(client) as svc:
         with pytest.raises(DeployError, match="only a service of two or more shared sub-clusters is re-split"):
