@@ -27,7 +27,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Collection, Literal, Mapping, Protocol, Sequence
 
@@ -37,6 +37,7 @@ from daskpipe.sched.api import (
     Dispatcher,
     Drop,
     DropReason,
+    Feedback,
     Hop,
     Placement,
     PoolsFixed,
@@ -138,6 +139,10 @@ class DeferredSettings:
             raise ValueError(f"target_batch must be an integer >= 1 or None, got {self.target_batch!r}")
         if not (self.rate_window_s > 0 and math.isfinite(self.rate_window_s)):
             raise ValueError(f"rate_window_s must be a positive number of seconds, got {self.rate_window_s!r}")
+
+
+RUNNING_KEPT = 64
+"""Dispatches a unit's feedback is awaited for, at most, per unit (:meth:`DeferredDispatcher.feedback`)."""
 
 
 class _Queue:
@@ -247,6 +252,7 @@ class _Unit:
     index: int  # its rank in the lowest-id order
     slot: str
     free: Time = 0.0
+    shifted: Time = 0.0  # how much later feedback has moved its plan, in all (DeferredDispatcher.feedback)
 
 
 class DeferredDispatcher(Dispatcher):
@@ -303,6 +309,8 @@ class DeferredDispatcher(Dispatcher):
         self._busy: list[tuple[Time, int]] = []  # (free, index) of units free after the last call's now
         self._idle: list[tuple] = [self._idle_key(u) for u in self._units]
         heapq.heapify(self._idle)
+        # dispatch id -> (its unit, the planned end of its first hop there, the unit's shift then), until that hop reports
+        self._running: OrderedDict[int, tuple[int, Time, Time]] = OrderedDict()
         self._model_timers: list[tuple[Time, int, str, int]] = []  # (exec, seq, model, version)
         self._pending: list[tuple[Time, int, str, int]] = []  # (latest, seq, model, version)
         self._seq = itertools.count()
@@ -398,6 +406,8 @@ class DeferredDispatcher(Dispatcher):
         if self._model_timers:
             times.append(self._model_timers[0][0])
         self._clean(self._pending, pending=True)
+        while self._busy and self._busy[0][0] != self._units[self._busy[0][1]].free:  # moved by feedback
+            heapq.heappop(self._busy)
         if self._pending and self._busy:
             times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU
         return min(times) if times else None
@@ -423,6 +433,27 @@ class DeferredDispatcher(Dispatcher):
         """Which waiting candidate a freed GPU takes, lowest first: the most urgent (smallest latest)."""
         assert model.candidate is not None, "only a candidate is ranked"
         return model.candidate.latest
+
+    def feedback(self, fb: Feedback, now: Time) -> list[Action]:
+        """A batch's first hop ended ``late`` past its plan (its start waited on the way there, or
+        its compute ran over): the batches its unit was given after it start that much later, so
+        the unit is free that much later. Without this a unit kept busy back to back drifts from
+        its plan by every batch's delay, and the dispatcher sends batches that queue on a busy
+        slot past their deadlines. An early end frees nothing early: the plan keeps to the profile."""
+        if fb.kind != "compute" or fb.partition != 0:
+            return []
+        record = self._running.pop(fb.dispatch, None)
+        if record is None:
+            return []
+        index, planned_end, shifted_then = record
+        unit = self._units[index]
+        late = fb.end - planned_end - (unit.shifted - shifted_then)  # past its plan as moved since it was sent
+        if late <= 0 or unit.free <= now or index in self._gone:  # nothing given after it is still to run
+            return []
+        unit.free += late
+        unit.shifted += late
+        heapq.heappush(self._busy, (unit.free, index))
+        return []
 
     def remove_slot(self, slot_id: str, now: Time, reason: DropReason = "worker-lost") -> list[Action]:
         """``slot_id`` gets no more batches; with no slot left, everything queued is dropped for
@@ -564,8 +595,8 @@ class DeferredDispatcher(Dispatcher):
         """Fire every timer due by ``now``: GPU timers first, then model timers."""
         while True:
             if self._busy and self._busy[0][0] <= now:
-                _, index = heapq.heappop(self._busy)
-                if index not in self._gone:
+                free, index = heapq.heappop(self._busy)
+                if index not in self._gone and free == self._units[index].free:  # else feedback moved it later
                     self._on_gpu_timer(self._units[index], now, actions)
                 continue
             self._clean(self._model_timers, pending=False)
@@ -631,7 +662,11 @@ class DeferredDispatcher(Dispatcher):
         requests = model.queue.pop(count)
         unit.free = free
         heapq.heappush(self._busy, (unit.free, unit.index))
-        actions.append(Dispatch(next(self._dispatch_ids), model.name, pipeline, samples, requests, hops))
+        dispatch = next(self._dispatch_ids)
+        self._running[dispatch] = (unit.index, hops[0].compute.end, unit.shifted)
+        if len(self._running) > RUNNING_KEPT * len(self._units):  # reports of a lost worker's batches never come
+            self._running.popitem(last=False)
+        actions.append(Dispatch(dispatch, model.name, pipeline, samples, requests, hops))
         self.stats.dispatched_batches += 1
         self.stats.dispatched_requests += len(requests)
         self._update_candidate(model, now, actions)

@@ -223,3 +223,41 @@ def test_a_head_late_for_its_deadline_but_within_its_tolerance_runs_rather_than_
     assert tolerated.hops[0].compute.start == 0.0
     dropped = first_action(0.4)
     assert isinstance(dropped, Drop) and dropped.reason == "deadline"
+
+
+def test_a_unit_whose_batch_ran_late_takes_its_next_batch_that_much_later():
+    """One GPU, eager: batch 1 [0, 6), batch 2 planned [6, 12) at once on its end. Batch 1 reports
+    ending at 8: batch 2 (already sent) ends at 14, so the GPU takes its next batch then, not at 12;
+    a batch that ran early frees nothing early."""
+    from daskpipe.sched.api import Feedback
+
+    gpu = [Slot("gpu1", "X")]
+    d = EagerDispatcher({"m": 100.0}, gpu, latency)
+    (first,) = [a for a in d.submit(Request(1, "m", 0.0, 100.0), 0.0) if isinstance(a, Dispatch)]
+    d.submit(Request(2, "m", 1.0, 100.0), 1.0)
+    (second,) = [a for a in d.wake(6.0) if isinstance(a, Dispatch)]
+    assert second.hops[0].compute.start == 6.0 and d.next_wake() is None
+    d.submit(Request(3, "m", 7.0, 100.0), 7.0)
+    assert d.next_wake() == 12.0
+    d.feedback(Feedback(first.id, 0, "compute", 0.0, 8.0), 8.0)
+    assert d.next_wake() == 14.0 and not d.wake(12.0), "not at the plan's 12: batch 2 started 2 late"
+    (third,) = [a for a in d.wake(14.0) if isinstance(a, Dispatch)]
+    assert third.hops[0].compute.start == 14.0 and [r.id for r in third.requests] == [3]
+    d.feedback(Feedback(second.id, 0, "compute", 8.0, 13.0), 13.0)  # ended before its corrected 14
+    assert third.hops[0].compute.end == 20.0 and d.next_wake() is None
+
+
+def test_a_units_delays_add_up_once():
+    """Batches 0-2 each end 1 past their start's plan (7, 14, 21): the unit's plan moves by 1 per
+    batch, and batch 3, sent at 20, ends at 27, not by every earlier delay again."""
+    from daskpipe.sched.api import Feedback
+
+    d = EagerDispatcher({"m": 1000.0}, [Slot("gpu1", "X")], latency)
+    sent = [a for a in d.submit(Request(0, "m", 0.0, 1000.0), 0.0) if isinstance(a, Dispatch)]
+    for i in range(1, 4):
+        d.submit(Request(i, "m", 0.5, 1000.0), 0.5)  # one queued at a time: each batch of one
+        sent += [a for a in d.wake(d.next_wake()) if isinstance(a, Dispatch)]
+        d.feedback(Feedback(sent[-2].id, 0, "compute", 7.0 * (i - 1) + 1.0, 7.0 * i), 7.0 * i)
+    assert [a.hops[0].compute.start for a in sent] == [0.0, 6.0, 13.0, 20.0]
+    d.submit(Request(4, "m", 21.5, 1000.0), 21.5)
+    assert d.next_wake() == 27.0, "batch 3 started 1 late: [21, 27)"
