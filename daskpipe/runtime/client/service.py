@@ -758,7 +758,7 @@ class Service:
         except Exception:
             release(started.futures)
             raise
-        shared.joined(index, served, replace(member, stages={str(future.key) for future in started.futures}))
+        shared.joined(index, served, replace(member, stages={str(row[3]) for row in started.rows[served]}))
         self._stages.extend(started.futures)
         return plan.to_dict()
 
