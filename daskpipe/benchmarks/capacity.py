@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
 import re
 import subprocess
@@ -172,7 +171,9 @@ class Senders:
     """``count`` sender processes, each with its own client, started once for many trials."""
 
     def __init__(self, address: str, input_shape: Sequence[int], count: int):
-        context = multiprocessing.get_context("spawn")
+        from daskpipe.benchmarks.remote_client import process_context
+
+        context = process_context()
         self.ready, self.results = context.Queue(), context.Queue()
         self.commands = [context.Queue() for _ in range(count)]
         self.processes = [

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import shutil
 import statistics
 import threading
@@ -128,7 +127,9 @@ class BokehClientPages:
         return self.process is not None
 
     def open(self) -> None:
-        context = multiprocessing.get_context("spawn")
+        from daskpipe.benchmarks.remote_client import process_context
+
+        context = process_context()
         ready = context.Event()
         self.process = context.Process(target=_follow_pages, args=(self.base_url, ready), daemon=True)
         self.process.start()

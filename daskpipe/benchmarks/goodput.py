@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import multiprocessing
 import os
 import re
 import time
@@ -209,10 +208,11 @@ def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
 
 def machine_limit(model: str, image_size: int, processes: int, threads: int, seconds: float) -> float:
     """Images/s of ``processes`` bare torch processes with ``threads`` threads each, at batch 1, all at once."""
+    from daskpipe.benchmarks.remote_client import process_context
     from daskpipe.runtime.worker.environ import drop_allocator_settings
 
     drop_allocator_settings()  # they run as the stage workers do
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     ready = context.Barrier(processes)
     rates = context.Queue()
     runners = [

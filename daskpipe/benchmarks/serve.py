@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import multiprocessing
 import time
 from collections import Counter
 from typing import Any, Sequence
@@ -200,7 +199,9 @@ def trial(
 ) -> dict[str, Any]:
     """One open-loop trial at ``rate`` from ``senders`` processes, which start sending together
     once all are connected; what it measured."""
-    context = multiprocessing.get_context("spawn")
+    from daskpipe.benchmarks.remote_client import process_context
+
+    context = process_context()
     ready, go, results = context.Queue(), context.Queue(), context.Queue()
     before = svc.status()[model]
     processes = [

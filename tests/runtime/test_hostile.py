@@ -191,13 +191,12 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
     process, as a client of another user is: one in this process, where the scheduler runs too,
     encodes the message under the scheduler's interpreter lock (12-22 ms), which the watcher may
     see together with Dask's decoding of it (20-25 ms) in the next turn."""
-    import multiprocessing
-
+    from daskpipe.benchmarks.remote_client import process_context
     from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.cluster import EmulatedCluster
 
     error, message = FLOODS[flooded]
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     go, report = context.Event(), context.Queue()
     with (
         fresh_heap(),

@@ -30,6 +30,8 @@ from daskpipe.runtime.worker.environ import (
 
 DASK_DEFAULT = "65536"  # distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_
 
+pytestmark = pytest.mark.spawn  # what a Nanny hands its worker is the point here
+
 
 @pytest.fixture
 def clean_environ(monkeypatch):
