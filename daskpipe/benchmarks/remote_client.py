@@ -21,8 +21,8 @@ from daskpipe.runtime.client.service import open_stream
 
 def process_context() -> Any:
     """How a benchmark starts its other processes (senders, page followers, bare torch runs): as
-    Dask starts its workers here (``distributed.worker.multiprocessing-method``, spawn by default),
-    never by a fork of this process, whose threads hold locks a child would inherit."""
+    Dask starts its workers here (``distributed.worker.multiprocessing-method``: spawn by default, or
+    a fork from a server process; a plain fork of this process, whose threads hold locks, is unsafe)."""
     return get_mp_context()
 
 
