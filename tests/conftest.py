@@ -52,7 +52,8 @@ def forked_workers() -> None:
     from daskpipe.runtime.worker.environ import ALLOCATOR_VARIABLES, PRE_SPAWN_ENVIRON
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    get_mp_context().set_forkserver_preload(["distributed", "numpy", *WORKER_PRELOAD])  # after Dask's own list
+    # in place of Dask's own list, which importing distributed covers
+    get_mp_context().set_forkserver_preload(["distributed", "numpy", *WORKER_PRELOAD])
     pre_spawn = {k: str(v) for k, v in dask.config.get(PRE_SPAWN_ENVIRON).items() if v is not None and k not in ALLOCATOR_VARIABLES}
     saved = dict(os.environ)
     os.environ.update(pre_spawn)

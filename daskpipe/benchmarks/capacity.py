@@ -171,9 +171,9 @@ class Senders:
     """``count`` sender processes, each with its own client, started once for many trials."""
 
     def __init__(self, address: str, input_shape: Sequence[int], count: int):
-        from daskpipe.benchmarks.remote_client import process_context
+        from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
 
-        context = process_context()
+        context = get_mp_context()
         self.ready, self.results = context.Queue(), context.Queue()
         self.commands = [context.Queue() for _ in range(count)]
         self.processes = [

@@ -127,9 +127,9 @@ class BokehClientPages:
         return self.process is not None
 
     def open(self) -> None:
-        from daskpipe.benchmarks.remote_client import process_context
+        from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
 
-        context = process_context()
+        context = get_mp_context()
         ready = context.Event()
         self.process = context.Process(target=_follow_pages, args=(self.base_url, ready), daemon=True)
         self.process.start()

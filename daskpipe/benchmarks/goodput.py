@@ -208,11 +208,12 @@ def compute_ratios(dask_scheduler: Any, model: str) -> list[float]:
 
 def machine_limit(model: str, image_size: int, processes: int, threads: int, seconds: float) -> float:
     """Images/s of ``processes`` bare torch processes with ``threads`` threads each, at batch 1, all at once."""
-    from daskpipe.benchmarks.remote_client import process_context
+    from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
+
     from daskpipe.runtime.worker.environ import drop_allocator_settings
 
     drop_allocator_settings()  # they run as the stage workers do
-    context = process_context()
+    context = get_mp_context()
     ready = context.Barrier(processes)
     rates = context.Queue()
     runners = [

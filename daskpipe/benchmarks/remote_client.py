@@ -13,17 +13,9 @@ import uuid
 from typing import Any
 
 from distributed import Client
-from distributed.utils import get_mp_context
 
 from daskpipe.runtime.client.futures import ServedFuture
 from daskpipe.runtime.client.service import open_stream
-
-
-def process_context() -> Any:
-    """How a benchmark starts its other processes (senders, page followers, bare torch runs): as
-    Dask starts its workers here (``distributed.worker.multiprocessing-method``: spawn by default, or
-    a fork from a server process; a plain fork of this process, whose threads hold locks, is unsafe)."""
-    return get_mp_context()
 
 
 class RemoteSender:

@@ -271,9 +271,9 @@ def _loaded(client: Any, samples: int, input_shape: tuple[int, ...], carried_per
     ``LOAD_FACTOR`` of its plan's capacity or of ``carried_per_s``, the lesser; and what the load
     saw, with the scheduler's loop lags."""
     from distributed import wait
+    from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
 
     import daskpipe
-    from daskpipe.benchmarks.remote_client import process_context
 
     profiles, plan = profile_and_plan({"trivial-b1": 1}, input_shape=input_shape)
     load_profiles, load_plan = profile_and_plan(
@@ -289,7 +289,7 @@ def _loaded(client: Any, samples: int, input_shape: tuple[int, ...], carried_per
         profiles={**profiles, **load_profiles},
     )
     rate = LOAD_FACTOR * min(load_plan.models[0].throughput, carried_per_s)
-    context = process_context()
+    context = get_mp_context()
     flowing, stop, report = context.Event(), context.Event(), context.Queue()
     loader = context.Process(
         target=offer_load, args=(client.scheduler.address, "trivial-load", x.numpy().tobytes(), rate, flowing, stop, report), daemon=True

@@ -199,9 +199,9 @@ def trial(
 ) -> dict[str, Any]:
     """One open-loop trial at ``rate`` from ``senders`` processes, which start sending together
     once all are connected; what it measured."""
-    from daskpipe.benchmarks.remote_client import process_context
+    from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
 
-    context = process_context()
+    context = get_mp_context()
     ready, go, results = context.Queue(), context.Queue(), context.Queue()
     before = svc.status()[model]
     processes = [

@@ -191,12 +191,13 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
     process, as a client of another user is: one in this process, where the scheduler runs too,
     encodes the message under the scheduler's interpreter lock (12-22 ms), which the watcher may
     see together with Dask's decoding of it (20-25 ms) in the next turn."""
-    from daskpipe.benchmarks.remote_client import process_context
+    from distributed.utils import get_mp_context  # as Dask starts its workers: spawn unless configured
+
     from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.cluster import EmulatedCluster
 
     error, message = FLOODS[flooded]
-    context = process_context()
+    context = get_mp_context()
     go, report = context.Event(), context.Queue()
     with (
         fresh_heap(),
