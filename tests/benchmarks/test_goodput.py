@@ -84,7 +84,7 @@ def test_small_run_writes_the_figures(tmp_path):
     """resnet18 on 32 x 32 images at a few req/s: every figure is there and every request accounted
     for. Whether the runtime meets the SLO is the runtime's business; the search is tested above."""
     out = tmp_path / "goodput.json"
-    args = ["--image-size", "32", "--slo-ms", "2000", "--duration", "3", "--trials", "2", "--limit-seconds", "1", "--max-rate", "4"]
+    args = ["--image-size", "32", "--slo-ms", "2000", "--duration", "2", "--trials", "2", "--limit-seconds", "1", "--max-rate", "4"]
     result = CliRunner().invoke(main, ["bench", "goodput", *args, "--json", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())

@@ -22,7 +22,7 @@ def test_bench_overload_loses_nothing_and_keeps_the_queue_bound(tmp_path, dispat
         "--loads",
         "1,3",
         "--duration",
-        "2",
+        "1",
         "--capacity",
         "20",
         "--max-queued",

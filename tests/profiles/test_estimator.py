@@ -106,6 +106,24 @@ def test_calibrating_on_one_measured_gpu_type_cuts_the_error_on_the_others(ppipe
         assert report[figure]["calibrated"] <= report[figure]["uncalibrated"] / 2
 
 
+class _BatchGram(nn.Module):
+    """A forward whose work grows with the square of the batch: each sample against every other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(1)
+        return flat @ flat.T
+
+
+@pytest.mark.parametrize("module", [conv_net(), _BatchGram()], ids=["affine-in-the-batch", "quadratic-in-the-batch"])
+def test_op_costs_of_many_batch_sizes_are_those_of_each_size_alone(module):
+    together = op_costs(module, (3, 16, 16), range(1, 9))
+    assert sorted(together) == list(range(1, 9))
+    for batch, costs in together.items():
+        alone = op_costs(module, (3, 16, 16), [batch])[batch]
+        for field in ("flops", "bytes", "outputs"):
+            np.testing.assert_array_equal(getattr(costs, field), getattr(alone, field))
+
+
 def test_efficiency_factors_scale_estimates_of_other_types_from_one_measured_type():
     blocked = profile_model(conv_net(), torch.randn(1, 3, 16, 16), name="conv", num_blocks=2, batch_sizes=2, repeats=1, warmup=0)[1]
     plain, _ = estimate_kinds(blocked, [("A10", 1)], name="conv", batch_sizes=2)

@@ -28,10 +28,19 @@ def cpu_cluster():
         yield cluster, client
 
 
-@pytest.fixture(scope="module", params=["tcp", "tls"])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test on ``emulated_inproc`` runs over TCP and over TLS, or over the protocols its
+    ``protocols`` marker names: a check of what the scheduler or a stage does with a message, not of
+    how it travels, runs over TCP alone (TLS wraps the same comms: tests/runtime/test_tls.py)."""
+    if "emulated_inproc" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("protocols")
+        metafunc.parametrize("emulated_inproc", marker.args if marker else ["tcp", "tls"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def emulated_inproc(request, tmp_path_factory):
-    """One emulated L4 and one emulated T4 slot in this process, with the FIFO test dispatcher;
-    once over TCP and once over TLS with certificates (every comm: client, scheduler, worker to worker)."""
+    """One emulated L4 and one emulated T4 slot in this process, with the FIFO test dispatcher, over
+    ``request.param``: TCP, or TLS with certificates (every comm: client, scheduler, worker to worker)."""
     from daskpipe.runtime.cluster import EmulatedCluster
 
     security = tls_security(tmp_path_factory.mktemp("tls")) if request.param == "tls" else None

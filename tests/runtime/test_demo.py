@@ -18,7 +18,7 @@ DASKPIPE = [sys.executable, "-c", "from daskpipe.cli import main; main()"]  # th
 def test_demo_serves_the_stream_and_matches_the_unpartitioned_model(tmp_path):
     out = tmp_path / "out.json"
     run = subprocess.run(
-        [*DASKPIPE, "demo", "--duration", "6", "--json", str(out), "--dashboard-address", ":0"],
+        [*DASKPIPE, "demo", "--duration", "3", "--json", str(out), "--dashboard-address", ":0"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -243,6 +243,7 @@ def test_one_100k_key_message_never_holds_the_scheduler_from_another_clients_100
                 flooder.kill()
 
 
+@pytest.mark.protocols("tcp")
 def test_1000_malformed_requests_in_a_valid_stream_each_err_and_the_valid_ones_meet_the_slo(emulated_inproc):
     cluster, client = emulated_inproc
     k = 10.0

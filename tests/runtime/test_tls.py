@@ -1,7 +1,7 @@
 """daskpipe over Dask's TLS comms (``tls://`` with certificates from a throwaway CA).
 
-The in-process deploy/submit/error tests of test_service.py run over TLS too (the
-``emulated_inproc`` fixture is parametrized over tcp and tls); here: the processes cluster, whose
+The in-process tests of the runtime run over TLS too (the ``emulated_inproc`` fixture is
+parametrized over tcp and tls), but those marked ``protocols("tcp")``; here: the processes cluster, whose
 feature maps cross process boundaries over TLS, the door staying shut to those without a
 certificate, and ``daskpipe worker --tls-*`` joining a TLS scheduler.
 """

@@ -103,6 +103,7 @@ def test_result_waits_and_hands_over_the_output_without_the_clients_event_loop(e
                 bad.result(timeout=30)
 
 
+@pytest.mark.protocols("tcp")
 def test_the_services_as_completed_yields_each_future_once_as_it_ends_without_the_clients_event_loop(emulated_inproc):
     """Futures ended before they are added, added while iterating, added twice, and erred: each is
     yielded once, and iteration ends when none is left; it times out, and takes no other futures."""
@@ -562,6 +563,7 @@ def test_a_bad_gray_failure_knob_fails_the_deploy_naming_it(emulated_inproc):
         deploy_two_stage(client)
 
 
+@pytest.mark.protocols("tcp")
 def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_one(emulated_inproc):
     cluster, client = emulated_inproc
     with pytest.raises(DeployError, match=r"a lone request takes 80.0 ms .* the smallest SLO it can serve is (\d+\.\d) ms") as refused:
@@ -572,6 +574,7 @@ def test_an_slo_no_lone_request_can_meet_is_refused_at_deploy_with_the_smallest_
         assert svc.submit("tiny", frames(1)[0]).result(timeout=30).shape == reference(frames(1))[0].shape
 
 
+@pytest.mark.protocols("tcp")
 def test_drops_err_with_the_reason(emulated_inproc):
     cluster, client = emulated_inproc
     with deploy_two_stage(client, stage_ms=(40.0, 40.0), slo_ms=120.0) as svc:  # a lone request fits; a burst of 12 cannot

@@ -265,7 +265,7 @@ def test_a_client_killed_with_requests_queued_ends_them_as_client_gone_and_leave
     cluster, client = emulated_inproc
     if cluster.scheduler_address.startswith("tls://"):
         pytest.skip("the sender process connects over TCP; TLS fetches are tested above")
-    slo_s = 8.0
+    slo_s = 4.0
     with deploy_two_stage(client, input_shape=FETCHED, slo_ms=slo_s * 1e3, dispatcher=PAPER_PPIPE) as svc:
         script = (
             "import sys, time, torch\n"
