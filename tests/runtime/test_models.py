@@ -26,7 +26,7 @@ from tests.runtime.helpers import two_pool_plan, with_test_dispatcher
 
 pytestmark = pytest.mark.timeout(300)
 REQUESTS = 5
-SLO_US = 5e6
+SLO_US = 2e6
 """The emulated stages compute for real on a shared CPU: no request may be dropped as late (the test
 dispatcher waits a quarter of it for a full batch)."""
 

@@ -64,7 +64,7 @@ def deploy(client, names=("a", "b"), slo_factor: float = 8.0, **kwargs):
 class Stream:
     """A steady stream of requests to ``model`` from a thread (every ``every_s``) while the test changes the service."""
 
-    def __init__(self, svc, model: str, every_s: float = 0.02, least: int = 150):
+    def __init__(self, svc, model: str, every_s: float = 0.01, least: int = 150):
         self.svc, self.model, self.every_s, self.least = svc, model, every_s, least  # 1% of ``least``: a miss or more
         self.futures: list = []
         self.before = svc.status()[model]
