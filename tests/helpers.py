@@ -6,9 +6,8 @@ import asyncio
 import gc
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 
@@ -85,15 +84,10 @@ class LoopTurns:
             await asyncio.sleep(0)
 
 
-@contextmanager
-def fresh_heap() -> Iterator[None]:
-    """Run a real-time check with this process's heap as a fresh scheduler's would be: the
-    LocalCluster's scheduler lives in the test process, which carries every earlier test's
-    objects, and a full collection walking them stalls its event loop for tens of milliseconds.
-    ``gc.freeze`` keeps what exists now out of the collector's walks until the block ends."""
+def settle_heap() -> None:
+    """Collect what earlier tests left and keep the survivors out of later collections' walks
+    (``gc.freeze``). The in-process clusters' schedulers and workers live in the test process,
+    which carries every earlier test's objects: a full collection walking them took 170-240 ms
+    a third of the way into the suite, a stall of every slot's compute and of the scheduler's loop."""
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

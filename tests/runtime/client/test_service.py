@@ -25,7 +25,7 @@ from daskpipe.runtime.deploying.profiling import ProfilingOptions
 from daskpipe.runtime.errors import DeployError, InvalidRequest, RequestDropped, RequestFailed
 from daskpipe.runtime.wire import messages
 from daskpipe.runtime.worker.stage import reply_clients
-from tests.helpers import fresh_heap, paced, wait_until, wait_until_async
+from tests.helpers import paced, settle_heap, wait_until, wait_until_async
 from tests.runtime.helpers import (
     INPUT,
     PAPER_PPIPE,
@@ -602,7 +602,8 @@ def test_a_deploy_in_real_time_serves_a_50ms_slo_at_half_load():
 
     from daskpipe.runtime.cluster import EmulatedCluster
 
-    with fresh_heap(), EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+    settle_heap()  # and this module's earlier tests'
+    with EmulatedCluster({"L4": 1, "T4": 1}, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
         with deploy_two_stage(client, slo_ms=50.0) as svc:
             wait(svc.map("tiny", frames(30, seed=2)), timeout=60)  # warm, and the margin measured
             before = svc.status()["tiny"]
