@@ -194,17 +194,13 @@ def _record_costs(block: nn.Module, input_shape: Sequence[int], batches: list[in
         return np.asarray(recorder.ops, dtype=float).reshape(-1, 3)
 
     sizes = sorted(set(batches))
-    recorded = {batch: record(batch) for batch in {*sizes[:2], sizes[-1]}}
-    if len(sizes) > 3:
-        low, high, top = sizes[0], sizes[1], sizes[-1]
-        same_ops = recorded[high].shape == recorded[low].shape == recorded[top].shape
-        per_sample = (recorded[high] - recorded[low]) / (high - low) if same_ops else recorded[low]
-        if same_ops and np.allclose(recorded[low] + (top - low) * per_sample, recorded[top], rtol=1e-9, atol=0.0):
+    low, high, top = sizes[0], sizes[:2][-1], sizes[-1]
+    recorded = {batch: record(batch) for batch in {low, high, top}}
+    if len(sizes) > 3 and recorded[low].shape == recorded[high].shape == recorded[top].shape:
+        per_sample = (recorded[high] - recorded[low]) / (high - low)
+        if np.allclose(recorded[low] + (top - low) * per_sample, recorded[top], rtol=1e-9, atol=0.0):
             recorded |= {batch: recorded[low] + (batch - low) * per_sample for batch in sizes[2:-1]}
-        else:
-            recorded |= {batch: record(batch) for batch in sizes[2:-1]}
-    else:
-        recorded |= {batch: record(batch) for batch in sizes if batch not in recorded}
+    recorded |= {batch: record(batch) for batch in sizes if batch not in recorded}
     return {batch: OpCosts(flops=ops[:, 0], bytes=ops[:, 1] * element_bytes, outputs=ops[:, 2]) for batch, ops in recorded.items()}
 
 

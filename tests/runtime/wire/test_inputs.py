@@ -258,13 +258,12 @@ class WideOutput(torch.nn.Module):
         return self.tail(self.head(x))
 
 
+@pytest.mark.protocols("tcp")  # the sender process connects over TCP; TLS fetches are tested above
 def test_a_client_killed_with_requests_queued_ends_them_as_client_gone_and_leaves_no_key(emulated_inproc):
     """A sender in a process of its own submits requests that the paper's deferred dispatcher holds
     back (a long SLO, batches of 4 not yet full), then is killed: they end at once on the
     scheduler, dropped as "client-gone", and none of their keys is left; the service still serves."""
     cluster, client = emulated_inproc
-    if cluster.scheduler_address.startswith("tls://"):
-        pytest.skip("the sender process connects over TCP; TLS fetches are tested above")
     slo_s = 4.0
     with deploy_two_stage(client, input_shape=FETCHED, slo_ms=slo_s * 1e3, dispatcher=PAPER_PPIPE) as svc:
         script = (
