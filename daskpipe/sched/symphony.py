@@ -120,13 +120,17 @@ class DeferredSettings:
         drops heads early to keep a target batch size.
     target_batch: the window policy's target in samples; ``None`` estimates it from the measured
         arrival rate with Symphony's staggering rule (1+1/n)·l(b) <= SLO.
-    rate_window_s: the arrival-rate meter's window.
+    rate_window_s: the arrival meter's window: the window policy's rate, and which models
+        ``cover_windows`` expects a request from.
+    cover_windows: where waiting for the windows would leave a candidate without a GPU, send the
+        most urgent early on an idle one (daskpipe's rule, docs/batching.md; ``False``: Alg. 1 as printed).
     """
 
     gpu_choice: GpuChoice = "lowest-id"
     drop_policy: DropPolicy = "head"
     target_batch: int | None = None
     rate_window_s: float = 1.0
+    cover_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.gpu_choice not in ("lowest-id", "earliest-free"):
@@ -408,8 +412,8 @@ class DeferredDispatcher(Dispatcher):
         self._clean(self._pending, pending=True)
         while self._busy and self._busy[0][0] != self._units[self._busy[0][1]].free:  # moved by feedback
             heapq.heappop(self._busy)
-        if self._pending and self._busy:
-            times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU
+        if self._busy and (self._pending or self._covers_windows and self._candidates() > 1):
+            times.append(self._busy[0][0])  # one GPU timer, on the earliest-free GPU (a unit freed may cover a window)
         return min(times) if times else None
 
     def drain(self, now: Time, reason: DropReason = "shutdown", models: Collection[str] | None = None) -> list[Action]:
@@ -497,7 +501,9 @@ class DeferredDispatcher(Dispatcher):
 
     # -- candidates (the paper's ModelThread) ------------------------------------------------
     def _meter(self, model: ModelQueue, arrival: Time, now: Time) -> None:
-        if self.settings.drop_policy == "window" and self.settings.target_batch is None:
+        """The arrivals of the last ``rate_window_s``: the window policy's rate, and which models
+        covering windows expects a request from."""
+        if self._covers_windows or self.settings.drop_policy == "window" and self.settings.target_batch is None:
             model.arrivals.append(arrival)
             while model.arrivals and model.arrivals[0] < now - self.settings.rate_window_s:
                 model.arrivals.popleft()
@@ -604,7 +610,69 @@ class DeferredDispatcher(Dispatcher):
                 _, _, name, _ = heapq.heappop(self._model_timers)
                 self._on_model_timer(self._models[name], now, actions)
                 continue
+            if self._covers_windows and self._run_uncovered(now, actions):
+                continue
             return
+
+    @property
+    def _covers_windows(self) -> bool:
+        return self.settings.cover_windows
+
+    def _candidates(self) -> int:
+        return sum(m.candidate is not None for m in self._models.values())
+
+    def _run_uncovered(self, now: Time, actions: list[Action]) -> bool:
+        """With a unit idle and two candidates or more waiting: would the units, as planned, start
+        every candidate within its window, the most urgent first? If not, and the most urgent
+        going now, on the idle unit, leaves no more of them without a start in time, it goes (True).
+
+        Alg. 1 defers a batch to a window ``alpha`` wide; where a pool has few GPUs for its models
+        and batches of about one request, that makes it a loss system: a request whose window finds
+        every GPU busy is dropped, though the GPUs idled while it waited. The plan also counts a
+        request that any model with a request in the last ``rate_window_s`` and none waiting may
+        send now (its window comes ``SLO - l(2)`` from now): a request that arrives after the check
+        with an earlier window than those waiting is what the check alone missed. Where the units
+        cover every window (one GPU a model or more, Symphony's evaluation), nothing goes early."""
+        while self._idle and self._idle[0][-1] in self._gone:
+            heapq.heappop(self._idle)
+        if not self._idle:
+            return False
+        waiting = [(c.latest, c.exec, m.l(c.samples), m.name) for m in self._models.values() if (c := m.candidate) is not None]
+        if len(waiting) < 2:
+            return False  # one candidate always has the idle unit
+        recent = now - self.settings.rate_window_s
+        waiting += [
+            (now + m.slo - m.l(1), now + m.slo - m.l(2), m.l(1), "")
+            for m in self._models.values()
+            if m.candidate is None and m.arrivals and m.arrivals[-1] >= recent
+        ]
+        waiting.sort()
+        free = sorted(max(u.free, now) for u in self._units if u.index not in self._gone)
+        deferred = self._misses(free, waiting)
+        if not deferred:
+            return False
+        first = next(i for i, entry in enumerate(waiting) if entry[3])  # the most urgent that is waiting
+        free[0] = now + waiting[first][2]  # free[0] is an idle unit's: now
+        heapq.heapify(free)
+        if self._misses(free, waiting[:first] + waiting[first + 1 :]) > deferred:
+            return False
+        unit = self._units[heapq.heappop(self._idle)[-1]]
+        if self._dispatch(self._models[waiting[first][3]], unit, now, actions, early=True):
+            return True
+        heapq.heappush(self._idle, self._idle_key(unit))
+        return False
+
+    @staticmethod
+    def _misses(free: list[Time], waiting: list[tuple[Time, Time, float, str]]) -> int:
+        """How many of ``waiting`` (latest, exec, duration, model), most urgent first, find no unit
+        free by their latest, each taking the earliest-free unit (``free``: a heap, copied)."""
+        free, missed = list(free), 0
+        for latest, exec_at, duration, _ in waiting:
+            if free[0] > latest:
+                missed += 1
+                continue
+            heapq.heappush(free, max(heapq.heappop(free), exec_at) + duration)
+        return missed
 
     def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
         while self._idle and self._idle[0][-1] in self._gone:
@@ -640,12 +708,12 @@ class DeferredDispatcher(Dispatcher):
                 return
         heapq.heappush(self._idle, self._idle_key(unit))
 
-    def _dispatch(self, model: ModelQueue, unit: _Unit, now: Time, actions: list[Action]) -> bool:
+    def _dispatch(self, model: ModelQueue, unit: _Unit, now: Time, actions: list[Action], early: bool = False) -> bool:
         """Refresh the candidate (more requests may have come, heads may have expired) and run it
-        on ``unit``; False when the refreshed candidate is gone or may not go yet."""
+        on ``unit``; False when the refreshed candidate is gone or may not go yet (``early``: it may)."""
         self._update_candidate(model, now, actions)
         candidate = model.candidate
-        if candidate is None or candidate.exec > now:
+        if candidate is None or (candidate.exec > now and not early):
             return False
         count, samples = candidate.requests, candidate.samples
         while True:  # later partitions may queue: shrink the batch until its route meets the head's deadline

@@ -116,9 +116,10 @@ def test_models_join_and_leave_a_shared_pool_while_it_serves(name):
     add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
     with pytest.raises(ValueError, match="model 'c' is served by this pool already"):
         add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
-    actions = run_out(dispatcher, [a for i in range(90) for a in dispatcher.submit(Request(i, "abc"[i % 3], 0.0, 0.1), 0.0)])
+    burst = [Request(i, "abcc"[i % 4], 0.0, 0.1) for i in range(120)]  # more of c than one slot runs in time
+    actions = run_out(dispatcher, [a for r in burst for a in dispatcher.submit(r, 0.0)])
     dispatches = [a for a in actions if isinstance(a, Dispatch)]
-    assert sum(len(d.requests) for d in dispatches) + sum(isinstance(a, Drop) for a in actions) == 90 and {
+    assert sum(len(d.requests) for d in dispatches) + sum(isinstance(a, Drop) for a in actions) == len(burst) and {
         d.hops[0].slot for d in dispatches if d.model == "c"
     } == {"l4", "t4"}
     for d in (d for d in dispatches if d.model == "c"):

@@ -135,8 +135,9 @@ def test_a_freed_gpu_takes_the_most_urgent_schedulable_batch_and_one_whose_windo
     wait for it, and at 10 it takes ``x``, the smaller latest (OnGpuTimer); ``y``'s window passes
     while ``x`` runs and it is dropped (its head cannot finish even alone), not run late; ``z``
     (window [17.5, 18.5]) is not sent to the GPU idle since 16 before its window opens.
-    This is why deferred loses to eager where GPUs are few for many models: an alpha-wide window
-    that comes due while every GPU runs other models' batches is lost."""
+    This is why Alg. 1 loses to eager where GPUs are few for many models: an alpha-wide window
+    that comes due while every GPU runs other models' batches is lost (no GPU was idle before it
+    here, so sending a batch early could not save it: the next test)."""
 
     def lat(model: str, batch: int) -> float:
         return 10.0 * batch if model == "w" else batch + 5.0
@@ -148,6 +149,36 @@ def test_a_freed_gpu_takes_the_most_urgent_schedulable_batch_and_one_whose_windo
     trace = engine.run()
     assert [(d.model, d.hops[0].compute.start) for _, d in trace.dispatches] == [("w", 0.0), ("x", 10.0), ("z", 17.5)]
     assert trace.requests["y"].dropped == "deadline" and trace.requests["z"].finish == pytest.approx(23.5)
+
+
+@pytest.mark.parametrize("cover", [True, False])
+def test_a_batch_goes_early_on_an_idle_gpu_where_waiting_would_leave_a_window_without_one(cover):
+    """Three lone requests at 0 with windows [5, 6] and two GPUs (l(b) = b + 5): Alg. 1 sends two
+    at 5, busy until 11, and the third's window passes. Covering windows, the dispatcher sees at 0
+    that the GPUs as planned start only two of the three in time, and sends the most urgent at
+    once; then, counting a request that model may send meanwhile (window [5, 6] too), the next;
+    the third goes in its window, on the GPU the first frees at 6, and all three end by 12."""
+    d = DeferredDispatcher({m: SLO for m in "abc"}, GPUS[:2], latency, settings=DeferredSettings(cover_windows=cover))
+    engine = Engine({m: d for m in "abc"}, {s.id: s for s in GPUS[:2]}, ReservedDurations())
+    engine.add_arrivals(Request(m, m, 0.0, SLO) for m in "abc")
+    trace = engine.run()
+    starts = sorted(d.hops[0].compute.start for _, d in trace.dispatches)
+    if cover:
+        assert starts == [0.0, 0.0, 6.0] and all(r.finish <= SLO for r in trace.requests.values())
+    else:
+        assert starts == [5.0, 5.0] and [m for m, r in trace.requests.items() if r.dropped] == ["c"]
+
+
+def test_windows_the_gpus_cover_send_nothing_early():
+    """With a GPU for each waiting model, covering windows changes nothing: Alg. 1's schedule."""
+    schedules = []
+    for cover in (True, False):
+        d = DeferredDispatcher({m: SLO for m in "abc"}, GPUS, latency, settings=DeferredSettings(cover_windows=cover))
+        engine = Engine({m: d for m in "abc"}, {s.id: s for s in GPUS}, ReservedDurations())
+        arrivals = [(10.0 * i + 0.1 * k, m) for i in range(20) for k, m in enumerate("abc")]
+        engine.add_arrivals(Request((m, t), m, t, t + SLO) for t, m in arrivals)
+        schedules.append([(d.model, d.hops[0].compute.start, len(d.requests)) for _, d in engine.run().dispatches])
+    assert schedules[0] == schedules[1] and schedules[0][0] == ("a", 5.0, 1)  # deferred to its frontrun, d - l(2)
 
 
 @pytest.mark.parametrize(
