@@ -623,8 +623,8 @@ class DeferredDispatcher(Dispatcher):
 
     def _run_uncovered(self, now: Time, actions: list[Action]) -> bool:
         """With a unit idle and two candidates or more waiting: would the units, as planned, start
-        every candidate within its window, the most urgent first? If not, and the most urgent
-        going now, on the idle unit, leaves no more of them without a start in time, it goes (True).
+        every candidate by the time its window opens, the most urgent first? If not, and the most
+        urgent going now, on the idle unit, leaves no more of them without a start in time, it goes (True).
 
         Alg. 1 defers a batch to a window ``alpha`` wide; where a pool has few GPUs for its models
         and batches of about one request, that makes it a loss system: a request whose window finds
@@ -637,15 +637,13 @@ class DeferredDispatcher(Dispatcher):
             heapq.heappop(self._idle)
         if not self._idle:
             return False
-        waiting = [(c.latest, c.exec, m.l(c.samples), m.name) for m in self._models.values() if (c := m.candidate) is not None]
+        waiting = [(c.latest, max(c.exec, now), m.l(c.samples), m.name) for m in self._models.values() if (c := m.candidate) is not None]
         if len(waiting) < 2:
             return False  # one candidate always has the idle unit
         recent = now - self.settings.rate_window_s
-        waiting += [
-            (now + m.slo - m.l(1), now + m.slo - m.l(2), m.l(1), "")
-            for m in self._models.values()
-            if m.candidate is None and m.arrivals and m.arrivals[-1] >= recent
-        ]
+        for m in self._models.values():
+            if m.candidate is None and m.arrivals and m.arrivals[-1] >= recent:
+                waiting.append((now + m.slo - m.l(1), now + m.slo - m.l(2), m.l(1), ""))
         waiting.sort()
         free = sorted(max(u.free, now) for u in self._units if u.index not in self._gone)
         deferred = self._misses(free, waiting)
@@ -664,14 +662,17 @@ class DeferredDispatcher(Dispatcher):
 
     @staticmethod
     def _misses(free: list[Time], waiting: list[tuple[Time, Time, float, str]]) -> int:
-        """How many of ``waiting`` (latest, exec, duration, model), most urgent first, find no unit
-        free by their latest, each taking the earliest-free unit (``free``: a heap, copied)."""
+        """How many of ``waiting`` (latest, when its window opens, its batch's duration, model), the
+        most urgent first, find no unit free by the time their window opens, each taking the
+        earliest-free unit (``free``: a heap, copied). The start's test is the opening, not the
+        latest start: a plan that starts a batch at the end of its window, ``alpha`` wide, leaves
+        nothing for what it did not foresee."""
         free, missed = list(free), 0
-        for latest, exec_at, duration, _ in waiting:
-            if free[0] > latest:
+        for _, opens, duration, _ in waiting:
+            if free[0] > opens:
                 missed += 1
                 continue
-            heapq.heappush(free, max(heapq.heappop(free), exec_at) + duration)
+            heapq.heappush(free, max(heapq.heappop(free), opens) + duration)
         return missed
 
     def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
