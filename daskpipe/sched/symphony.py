@@ -618,6 +618,12 @@ class DeferredDispatcher(Dispatcher):
     def _covers_windows(self) -> bool:
         return self.settings.cover_windows
 
+    def _any_idle(self) -> bool:
+        """Whether a unit is idle, the units taken out (``remove_slot``) dropped from the idle heap's top."""
+        while self._idle and self._idle[0][-1] in self._gone:
+            heapq.heappop(self._idle)
+        return bool(self._idle)
+
     def _candidates(self) -> int:
         return sum(m.candidate is not None for m in self._models.values())
 
@@ -633,9 +639,7 @@ class DeferredDispatcher(Dispatcher):
         send now (its window comes ``SLO - l(2)`` from now): a request that arrives after the check
         with an earlier window than those waiting is what the check alone missed. Where the units
         cover every window (one GPU a model or more, Symphony's evaluation), nothing goes early."""
-        while self._idle and self._idle[0][-1] in self._gone:
-            heapq.heappop(self._idle)
-        if not self._idle:
+        if not self._any_idle():
             return False
         waiting = [(c.latest, max(c.exec, now), m.l(c.samples), m.name) for m in self._models.values() if (c := m.candidate) is not None]
         if len(waiting) < 2:
@@ -676,9 +680,7 @@ class DeferredDispatcher(Dispatcher):
         return missed
 
     def _on_model_timer(self, model: ModelQueue, now: Time, actions: list[Action]) -> None:
-        while self._idle and self._idle[0][-1] in self._gone:
-            heapq.heappop(self._idle)
-        if self._idle:
+        if self._any_idle():
             unit = self._units[heapq.heappop(self._idle)[-1]]
             if not self._dispatch(model, unit, now, actions):
                 heapq.heappush(self._idle, self._idle_key(unit))
