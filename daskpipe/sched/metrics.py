@@ -260,13 +260,12 @@ class ServiceMetrics:
         says how good the whole plan is (``Plan.quality``)."""
         metrics = self.model(model)
         metrics.plan_quality = plan_quality
-        metrics.plan, metrics.placement, metrics.slo_s, metrics.control, metrics.suspects = (
-            plan,
-            placement,
-            plan.slo_us * 1e-6,
-            control,
-            suspects,
-        )
+        metrics.plan, metrics.slo_s, metrics.control, metrics.suspects = plan, plan.slo_us * 1e-6, control, suspects
+        self.place(model, placement)
+
+    def place(self, model: str, placement: Placement) -> None:
+        """``model`` runs on ``placement`` from now on (slots joined its pools while it serves)."""
+        self.model(model).placement = placement
         for slot in placement.slots.values():
             self.gpu_of[slot.id] = slot.gpu
 

@@ -41,7 +41,7 @@ from daskpipe.sched.batching import EagerDispatcher, TimeoutDispatcher
 from daskpipe.sched.hybrid import FragmentDispatcher
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.reactive import ReactiveDispatcher
-from daskpipe.sched.symphony import DeferredDispatcher, SharedPoolRoute
+from daskpipe.sched.symphony import DeferredDispatcher, SharedPoolRoute, SlotKind
 
 
 class DataPlane(str, Enum):
@@ -160,10 +160,10 @@ def make_shared_dispatcher(
     plane = check_name(name)
     if plane not in MULTIPLEXING:
         raise ValueError(f"data plane {name!r} does not share slots between models; a shared pool runs one of {', '.join(MULTIPLEXING)}")
-    route = SharedPoolRoute()
+    route = SharedPoolRoute({slot.id: (slot.gpu, slot.slices) for slot in slots})
     caps = {}
     for model, (model_plan, profile) in models.items():
-        caps[model] = _join_route(route, model, model_plan, profile, slots, max_batch)
+        caps[model] = _join_route(route, model, model_plan, profile, max_batch)
     policy: dict[str, Any] = {"max_wait_s": timeout_s} if plane == DataPlane.TIMEOUT else {}
     kind = {DataPlane.DEFERRED: DeferredDispatcher, DataPlane.EAGER: EagerDispatcher, DataPlane.TIMEOUT: TimeoutDispatcher}[
         DataPlane(plane)
@@ -196,7 +196,10 @@ def add_shared_model(
         raise ValueError(f"{type(dispatcher).__name__} does not serve a shared pool: models cannot join it")
     if name in dispatcher.route.pipelines:
         raise ValueError(f"model {name!r} is served by this pool already")
-    cap = _join_route(dispatcher.route, name, model_plan, profile, slots, max_batch)
+    placed, pool = sorted(slot.id for slot in slots), sorted(dispatcher.route.kinds)
+    if placed != pool:
+        raise ValueError(f"model {name!r} must join on every slot of its shared pool, {pool}; it was placed on {placed}")
+    cap = _join_route(dispatcher.route, name, model_plan, profile, max_batch)
     try:
         if isinstance(dispatcher, TimeoutDispatcher):
             dispatcher.add_model(name, model_plan.slo_us / 1e6, cap, max_wait_s=max_wait_s)
@@ -215,19 +218,32 @@ def remove_shared_model(dispatcher: DeferredDispatcher, name: str, now: float) -
     return actions
 
 
-def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profile: Profile, slots: Sequence[Slot], cap: int | None) -> int:
-    """Put ``model`` on every one of ``slots`` in ``route``: its whole-model pipeline of each slot's
-    kind, timed on that kind. Its largest batch: its pipelines' smallest planned one, at most ``cap``."""
-    kinds = {slot.id: (slot.gpu, slot.slices) for slot in slots}
+def add_shared_slot(dispatcher: DeferredDispatcher, slot: Slot, now: float) -> list[Action]:
+    """``slot`` joins the shared pool ``dispatcher`` serves: every model of the pool runs there, on
+    its pipeline of the slot's kind (one the pool has: a new kind needs a plan of its own); what
+    the dispatcher sends there at once."""
+    if not isinstance(dispatcher.route, SharedPoolRoute):
+        raise ValueError(f"{type(dispatcher).__name__} does not serve a shared pool: slots cannot join it")
+    dispatcher.route.add_slot(slot.id, (slot.gpu, slot.slices))
+    try:
+        return dispatcher.add_slot(slot, 0, 0, now)
+    except ValueError:
+        del dispatcher.route.kinds[slot.id]
+        raise
+
+
+def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profile: Profile, cap: int | None) -> int:
+    """Put ``model`` on every slot of ``route``: its whole-model pipeline of each slot's kind, timed
+    on that kind. Its largest batch: its pipelines' smallest planned one, at most ``cap``."""
     by_kind = {(pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(model_plan.pipelines) if len(pl.partitions) == 1}
-    missing = sorted({f"{gpu}/v{v}" for gpu, v in kinds.values() if (gpu, v) not in by_kind})
+    missing = sorted({f"{gpu}/v{v}" for gpu, v in route.kinds.values() if (gpu, v) not in by_kind})
     if missing:
         raise ValueError(f"the plan of {model!r} has no whole-model pipeline on {', '.join(missing)}, a kind of its shared pool's slots")
     blocks = model_plan.pipelines[0].partitions[0].blocks
 
-    def latency(slot: str, batch: int) -> float:
-        gpu, v = kinds[slot]
+    def latency(kind: SlotKind, batch: int) -> float:
+        gpu, v = kind
         return profile.latency(gpu, v, batch, *blocks) / 1e6
 
-    route.add(model, latency, {slot: by_kind[kind] for slot, kind in kinds.items()})
+    route.add(model, latency, by_kind)
     return int(min(min(pl.batch_size for pl in model_plan.pipelines), cap or math.inf))

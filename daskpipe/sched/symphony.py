@@ -77,33 +77,50 @@ class WholeModelRoute:
         return None
 
 
+SlotKind = tuple[str, int]
+"""A slot's (GPU, slices): what a shared pool's latencies and pipelines are by."""
+
+
 class SharedPoolRoute:
     """Every model whole on every slot of a sub-cluster (Symphony's setting), on slots of several
-    kinds: a batch runs for its own slot's latency, ``latency(model, slot, batch)``, and on
-    ``pipelines[model][slot]``, the model's pipeline of that slot's kind in the plan (what the
+    kinds (``kinds``: slot -> its (GPU, slices)): a batch runs for its slot's kind's latency,
+    ``latency(model, slot, batch)``, and on the model's pipeline of that kind in the plan (what the
     executor holds the batch for). The window takes :meth:`slowest`, as Symphony takes the slowest
     GPU's profile, so a batch sent to a faster slot only ends earlier. Models join and leave while
-    the pool serves (:meth:`add`, :meth:`remove`)."""
+    the pool serves (:meth:`add`, :meth:`remove`), and so do slots of a kind it has (:meth:`add_slot`)."""
 
-    def __init__(self) -> None:
-        self.latencies: dict[str, Callable[[str, int], float]] = {}  # model -> latency(slot, batch), seconds
-        self.pipelines: dict[str, Mapping[str, int]] = {}
+    def __init__(self, kinds: Mapping[str, SlotKind]) -> None:
+        self.kinds = dict(kinds)
+        self.latencies: dict[str, Callable[[SlotKind, int], float]] = {}  # model -> latency(kind, batch), seconds
+        self.pipelines: dict[str, Mapping[SlotKind, int]] = {}  # model -> its pipeline of each kind
 
-    def add(self, model: str, latency: Callable[[str, int], float], pipelines: Mapping[str, int]) -> None:
+    def add(self, model: str, latency: Callable[[SlotKind, int], float], pipelines: Mapping[SlotKind, int]) -> None:
+        missing = {kind for kind in self.kinds.values() if kind not in pipelines}
+        if missing:
+            raise ValueError(f"model {model!r} has no pipeline on kind(s) {sorted(map(str, missing))} of its shared pool's slots")
         self.latencies[model], self.pipelines[model] = latency, pipelines
 
     def remove(self, model: str) -> None:
         del self.latencies[model], self.pipelines[model]
 
+    def add_slot(self, slot: str, kind: SlotKind) -> None:
+        """``slot``, of ``kind`` (one every model has a pipeline on), joins the pool."""
+        if slot in self.kinds:
+            raise ValueError(f"slot {slot!r} is in this shared pool already")
+        lacking = sorted(model for model, pipelines in self.pipelines.items() if kind not in pipelines)
+        if lacking:
+            raise ValueError(f"models {lacking} have no pipeline on {kind}, the kind of slot {slot!r}")
+        self.kinds[slot] = kind
+
     def latency(self, model: str, slot: str, batch: int) -> float:
-        return self.latencies[model](slot, batch)
+        return self.latencies[model](self.kinds[slot], batch)
 
     def slowest(self, model: str, batch: int) -> float:
-        return max(self.latency(model, slot, batch) for slot in self.pipelines[model])
+        return max(self.latencies[model](kind, batch) for kind in set(self.kinds.values()))
 
     def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
         end = start + self.latency(model, slot, batch)
-        return self.pipelines[model][slot], (Hop(0, slot, Reservation(slot, start, end)),), end
+        return self.pipelines[model][self.kinds[slot]], (Hop(0, slot, Reservation(slot, start, end)),), end
 
     def commit(self, hops: tuple[Hop, ...]) -> None:
         return None
@@ -476,9 +493,16 @@ class DeferredDispatcher(Dispatcher):
         return actions
 
     def add_slot(self, slot: Slot, pipeline: int, partition: int, now: Time) -> list[Action]:
-        """A slot taken out comes back, free from ``now`` (``pipeline`` and ``partition``: the
-        route knows them); a ``ValueError`` for one that is in."""
-        unit = self._unit(slot.id, f"add slot {slot.id!r} to its pools")
+        """A slot taken out comes back, or a new one joins (a shared pool's route must know its kind
+        first: :meth:`SharedPoolRoute.add_slot`), free from ``now`` (``pipeline`` and ``partition``:
+        the route knows them); a ``ValueError`` for one that is in."""
+        change = f"add slot {slot.id!r} to its pools"
+        if self.supports_pools and not any(u.slot == slot.id for u in self._units):
+            if isinstance(self.route, SharedPoolRoute) and slot.id not in self.route.kinds:
+                raise ValueError(f"slot {slot.id!r} is not in this shared pool's route: its kind must be added there first")
+            self._units.append(_Unit(len(self._units), slot.id))
+            self._gone.add(len(self._units) - 1)  # as if it had left: it joins below
+        unit = self._unit(slot.id, change)
         if unit.index not in self._gone:
             raise ValueError(f"slot {slot.id!r} is in this dispatcher's pool already")
         self._gone.discard(unit.index)

@@ -10,6 +10,7 @@ from daskpipe.sched.registry import (
     DATAPLANES,
     MULTIPLEXING,
     add_shared_model,
+    add_shared_slot,
     known,
     make_dispatcher,
     make_shared_dispatcher,
@@ -138,6 +139,39 @@ def test_models_join_and_leave_a_shared_pool_while_it_serves(name):
     assert {i for i in range(100, 130) if (i - 100) % 3} <= served, "b and c are served on"
     with pytest.raises(ValueError, match="not served by this dispatcher"):
         remove_shared_model(dispatcher, "a", 2.0)
+
+
+@pytest.mark.parametrize("name", MULTIPLEXING)
+def test_a_slot_of_a_kind_the_pool_has_joins_it_for_every_model(name):
+    """A pool of one T4 and one L4 gets a second T4 while a burst is queued: the new slot takes
+    batches at once, timed as the T4 runs them, and runs each model once it is the only slot; a slot of a kind the plan has no
+    pipeline for, one already in, and a model placed on part of the pool are refused by name."""
+    plan, profiles, slots = two_kind_pool()
+    dispatcher = make_shared_dispatcher(name, {m.name: (m, profiles[m.name]) for m in plan.models}, slots, timeout_s=0.001)
+    burst = [Request(i, "ab"[i % 2], 0.0, 0.1) for i in range(60)]
+    actions = [a for r in burst for a in dispatcher.submit(r, 0.0)]
+    second = Slot("t4b", "T4", 1, "s2")
+    actions += add_shared_slot(dispatcher, second, 0.0)
+    actions = run_out(dispatcher, actions)
+    dispatches = [a for a in actions if isinstance(a, Dispatch)]
+    assert sum(len(d.requests) for d in dispatches) + sum(isinstance(a, Drop) for a in actions) == len(burst)
+    dispatcher.remove_slot("t4", 0.5)
+    dispatcher.remove_slot("l4", 0.5)
+    alone = run_out(dispatcher, [a for i in (100, 101) for a in dispatcher.submit(Request(i, "ab"[i % 2], 0.5, 0.6), 0.5)])
+    on_new = [d for d in dispatches + alone if isinstance(d, Dispatch) and d.hops[0].slot == "t4b"]
+    assert len(on_new) > 2 and {d.model for d in alone if isinstance(d, Dispatch)} == {"a", "b"}
+    for d in on_new:
+        assert plan.model(d.model).pipelines[d.pipeline].partitions[0].gpu == "T4"
+        assert d.hops[0].compute.end - d.hops[0].compute.start == pytest.approx(profiles[d.model].latency("T4", 1, d.batch_size) / 1e6)
+    with pytest.raises(ValueError, match="slot 't4b' is in this shared pool already"):
+        add_shared_slot(dispatcher, second, 1.0)
+    with pytest.raises(ValueError, match=r"models \['a', 'b'\] have no pipeline on \('A100', 1\), the kind of slot 'x'"):
+        add_shared_slot(dispatcher, Slot("x", "A100", 1, "s3"), 1.0)
+    assert add_shared_slot(dispatcher, Slot("x", "T4", 1, "s3"), 1.0) == []  # the refusal left nothing behind
+    profiles["c"] = linear("c", 1.5, 3.0, 25.0)
+    grown = shared_plan(profiles, [SharedGroup(("a", "b", "c"), {("T4", 1): 3, ("L4", 1): 1})])
+    with pytest.raises(ValueError, match=r"model 'c' must join on every slot of its shared pool, \['l4', 't4', 't4b', 'x'\]"):
+        add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
 
 
 def test_a_model_joining_a_timeout_pool_of_per_model_waits_needs_its_own():

@@ -15,7 +15,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from daskpipe.plan.schema import Plan, PlanError
 from daskpipe.plan.shared import SharedGroup, check_memory, shared_plan
@@ -206,6 +206,38 @@ class SharedDeployment:
             except DeployError as exc:
                 refusals.append(f"sub-cluster {index} ({', '.join(self.pools[index].models)}): {exc}")
         raise DeployError(f"no sub-cluster can serve {name!r} beside its models: {'; '.join(refusals)}")
+
+    def plan_grow(self, slots: Sequence[WorkerSlot], into: int | None = None) -> tuple[int, Plan]:
+        """The sub-cluster ``slots`` join (``into``, else the one of most models a slot, of those with
+        a slot of each new slot's kind; ties: the first) and the deployment's plan with them there;
+        or a :class:`DeployError` naming what cannot join."""
+        if not slots:
+            raise DeployError("no worker to add: every slot of the cluster serves this deployment already")
+        addresses = [s.address for s in slots]
+        twice = sorted({a for a in addresses if addresses.count(a) > 1})
+        serving = sorted(a for pool in self.pools for a in {s.address for s in pool.slots} & set(addresses))
+        problems = [f"{what} {found}" for what, found in (("named twice:", twice), ("serve a sub-cluster already:", serving)) if found]
+        if problems:
+            raise DeployError(f"workers cannot join: {'; '.join(problems)}")
+        if into is not None and not (isinstance(into, int) and not isinstance(into, bool) and 0 <= into < len(self.pools)):
+            raise DeployError(f"subcluster must be one of 0..{len(self.pools) - 1}, got {into!r}")
+        new = {(s.gpu, s.slices) for s in slots}
+        fits = [i for i, pool in enumerate(self.pools) if pool.models and new <= {(s.gpu, s.slices) for s in pool.slots}]
+        if into is None and not fits:
+            kinds = ", ".join(f"{gpu}/v{v}" for gpu, v in sorted(new))
+            raise DeployError(f"no sub-cluster serving a model has slots of kind {kinds}: a new kind needs a deploy that plans for it")
+        index = into if into is not None else max(fits, key=lambda i: (len(self.pools[i].models) / len(self.pools[i].slots), -i))
+        if index not in fits:
+            have = ", ".join(sorted({f"{s.gpu}/v{s.slices}" for s in self.pools[index].slots}))
+            raise DeployError(f"sub-cluster {index} serves no model, or has no slot of the new workers' kinds (it has {have or 'none'})")
+        pools = [Pool(pool.models, (*pool.slots, *slots)) if i == index else pool for i, pool in enumerate(self.pools)]
+        return index, self._plan(pools, self.members)
+
+    def grown(self, index: int, slots: Sequence[WorkerSlot], stages: Mapping[str, Collection[str]]) -> None:
+        """``slots`` serve in sub-cluster ``index`` now, each model's new stages among them (``stages``: keys)."""
+        self.pools[index] = replace(self.pools[index], slots=(*self.pools[index].slots, *slots))
+        for name, keys in stages.items():
+            self.members[name].stages.update(keys)
 
     def joined(self, index: int, name: str, member: PoolMember) -> None:
         """``name`` serves in sub-cluster ``index`` now."""

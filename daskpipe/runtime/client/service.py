@@ -546,6 +546,76 @@ class Service:
         logger.info("daskpipe: re-split at rates %s: moved %s (rate imbalance %.2f -> %.2f)", rates, moves, before, split.rate_imbalance)
         return moves
 
+    def add_workers(self, workers: Sequence[str] | None = None, *, subcluster: int | None = None) -> list[str] | Awaitable[list[str]]:
+        """Grow a shared pool by workers that joined the cluster: ``workers`` (addresses; default:
+        every slot of the cluster that no sub-cluster of this service has) join ``subcluster``
+        (default: of those with slots of their kinds, the one with the most models a slot). Every
+        model of it gets a stage on each, memory checked as at deploy, and the pool's dispatcher
+        sends batches there as soon as they are up: no re-plan, no switch, the models serve on
+        meanwhile. Returns the addresses that joined. Awaitable with an asynchronous client.
+
+        A deployment planned by the MILP re-plans onto workers that join by itself when it is
+        elastic (``deploy(..., elastic=ElasticSettings())``); this call is for shared pools.
+
+        Raises
+        ------
+        DeployError
+            On a closed service or one without shared pools, an address that is no worker or serves
+            a sub-cluster already, a kind the sub-cluster has no slot of (a new kind needs a plan
+            of its own: deploy again), or models that do not fit the new slots' memory.
+        """
+        return self._change(self._add_workers, workers, subcluster)
+
+    def _add_workers(self, workers: Sequence[str] | None, into: int | None) -> list[str]:
+        shared = self._shared
+        if self.closed:
+            raise DeployError("add_workers: the service is closed")
+        if shared is None:
+            raise DeployError(
+                "add_workers: this service has no shared pools (pools=SharedPools()); a deployment planned by the MILP re-plans onto "
+                "workers that join by itself when deployed with elastic=ElasticSettings()"
+            )
+        if isinstance(workers, str) or not (workers is None or all(isinstance(w, str) for w in workers)):
+            raise DeployError(f"add_workers: workers must be a sequence of worker addresses, got {workers!r}")
+        slots = {s.address: s for s in inventory(self.client)}
+        if workers is None:
+            taken = {s.address for pool in shared.pools for s in pool.slots}
+            workers = [a for a in sorted(slots) if a not in taken]
+        unknown = [a for a in workers if a not in slots]
+        if unknown:
+            raise DeployError(f"add_workers: {unknown} are not workers of this cluster (its workers: {sorted(slots)})")
+        joining = [slots[a] for a in workers]
+        try:
+            index, plan = shared.plan_grow(joining, into)
+        except DeployError as exc:
+            raise DeployError(f"add_workers: {exc}") from None
+        grown = pool_placement(plan, [Pool(shared.pools[index].models, tuple(joining))])
+        members = {name: shared.members[name] for name in shared.pools[index].models}
+        launches = plan_launches(
+            plan,
+            grown,
+            {name: [m.blocked.input_shape, *m.blocked.boundary_shapes] for name, m in members.items()},
+            {name: str(self._specs[name.partition("@v")[0]].dtype).removeprefix("torch.") for name in members},
+        )
+        blocks = {name: pickle_blocks(m.blocked.blocks) for name, m in members.items()}
+        started = self.client.sync(start_stages, self.client, launches, blocks)
+        try:
+            self.client.sync(
+                self.client.scheduler.daskpipe_grow_pool,
+                pool=list(members),
+                plan=plan.to_dict(),
+                stages={name: started.rows[name] for name in members},
+                serving=shared.serving.to_wire(),
+            )
+        except Exception:
+            release(started.futures)
+            raise
+        shared.grown(index, joining, {name: {str(row[3]) for row in started.rows[name]} for name in members})
+        self._stages.extend(started.futures)
+        self._plan = self._public_plan(plan.to_dict())
+        logger.info("daskpipe: %s joined sub-cluster %d (%s)", [s.address for s in joining], index, ", ".join(members))
+        return [s.address for s in joining]
+
     def _resplit_every(self, seconds: float) -> None:
         """The service's epochs: :meth:`resplit` every ``seconds`` until it closes (a thread)."""
         while not self._stopping.wait(seconds):

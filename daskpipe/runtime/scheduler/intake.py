@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from daskpipe.colocation.execute import colocated_latency, colocated_profile
 from daskpipe.config import ConfigError
@@ -161,10 +161,10 @@ def is_key(key: Any) -> bool:
     return isinstance(key, (str, bytes, int)) and not isinstance(key, bool)
 
 
-def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
-    """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
+def dilated_plan(model: ModelPlan, k: float) -> ModelPlan:
+    """The plan with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
     if k == 1.0:
-        return model, profile
+        return model
     pipelines = tuple(
         replace(
             p,
@@ -174,11 +174,15 @@ def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Pr
         )
         for p in model.pipelines
     )
+    return replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines)
+
+
+def dilated(model: ModelPlan, profile: Profile, k: float) -> tuple[ModelPlan, Profile]:
+    """The plan and profile with every latency and the SLO scaled by ``k`` (throughputs by 1/k)."""
+    if k == 1.0:
+        return model, profile
     tables = {key: table * k for key, table in profile.latency_us.items()}
-    return (
-        replace(model, slo_us=model.slo_us * k, throughput=model.throughput / k, pipelines=pipelines),
-        replace(profile, slo_us=profile.slo_us * k, latency_us=tables),
-    )
+    return dilated_plan(model, k), replace(profile, slo_us=profile.slo_us * k, latency_us=tables)
 
 
 def check_dilation(time_dilation: Any) -> None:
@@ -241,6 +245,21 @@ def as_slot(slot: WorkerSlot) -> Slot:
     return Slot(id=slot.address, gpu=slot.gpu, slices=slot.slices, server=slot.server)
 
 
+def placement_of(model: str, stages: Mapping[tuple[int, int, str], str], slots: Mapping[str, WorkerSlot]) -> Placement:
+    """Where ``model``'s ``stages`` ((pipeline, partition, address) -> actor key) are, as its
+    dispatcher and the dashboard see it; a :class:`DeployError` for a stage on no worker of ``slots``."""
+    pools: dict[tuple[int, int], list[str]] = {}
+    for p, q, address in stages:
+        if address not in slots:
+            raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
+        pools.setdefault((p, q), []).append(address)
+    return Placement(
+        model=model,
+        pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
+        slots={a: as_slot(slots[a]) for _, _, a in stages},
+    )
+
+
 def ledger_for(
     model: str,
     plan: dict,
@@ -271,18 +290,8 @@ def ledger_for(
     whole_plan = Plan.from_dict(plan)  # co-located stages: the dispatcher plans with their latencies
     model_plan, model_profile = dilated(whole_plan.model(model), colocated_profile(Profile.from_dict(profile), whole_plan), k)
     stage_keys = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages}
-    slots = endings.slots
-    pools: dict[tuple[int, int], list[str]] = {}
-    for p, q, address in stage_keys:
-        if address not in slots:
-            raise DeployError(f"stage ({p}, {q}) of {model!r} is placed on {address}, which is not a worker of this cluster")
-        pools.setdefault((p, q), []).append(address)
-    slot_of = {a: slots[a] for _, _, a in stage_keys}
-    placement = Placement(
-        model=model,
-        pools={pool: tuple(sorted(addresses)) for pool, addresses in pools.items()},
-        slots={a: as_slot(s) for a, s in slot_of.items()},
-    )
+    placement = placement_of(model, stage_keys, endings.slots)
+    slot_of = {a: endings.slots[a] for _, _, a in stage_keys}
     budgets = {block: us * 1e-6 for block, us in model_plan.entry_slo_us().items()}
     headroom = check_feasible(model, model_plan, model_profile, budgets, control.margin_s, bw_gbps=float(bw_gbps) / k, time_dilation=k)
     control.cap_s = MAX_SHARE * min(min(budgets.values()), headroom)  # a lone request always stays servable, with room to queue

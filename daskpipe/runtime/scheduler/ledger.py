@@ -236,6 +236,14 @@ class Ledger:
     def __post_init__(self) -> None:
         self.slow = SlowSlots(self.gray, list(self.stages))
 
+    def add_stages(self, model: ModelPlan, stages: Mapping[tuple[int, int, str], str], emulated: Iterable[str]) -> None:
+        """``stages`` on slots that joined the model's pools (a shared pool grown while it serves),
+        ``model`` the plan with them."""
+        self.model = model
+        self.stages.update(stages)
+        self.emulated = self.emulated | frozenset(emulated)
+        self.slow.stages = list(self.stages)
+
     def refusal(self, payload: Any, size: Any, start_block: int = 0) -> str | None:
         """Why a submitted input cannot be served, or ``None``. The client checks every input, but
         the scheduler does not trust the wire: a bad one would fail the whole batch it joins."""

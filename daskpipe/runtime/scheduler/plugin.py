@@ -88,6 +88,7 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
                     messages.SERVE: self.serve,
                     messages.SERVE_POOL: self.serve_pool,
                     messages.JOIN_POOL: self.join_pool,
+                    messages.GROW_POOL: self.serving.grow_pool,
                     messages.CLOSE: self.models.close,
                     messages.STATUS: self.models.status,
                     **self.elastic.handlers(),

@@ -21,7 +21,16 @@ from daskpipe.runtime.errors import DeployError
 from daskpipe.runtime.gctune import freeze_heap
 from daskpipe.runtime.scheduler.batches import Batches
 from daskpipe.runtime.scheduler.control import ControlPath, control_path, seed_from_round_trips
-from daskpipe.runtime.scheduler.intake import check_dispatcher, check_feasible, join_pool_dispatcher, ledger_for, pool_dispatcher
+from daskpipe.runtime.scheduler.intake import (
+    as_slot,
+    check_dispatcher,
+    check_feasible,
+    dilated_plan,
+    join_pool_dispatcher,
+    ledger_for,
+    placement_of,
+    pool_dispatcher,
+)
 from daskpipe.runtime.scheduler.ledger import Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
@@ -29,8 +38,8 @@ from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, t
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.api import Dispatcher
-from daskpipe.sched.registry import remove_shared_model
-from daskpipe.sched.symphony import DeferredDispatcher
+from daskpipe.sched.registry import add_shared_slot, remove_shared_model
+from daskpipe.sched.symphony import DeferredDispatcher, SharedPoolRoute
 
 logger = logging.getLogger(__name__)
 
@@ -175,12 +184,7 @@ class Serving:
         ``stages`` (one on each of the pool's slots, rows as :meth:`serve` takes them): it joins the
         pool's dispatcher and control path; the other models serve on undisturbed. ``plan``: the
         pool's plan with ``model`` in it; ``timeout_s``: its wait on the timeout data plane."""
-        ledgers = [ledger for m in pool if (ledger := self.models.ledgers.get(m)) is not None and not ledger.closing]
-        if not pool or len(ledgers) < len(pool):
-            raise DeployError(f"models {sorted(pool)} are not all served here: {model!r} has no shared pool to join")
-        shared = ledgers[0].dispatcher
-        if not isinstance(shared, DeferredDispatcher) or any(ledger.dispatcher is not shared for ledger in ledgers):
-            raise DeployError(f"models {sorted(pool)} do not share one pool's dispatcher: {model!r} cannot join them")
+        ledgers, shared, _ = self._pool(pool, f"{model!r} has no shared pool to join", f"{model!r} cannot join them")
         addresses = sorted({str(row[2]) for row in stages})
         unknown = [a for a in addresses if a not in self.models.slots]
         if unknown:
@@ -200,6 +204,50 @@ class Serving:
         control.refresh(time.monotonic())
         shared.continue_ids(max(self.batches.next_ids.get(m, 0) for m in [*pool, model]))  # past every id the pool sent
         return "OK"
+
+    def grow_pool(self, pool: list[str], plan: dict, stages: dict[str, list[list]], serving: dict) -> str:
+        """Workers join the shared pool that serves ``pool``'s models: ``stages[model]``, that model's
+        rows on them (one each, as :meth:`serve` takes rows), for every model of the pool. The
+        pool's dispatcher sends batches there at once; ``plan``: the pool's plan with them."""
+        ledgers, shared, route = self._pool(pool, "no shared pool to grow", "it cannot grow")
+        if set(stages) != set(pool):
+            raise DeployError(f"workers join a shared pool with a stage of each of its models {sorted(pool)}, not of {sorted(stages)}")
+        joining = sorted({str(row[2]) for rows in stages.values() for row in rows})
+        problems = [f"{a} is not a worker of this cluster" for a in joining if a not in self.models.slots]
+        problems += [f"{a} is in the pool already" for a in joining if a in route.kinds]
+        problems += [f"{m} has no stage on {a}" for m, rows in stages.items() for a in joining if a not in {str(r[2]) for r in rows}]
+        if problems:
+            raise DeployError(f"the shared pool of {sorted(pool)} cannot grow: {'; '.join(problems)}")
+        k = read_settings(serving).time_dilation
+        whole = Plan.from_dict(plan)
+        now = time.monotonic()
+        actions = []
+        for address in joining:
+            try:
+                actions += add_shared_slot(shared, as_slot(self.models.slots[address]), now)
+            except ValueError as exc:
+                raise DeployError(f"worker {address} cannot join the shared pool of {sorted(pool)}: {exc}") from None
+        for model, ledger in zip(pool, ledgers):
+            rows = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages[model]}
+            ledger.add_stages(dilated_plan(whole.model(model), k), rows, (a for a in joining if self.models.slots[a].emulated))
+            self.models.metrics.place(model, placement_of(model, ledger.stages, self.models.slots))
+        owner = ledgers[0]
+        self.models.act(owner, pool[0], owner.step(lambda: actions))
+        self.models.arm()
+        return "OK"
+
+    def _pool(self, pool: list[str], unserved: str, unshared: str) -> tuple[list[Ledger], DeferredDispatcher, SharedPoolRoute]:
+        """The ledgers of ``pool``'s models, the one dispatcher they share and its route; a :class:`DeployError`
+        that ends with ``unserved`` or ``unshared`` where they are not all served, or not by one pool."""
+        ledgers = [ledger for m in pool if (ledger := self.models.ledgers.get(m)) is not None and not ledger.closing]
+        if not pool or len(ledgers) < len(pool):
+            raise DeployError(f"models {sorted(pool)} are not all served here: {unserved}")
+        shared = ledgers[0].dispatcher
+        if not isinstance(shared, DeferredDispatcher) or not isinstance(shared.route, SharedPoolRoute):
+            raise DeployError(f"models {sorted(pool)} are not served by a shared pool: {unshared}")
+        if any(ledger.dispatcher is not shared for ledger in ledgers):
+            raise DeployError(f"models {sorted(pool)} do not share one pool's dispatcher: {unshared}")
+        return ledgers, shared, shared.route
 
     def start_serving(
         self,

@@ -88,6 +88,7 @@ UPDATE_MODEL = "daskpipe_update_model"
 RETIRE_MODEL = "daskpipe_retire_model"  # an updated model's old version, once the service sends to the new one
 JOIN_POOL = "daskpipe_join_pool"  # a model added to a shared pool (daskpipe/runtime/client/pools.py)
 LEAVE_POOL = "daskpipe_leave_pool"  # a model removed from a shared pool, once its requests have ended
+GROW_POOL = "daskpipe_grow_pool"  # workers added to a shared pool: every model of it gets a stage on each
 
 
 # -- the messages' shapes -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import daskpipe
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.memory import ModelMemory
 from daskpipe.profiles.model import Profile
+from daskpipe.runtime.adaptive import add_emulated_gpus
 from daskpipe.runtime.client.pools import SharedPools, SubCluster
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError, RequestDropped
@@ -193,3 +194,37 @@ def test_the_timeout_plane_gives_each_model_of_a_pool_its_own_wait_and_names_one
         assert client.gather(service.map("m3", frames(2, seed=3)))[0].shape[0] == 1
     with pytest.raises(DeployError, match=r"gives no wait for model\(s\) \['m5'\]"):
         deploy_six(client, dispatcher="timeout", pools=SharedPools(timeout_ms={f"m{i}": 1.0 for i in range(MODELS - 1)}))
+
+
+def test_a_worker_that_joins_a_running_pool_serves_its_models_and_nothing_is_lost():
+    """One T4 serves six models; a second T4 joins the cluster while they serve and ``add_workers``
+    puts it in the pool: every model gets a stage there, batches of a burst go to it, and every
+    request sent before, across and after the join ends with its output. Workers that cannot join
+    are refused by name."""
+    with EmulatedCluster({"T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        service, models = deploy_six(client)
+        plugin = plugin_of(cluster.scheduler)
+        with service:
+            first = set(cluster.scheduler.workers)
+            before = [f for i, name in enumerate(models) for f in service.map(name, frames(8, seed=i))]
+            add_emulated_gpus(cluster, {"T4": 1, "L4": 1})
+            client.wait_for_workers(3, timeout=60)
+            kinds = {a: s.gpu for a, s in plugin.models.slots.items()}
+            t4, l4 = (next(a for a, gpu in kinds.items() if gpu == kind and a not in first) for kind in ("T4", "L4"))
+            with pytest.raises(DeployError, match=r"no sub-cluster serving a model has slots of kind L4/v1: a new kind needs a deploy"):
+                service.add_workers([l4])
+            with pytest.raises(DeployError, match=r"\['tcp://nowhere:1'\] are not workers of this cluster"):
+                service.add_workers(["tcp://nowhere:1"])
+            assert service.add_workers([t4]) == [t4]
+            with pytest.raises(DeployError, match=rf"serve a sub-cluster already: \['{re.escape(t4)}'\]"):
+                service.add_workers([t4])
+            assert all({a for _, _, a in plugin.models.ledgers[name].stages} == first | {t4} for name in models)
+            assert {q.vgpus for p in service.plan.model("m0").pipelines for q in p.partitions} == {2}
+            after = [f for i, name in enumerate(models) for f in service.map(name, frames(16, seed=20 + i))]  # all at once
+            wait(before + after, timeout=120)
+            assert [f.status for f in before + after] == ["finished"] * len(before + after)
+            on_new = {name for name in models for _, hops in plugin.metrics.models[name].dispatches if hops[0].slot == t4}
+            assert on_new, "the burst's batches go to the slot that joined too"
+            assert t4 in plugin.metrics.models["m0"].placement.slots  # the dashboard shows it
+            status = service.status()
+            assert all(status[name]["completed"] == 24 and status[name]["dropped"] == {} for name in models)
