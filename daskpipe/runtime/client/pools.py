@@ -57,6 +57,8 @@ class SharedPools:
         share of its SLO); ``None``: the registry's ``TIMEOUT_S``.
     resplit_s: how often the service re-splits its models over its sub-clusters by their rates
         (``Service.resplit``, Symphony's epoch); ``None``: only when called.
+    adopt_s: how often the service looks for workers that joined the cluster and adds them to its
+        sub-clusters (``Service.add_workers``); ``None``: only when called.
     """
 
     subclusters: tuple[SubCluster, ...] = ()
@@ -64,12 +66,13 @@ class SharedPools:
     context_bytes: int = CUDA_CONTEXT_BYTES
     timeout_ms: float | Mapping[str, float] | None = None
     resplit_s: float | None = None
+    adopt_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.resplit_s is not None and (
-            isinstance(self.resplit_s, bool) or not isinstance(self.resplit_s, (int, float)) or not 0 < self.resplit_s < math.inf
-        ):
-            raise DeployError(f"SharedPools.resplit_s must be None or a number of seconds > 0, got {self.resplit_s!r}")
+        for name in ("resplit_s", "adopt_s"):
+            every = getattr(self, name)
+            if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 < every < math.inf):
+                raise DeployError(f"SharedPools.{name} must be None or a number of seconds > 0, got {every!r}")
         if not isinstance(self.subclusters, tuple) or not all(isinstance(s, SubCluster) for s in self.subclusters):
             raise DeployError(f"SharedPools.subclusters must be a tuple of SubCluster, got {self.subclusters!r}")
         if not isinstance(self.memory, Mapping) or not all(isinstance(m, ModelMemory) for m in self.memory.values()):

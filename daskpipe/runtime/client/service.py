@@ -240,8 +240,13 @@ class Service:
         self._requested: Counter[str] = Counter()  # model -> requests sent to it, whatever version: the epochs' rates
         self._changing = threading.Lock()  # one change of the model set at a time
         self._stopping = threading.Event()
-        if shared is not None and shared.settings.resplit_s is not None:
-            threading.Thread(target=self._resplit_every, args=(shared.settings.resplit_s,), name="daskpipe-resplit", daemon=True).start()
+        self._unadoptable: set[str] = set()  # workers that joined and could not join a sub-cluster: tried once
+        for every, change, what in (
+            (shared.settings.resplit_s if shared else None, functools.partial(self._resplit, 2, 10.0, 30.0), "re-split"),
+            (shared.settings.adopt_s if shared else None, self._adopt_joined, "adopt"),
+        ):
+            if every is not None:
+                threading.Thread(target=self._every, args=(every, change, what), name=f"daskpipe-{what}", daemon=True).start()
 
     @property
     def models(self) -> list[str]:
@@ -577,7 +582,7 @@ class Service:
             )
         if isinstance(workers, str) or not (workers is None or all(isinstance(w, str) for w in workers)):
             raise DeployError(f"add_workers: workers must be a sequence of worker addresses, got {workers!r}")
-        slots = {s.address: s for s in inventory(self.client)}
+        slots = {s.address: s for s in cluster_slots(self.client)}
         if workers is None:
             taken = {s.address for pool in shared.pools for s in pool.slots}
             workers = [a for a in sorted(slots) if a not in taken]
@@ -616,13 +621,30 @@ class Service:
         logger.info("daskpipe: %s joined sub-cluster %d (%s)", [s.address for s in joining], index, ", ".join(members))
         return [s.address for s in joining]
 
-    def _resplit_every(self, seconds: float) -> None:
-        """The service's epochs: :meth:`resplit` every ``seconds`` until it closes (a thread)."""
+    def _every(self, seconds: float, change: Callable[[], Any], what: str) -> None:
+        """``change`` every ``seconds`` until the service closes (a thread): a re-split's epochs, or
+        the look for workers to adopt. A failure is logged; the models serve on and the next round tries again."""
         while not self._stopping.wait(seconds):
             try:
-                self._one_at_a_time(self._resplit, 2, 10.0, 30.0)
-            except Exception as exc:  # the models serve on as they are; the next epoch tries again
-                logger.warning("daskpipe: the re-split of this epoch failed: %s", exc)
+                self._one_at_a_time(change)
+            except Exception as exc:
+                logger.warning("daskpipe: this round's %s failed: %s", what, exc)
+
+    def _adopt_joined(self) -> None:
+        """``SharedPools(adopt_s=)``: add the workers that joined the cluster since the last look, each
+        to the sub-cluster :meth:`add_workers` picks; one that none can take is logged once."""
+        shared = self._shared
+        if self.closed or shared is None:
+            return
+        taken = {s.address for pool in shared.pools for s in pool.slots} | self._unadoptable
+        for slot in cluster_slots(self.client):
+            if slot.address in taken:
+                continue
+            try:
+                self._add_workers([slot.address], None)
+            except DeployError as exc:
+                self._unadoptable.add(slot.address)
+                logger.warning("daskpipe: worker %s joined the cluster and stays out of the service's pools: %s", slot.address, exc)
 
     def _check_changeable(self, what: str) -> None:
         if self.closed:
@@ -1125,6 +1147,11 @@ def inventory(client: Client) -> list[WorkerSlot]:
         client.register_plugin(DaskpipeSchedulerPlugin())
     except Exception as exc:  # e.g. a scheduler that refuses pickled plugins; the preload may be there
         logger.info("daskpipe: could not register the scheduler plugin from the client (%s); expecting a preload", exc)
+    return cluster_slots(client)
+
+
+def cluster_slots(client: Client) -> list[WorkerSlot]:
+    """The cluster's slots, as the scheduler plugin lists them."""
     listed = client.sync(client.scheduler.daskpipe_inventory)
     if listed is None:  # the scheduler has no such handler
         raise DeployError("the scheduler has no daskpipe plugin: start it with `dask scheduler --preload daskpipe`")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -141,6 +142,7 @@ def test_a_sub_cluster_split_that_leaves_a_model_out_is_refused(two_t4):
         ({"timeout_ms": -2.0}, "SharedPools.timeout_ms must be None, a number of milliseconds >= 0"),
         ({"resplit_s": 0}, "SharedPools.resplit_s must be None or a number of seconds > 0, got 0"),
         ({"resplit_s": True}, "SharedPools.resplit_s must be None or a number of seconds > 0, got True"),
+        ({"adopt_s": -1}, "SharedPools.adopt_s must be None or a number of seconds > 0, got -1"),
     ],
 )
 def test_bad_shared_pool_settings_are_refused_naming_them(settings, message):
@@ -228,3 +230,23 @@ def test_a_worker_that_joins_a_running_pool_serves_its_models_and_nothing_is_los
             assert t4 in plugin.metrics.models["m0"].placement.slots  # the dashboard shows it
             status = service.status()
             assert all(status[name]["completed"] == 24 and status[name]["dropped"] == {} for name in models)
+
+
+def test_a_pool_that_adopts_workers_takes_those_of_its_kinds_as_they_join(caplog):
+    with EmulatedCluster({"T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        service, models = deploy_six(client, pools=SharedPools(adopt_s=0.2))
+        plugin = plugin_of(cluster.scheduler)
+        with service, caplog.at_level("WARNING", logger="daskpipe.runtime.client.service"):
+            add_emulated_gpus(cluster, {"T4": 1, "L4": 1})
+            client.wait_for_workers(3, timeout=60)
+            kinds = {a: s.gpu for a, s in plugin.models.slots.items()}
+            wait_until(
+                lambda: all(len({a for _, _, a in plugin.models.ledgers[m].stages}) == 2 for m in models),
+                timeout=30,
+                what="the T4 that joined to be adopted",
+            )
+            time.sleep(1.0)  # rounds after the L4 was refused: it is not tried again
+            assert all({kinds[a] for _, _, a in plugin.models.ledgers[m].stages} == {"T4"} for m in models)
+            refusals = [r for r in caplog.records if "stays out of the service's pools" in r.getMessage()]
+            assert len(refusals) == 1 and "L4/v1" in refusals[0].getMessage()
+            assert client.gather(service.map("m2", frames(4, seed=5)))[0].shape[0] == 1
