@@ -496,13 +496,12 @@ class DeferredDispatcher(Dispatcher):
         """A slot taken out comes back, or a new one joins (a shared pool's route must know its kind
         first: :meth:`SharedPoolRoute.add_slot`), free from ``now`` (``pipeline`` and ``partition``:
         the route knows them); a ``ValueError`` for one that is in."""
-        change = f"add slot {slot.id!r} to its pools"
         if self.supports_pools and not any(u.slot == slot.id for u in self._units):
             if isinstance(self.route, SharedPoolRoute) and slot.id not in self.route.kinds:
                 raise ValueError(f"slot {slot.id!r} is not in this shared pool's route: its kind must be added there first")
             self._units.append(_Unit(len(self._units), slot.id))
             self._gone.add(len(self._units) - 1)  # as if it had left: it joins below
-        unit = self._unit(slot.id, change)
+        unit = self._unit(slot.id, f"add slot {slot.id!r} to its pools")
         if unit.index not in self._gone:
             raise ValueError(f"slot {slot.id!r} is in this dispatcher's pool already")
         self._gone.discard(unit.index)

@@ -215,18 +215,19 @@ class Serving:
         joining = sorted({str(row[2]) for rows in stages.values() for row in rows})
         problems = [f"{a} is not a worker of this cluster" for a in joining if a not in self.models.slots]
         problems += [f"{a} is in the pool already" for a in joining if a in route.kinds]
+        kinds = set(route.kinds.values())
+        problems += [
+            f"{a} is a {slot.gpu}/v{slot.slices}, a kind the pool has no slot of"
+            for a in joining
+            if (slot := self.models.slots.get(a)) is not None and (slot.gpu, slot.slices) not in kinds
+        ]
         problems += [f"{m} has no stage on {a}" for m, rows in stages.items() for a in joining if a not in {str(r[2]) for r in rows}]
         if problems:
             raise DeployError(f"the shared pool of {sorted(pool)} cannot grow: {'; '.join(problems)}")
         k = read_settings(serving).time_dilation
         whole = Plan.from_dict(plan)
         now = time.monotonic()
-        actions = []
-        for address in joining:
-            try:
-                actions += add_shared_slot(shared, as_slot(self.models.slots[address]), now)
-            except ValueError as exc:
-                raise DeployError(f"worker {address} cannot join the shared pool of {sorted(pool)}: {exc}") from None
+        actions = [action for address in joining for action in add_shared_slot(shared, as_slot(self.models.slots[address]), now)]
         for model, ledger in zip(pool, ledgers):
             rows = {(int(p), int(q), str(a)): str(key) for p, q, a, key in stages[model]}
             ledger.add_stages(dilated_plan(whole.model(model), k), rows, (a for a in joining if self.models.slots[a].emulated))

@@ -221,6 +221,9 @@ def test_a_worker_that_joins_a_running_pool_serves_its_models_and_nothing_is_los
             with pytest.raises(DeployError, match=rf"serve a sub-cluster already: \['{re.escape(t4)}'\]"):
                 service.add_workers([t4])
             assert all({a for _, _, a in plugin.models.ledgers[name].stages} == first | {t4} for name in models)
+            bad = {name: [[0, 0, l4, "no-actor"]] for name in models}  # the scheduler's own check, whoever asks
+            with pytest.raises(DeployError, match=rf"{re.escape(l4)} is a L4/v1, a kind the pool has no slot of"):
+                client.sync(client.scheduler.daskpipe_grow_pool, pool=list(models), plan=service.plan.to_dict(), stages=bad, serving={})
             assert {q.vgpus for p in service.plan.model("m0").pipelines for q in p.partitions} == {2}
             after = [f for i, name in enumerate(models) for f in service.map(name, frames(16, seed=20 + i))]  # all at once
             wait(before + after, timeout=120)
