@@ -1078,6 +1078,7 @@ def deploy(
                 serving=serving,
                 sample_nbytes={name: specs[name].sample_nbytes for name in pool.models},
                 timeout_s=pools.timeouts_s(pool.models) if pools is not None else None,
+                adopt_settings=elastic.to_dict() if pools is not None and pools.adopt_s is not None and elastic is not None else None,
             )
             served.extend(pool.models)
         for name in names if not shared else ():

@@ -159,10 +159,15 @@ class DaskpipeSchedulerPlugin(SchedulerPlugin):
         self.elastic.end_forgotten([model])
         return await self.serving.serve(model, **serve)
 
-    async def serve_pool(self, models: list[str], **serve: Any) -> str:
-        """The ``SERVE_POOL`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.serve_pool`)."""
+    async def serve_pool(self, models: list[str], adopt_settings: dict | None = None, **serve: Any) -> str:
+        """The ``SERVE_POOL`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.serve_pool`);
+        ``adopt_settings``: the pool's service adopts the workers that join, and the elastic controller
+        advises scaling for it with these settings (:meth:`~daskpipe.runtime.scheduler.elastic.controller.Elastic.scale_pool`)."""
         self.elastic.end_forgotten(models)
-        return await self.serving.serve_pool(models, **serve)
+        served = await self.serving.serve_pool(models, **serve)
+        if adopt_settings is not None:
+            self.elastic.scale_pool(models, adopt_settings)
+        return served
 
     async def join_pool(self, model: str, **join: Any) -> str:
         """The ``JOIN_POOL`` handler (:meth:`~daskpipe.runtime.scheduler.serving.Serving.join_pool`)."""

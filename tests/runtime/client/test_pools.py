@@ -14,10 +14,11 @@ import daskpipe
 from daskpipe.profiles.fx import segment_model
 from daskpipe.profiles.memory import ModelMemory
 from daskpipe.profiles.model import Profile
-from daskpipe.runtime.adaptive import add_emulated_gpus
+from daskpipe.runtime.adaptive import DaskpipeAdaptive, add_emulated_gpus
 from daskpipe.runtime.client.pools import SharedPools, SubCluster
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError, RequestDropped
+from daskpipe.runtime.scheduler.elastic.state import ElasticSettings
 from daskpipe.runtime.scheduler.plugin import plugin_of
 from tests.helpers import wait_until
 from tests.runtime.helpers import INPUT, TinyCNN, example
@@ -56,7 +57,7 @@ def two_t4():
         yield cluster, client
 
 
-def deploy_six(client, dispatcher: str = "deferred", pools: SharedPools | None = None):
+def deploy_six(client, dispatcher: str = "deferred", pools: SharedPools | None = None, elastic: ElasticSettings | None = None):
     models = six_models()
     profiles = {name: whole_profile(name, module, ms=5.0 + i) for i, (name, module) in enumerate(models.items())}
     service = daskpipe.deploy(
@@ -66,6 +67,7 @@ def deploy_six(client, dispatcher: str = "deferred", pools: SharedPools | None =
         profiles=profiles,
         dispatcher=dispatcher,
         pools=pools or SharedPools(),
+        elastic=elastic or ElasticSettings(),
     )
     return service, models
 
@@ -253,3 +255,47 @@ def test_a_pool_that_adopts_workers_takes_those_of_its_kinds_as_they_join(caplog
             refusals = [r for r in caplog.records if "stays out of the service's pools" in r.getMessage()]
             assert len(refusals) == 1 and "L4/v1" in refusals[0].getMessage()
             assert client.gather(service.map("m2", frames(4, seed=5)))[0].shape[0] == 1
+
+
+def test_adaptive_grows_a_pool_that_adopts_workers_when_its_requests_end_badly():
+    """An overloaded pool on one T4 (a stream beyond what it serves: drops) is advised more T4s;
+    Dask's Adaptive (``DaskpipeAdaptive``) starts one and the service adopts it; every request
+    ends. A pool that does not adopt workers is not advised any: a worker would join for nothing."""
+    settings = ElasticSettings(load_window_s=2.0, scale_cooldown_s=0.5, idle_grace_s=1.0)
+    with EmulatedCluster({"T4": 1}, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        plugin = plugin_of(cluster.scheduler)
+        sent: list = []
+
+        def overload(service, models, then):
+            sent.extend(f for i, name in enumerate(models) for f in service.map(name, frames(30, seed=len(sent) + i)))
+            time.sleep(0.3)
+            return then()
+
+        service, models = deploy_six(client, pools=SharedPools(), elastic=settings)
+        with service:
+            started = time.monotonic()
+            wait_until(lambda: overload(service, models, lambda: time.monotonic() - started > 3.0), timeout=30, interval=0, what="3 s")
+            assert plugin.elastic.scaling()["wanted"] == {}
+            wait(sent, timeout=60)
+        service, models = deploy_six(client, pools=SharedPools(adopt_s=0.3), elastic=settings)
+        adaptive = cluster.adapt(Adaptive=DaskpipeAdaptive, minimum=1, maximum=2, interval="300ms", wait_count=1)
+        with service:
+            sent.clear()
+
+            def adopted() -> bool:
+                return all(len({a for _, _, a in plugin.models.ledgers[m].stages}) == 2 for m in models)
+
+            wait_until(
+                lambda: overload(service, models, adopted),
+                timeout=60,
+                interval=0,
+                what="a T4 started by Adaptive and adopted by the pool",
+            )
+            adaptive.stop()
+            wait(sent, timeout=60)
+            status = service.status()
+            for name in models:
+                ended = status[name]["completed"] + sum(status[name]["dropped"].values()) + status[name]["failed"]
+                assert ended == status[name]["submitted"] and set(status[name]["dropped"]) <= {"overload", "deadline"}
+            assert sum(status[name]["submitted"] for name in models) == len(sent)
+            assert sum(sum(status[name]["dropped"].values()) for name in models) > 0  # it was overloaded

@@ -116,6 +116,7 @@ class Elastic:
         self.serving = serving
         self.settings = settings or ElasticSettings()
         self.deployments: dict[str, Deployment] = {}
+        self.pools: list[Dispatcher] = []  # shared pools whose service adopts the workers that join: scaled, not re-planned
         self.leaving: set[str] = set()  # addresses drained for a scale-down
         self.joined: dict[str, float] = {}  # address -> when it joined
         self.history: list[dict[str, Any]] = []  # re-plans, newest last
@@ -173,6 +174,16 @@ class Elastic:
         if self._ticker is None:
             self._ticker = asyncio.ensure_future(self._tick_forever())
         return "OK"
+
+    def scale_pool(self, models: Sequence[str], settings: dict) -> None:
+        """Advise scaling for the shared pool that serves ``models`` (its service adopts the workers
+        that join, ``SharedPools(adopt_s=)``): GPUs of its kind are wanted when its requests end
+        badly, as for a deployment; it is never drained (its slots all hold every model). ``settings``:
+        the controller's (:class:`ElasticSettings`)."""
+        self.settings = self.load.settings = ElasticSettings.from_dict(settings)
+        self.pools.append(self.models.ledgers[models[0]].dispatcher)
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick_forever())
 
     def plan_in_force(self, models: Sequence[str]) -> dict | None:
         """The plan of the deployment serving ``models`` now (``None``: not elastic, or unknown)."""
@@ -471,12 +482,14 @@ class Elastic:
     def _decide_scaling(self, now: float) -> None:
         """Symphony's rules: N·r/(1-r) more GPUs for a bad rate r; drain the surplus of idle types."""
         settings = self.settings
-        if self._replanning is not None or now - self.changed_at < settings.scale_cooldown_s or not self.deployments:
+        served = {id(ledger.dispatcher) for ledger in self.models.ledgers.values() if not ledger.closing}
+        self.pools = [pool for pool in self.pools if id(pool) in served]
+        if self._replanning is not None or now - self.changed_at < settings.scale_cooldown_s or not (self.deployments or self.pools):
             self.wanted = {}
             return
-        self.wanted = self.load.wanted_gpus()
+        self.wanted = self.load.wanted_gpus(self.pools)
         if self.wanted or self.leaving or now - self._advised_at > 3 * settings.debounce_s + 5.0:
             return  # draining is for an Adaptive that asks; without one, serving stays as planned
-        self.leaving.update(self.load.surplus(now, self._serving_addresses()))
+        self.leaving.update(self.load.surplus(now, {a for dep in self.deployments.values() for a in dep.addresses()}))
         if self.leaving:
             self._schedule(f"scale down: {sorted(self.leaving)} are surplus")

@@ -9,13 +9,14 @@ import logging
 import math
 from collections import Counter, deque
 from dataclasses import replace
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 import numpy as np
 
 from daskpipe.plan.schema import Plan
 from daskpipe.runtime.scheduler.elastic.state import Deployment, ElasticSettings
 from daskpipe.runtime.scheduler.models import Models
+from daskpipe.sched.api import Dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +113,24 @@ class LoadWatch:
                 logger.warning("daskpipe: %s; re-planning on the measured latencies", "; ".join(drifted))
                 self.schedule("; ".join(drifted))
 
-    def wanted_gpus(self) -> dict[str, int]:
+    def wanted_gpus(self, pools: Collection[Dispatcher] = ()) -> dict[str, int]:
         """GPU type -> more slots, for each model whose bad rate r on N slots is over
-        ``scale_up_bad_rate``: N·r/(1-r) more of the type most of its stages run on."""
+        ``scale_up_bad_rate``: N·r/(1-r) more of the type most of its stages run on. The models of
+        one of the shared ``pools`` (their dispatchers) count as one: the pool's bad rate on its slots."""
         rates = self.rates()
-        wanted: Counter[str] = Counter()
+        groups: dict[int, list[str]] = {}  # a model alone, or a pool's models together
         for model, ledger in self.models.ledgers.items():
-            offered, bad = rates.get(model, (0.0, 0.0))
-            if offered > 0 and bad > self.settings.scale_up_bad_rate and ledger.stages:
-                types = Counter(self.models.slots[a].gpu for _, _, a in ledger.stages if a in self.models.slots)
-                if types:
-                    wanted[types.most_common(1)[0][0]] += math.ceil(len(ledger.stages) * min(bad, 0.9) / (1 - min(bad, 0.9)))
+            shared = any(ledger.dispatcher is pool for pool in pools)
+            groups.setdefault(id(ledger.dispatcher) if shared else id(ledger), []).append(model)
+        wanted: Counter[str] = Counter()
+        for models in groups.values():
+            offered = sum(rates.get(m, (0.0, 0.0))[0] for m in models)
+            bad = sum(rates.get(m, (0.0, 0.0))[0] * rates.get(m, (0.0, 0.0))[1] for m in models) / offered if offered > 0 else 0.0
+            addresses = [a for m in models for _, _, a in self.models.ledgers[m].stages if a in self.models.slots]
+            if bad > self.settings.scale_up_bad_rate and addresses:
+                slots = len(addresses) if len(models) == 1 else len(set(addresses))  # a model's stages; a pool's slots
+                gpu = Counter(self.models.slots[a].gpu for a in addresses).most_common(1)[0][0]
+                wanted[gpu] += math.ceil(slots * min(bad, 0.9) / (1 - min(bad, 0.9)))
         return dict(wanted)
 
     def surplus(self, now: float, serving: set[str]) -> set[str]:
