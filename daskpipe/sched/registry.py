@@ -196,9 +196,12 @@ def add_shared_model(
         raise ValueError(f"{type(dispatcher).__name__} does not serve a shared pool: models cannot join it")
     if name in dispatcher.route.pipelines:
         raise ValueError(f"model {name!r} is served by this pool already")
-    placed, pool = sorted(slot.id for slot in slots), sorted(dispatcher.route.kinds)
-    if placed != pool:
-        raise ValueError(f"model {name!r} must join on every slot of its shared pool, {pool}; it was placed on {placed}")
+    placed = {slot.id for slot in slots}
+    if not set(dispatcher.slots_in) <= placed <= set(dispatcher.route.kinds):
+        raise ValueError(
+            f"model {name!r} must join on every slot of its shared pool that is in, {sorted(dispatcher.slots_in)}, and on no other; "
+            f"it was placed on {sorted(placed)}"
+        )
     cap = _join_route(dispatcher.route, name, model_plan, profile, max_batch)
     try:
         if isinstance(dispatcher, TimeoutDispatcher):

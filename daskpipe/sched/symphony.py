@@ -447,6 +447,11 @@ class DeferredDispatcher(Dispatcher):
     def queued(self) -> int:
         return sum(len(m.queue) for m in self._models.values())
 
+    @property
+    def slots_in(self) -> list[str]:
+        """The slots batches may go to now (not taken out)."""
+        return [u.slot for u in self._units if u.index not in self._gone]
+
     def continue_ids(self, first: int) -> None:
         self._dispatch_ids = itertools.count(first)
 

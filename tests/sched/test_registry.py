@@ -170,8 +170,9 @@ def test_a_slot_of_a_kind_the_pool_has_joins_it_for_every_model(name):
     assert add_shared_slot(dispatcher, Slot("x", "T4", 1, "s3"), 1.0) == []  # the refusal left nothing behind
     profiles["c"] = linear("c", 1.5, 3.0, 25.0)
     grown = shared_plan(profiles, [SharedGroup(("a", "b", "c"), {("T4", 1): 3, ("L4", 1): 1})])
-    with pytest.raises(ValueError, match=r"model 'c' must join on every slot of its shared pool, \['l4', 't4', 't4b', 'x'\]"):
-        add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)
+    with pytest.raises(ValueError, match=r"model 'c' must join on every slot of its shared pool that is in, \['t4b', 'x'\], and on no"):
+        add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], slots)  # t4 and l4 are out: they need no stage
+    add_shared_model(dispatcher, "c", grown.model("c"), profiles["c"], [Slot("t4b", "T4", 1, "s2"), Slot("x", "T4", 1, "s3")])
 
 
 def test_a_model_joining_a_timeout_pool_of_per_model_waits_needs_its_own():

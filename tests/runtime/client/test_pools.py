@@ -173,6 +173,10 @@ def test_a_slot_killed_under_a_shared_pool_loses_no_request():
             assert all(isinstance(f.exception(), RequestDropped) for f in futures if f.status == "error")
             assert {f.exception().reason for f in futures if f.status == "error"} <= {"worker-lost"}  # a retry out of time
             assert [f.status for f in later] == ["finished"] * len(later)  # the dead slot is out of the pool for every model
+            joining = TinyCNN().eval()
+            service.add_model("m6", joining, example(), profile=whole_profile("m6", joining, ms=5.0))  # on the slot left only
+            assert {a for _, _, a in plugin_of(cluster.scheduler).models.ledgers["m6"].stages} == set(cluster.scheduler.workers)
+            assert [f.status for f in wait(service.map("m6", frames(4, seed=30)), timeout=60).done] == ["finished"] * 4
 
 
 def test_the_models_of_a_shared_pool_plan_with_one_control_path_measured_from_all_their_batches(two_t4):
