@@ -76,7 +76,13 @@ class DaskpipeAdaptive(Adaptive):
 
     # distributed's AdaptiveCore annotates scale_up(workers: Iterable) but calls it with the target count n
     async def scale_up(self, n: int) -> None:  # type: ignore[override]
-        wanted = {gpu: count for gpu, count in self.advice["wanted"].items() if count > 0}
+        """Start the wanted slots, the most wanted type first, up to ``n`` workers in all (the target,
+        which Adaptive holds within its ``maximum``): a bad rate near 1 wants many more than that."""
+        room = n - len(self.plan)
+        wanted: dict[str, int] = {}
+        for gpu, count in sorted(self.advice["wanted"].items(), key=lambda item: -item[1]):
+            if (take := min(count, room - sum(wanted.values()))) > 0:
+                wanted[gpu] = take
         if not wanted:
             return
         logger.info("daskpipe: scaling up by %s (target %d workers)", wanted, n)

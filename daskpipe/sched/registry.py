@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from enum import Enum
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from daskpipe.plan.schema import ModelPlan
 from daskpipe.profiles.model import Profile
@@ -163,7 +163,7 @@ def make_shared_dispatcher(
     route = SharedPoolRoute({slot.id: (slot.gpu, slot.slices) for slot in slots})
     caps = {}
     for model, (model_plan, profile) in models.items():
-        caps[model] = _join_route(route, model, model_plan, profile, max_batch)
+        caps[model] = _join_route(route, model, model_plan, profile, list(route.kinds), max_batch)
     policy: dict[str, Any] = {"max_wait_s": timeout_s} if plane == DataPlane.TIMEOUT else {}
     kind = {DataPlane.DEFERRED: DeferredDispatcher, DataPlane.EAGER: EagerDispatcher, DataPlane.TIMEOUT: TimeoutDispatcher}[
         DataPlane(plane)
@@ -202,7 +202,7 @@ def add_shared_model(
             f"model {name!r} must join on every slot of its shared pool that is in, {sorted(dispatcher.slots_in)}, and on no other; "
             f"it was placed on {sorted(placed)}"
         )
-    cap = _join_route(dispatcher.route, name, model_plan, profile, max_batch)
+    cap = _join_route(dispatcher.route, name, model_plan, profile, placed, max_batch)
     try:
         if isinstance(dispatcher, TimeoutDispatcher):
             dispatcher.add_model(name, model_plan.slo_us / 1e6, cap, max_wait_s=max_wait_s)
@@ -235,11 +235,11 @@ def add_shared_slot(dispatcher: DeferredDispatcher, slot: Slot, now: float) -> l
         raise
 
 
-def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profile: Profile, cap: int | None) -> int:
-    """Put ``model`` on every slot of ``route``: its whole-model pipeline of each slot's kind, timed
-    on that kind. Its largest batch: its pipelines' smallest planned one, at most ``cap``."""
+def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profile: Profile, on: Collection[str], cap: int | None) -> int:
+    """Put ``model`` on the slots ``on`` of ``route``: its whole-model pipeline of each slot's kind,
+    timed on that kind. Its largest batch: its pipelines' smallest planned one, at most ``cap``."""
     by_kind = {(pl.partitions[0].gpu, pl.partitions[0].slices): p for p, pl in enumerate(model_plan.pipelines) if len(pl.partitions) == 1}
-    missing = sorted({f"{gpu}/v{v}" for gpu, v in route.kinds.values() if (gpu, v) not in by_kind})
+    missing = sorted({f"{gpu}/v{v}" for gpu, v in (route.kinds[slot] for slot in on) if (gpu, v) not in by_kind})
     if missing:
         raise ValueError(f"the plan of {model!r} has no whole-model pipeline on {', '.join(missing)}, a kind of its shared pool's slots")
     blocks = model_plan.pipelines[0].partitions[0].blocks
@@ -248,5 +248,5 @@ def _join_route(route: SharedPoolRoute, model: str, model_plan: ModelPlan, profi
         gpu, v = kind
         return profile.latency(gpu, v, batch, *blocks) / 1e6
 
-    route.add(model, latency, by_kind)
+    route.add(model, latency, by_kind, on)
     return int(min(min(pl.batch_size for pl in model_plan.pipelines), cap or math.inf))

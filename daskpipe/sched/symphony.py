@@ -94,8 +94,10 @@ class SharedPoolRoute:
         self.latencies: dict[str, Callable[[SlotKind, int], float]] = {}  # model -> latency(kind, batch), seconds
         self.pipelines: dict[str, Mapping[SlotKind, int]] = {}  # model -> its pipeline of each kind
 
-    def add(self, model: str, latency: Callable[[SlotKind, int], float], pipelines: Mapping[SlotKind, int]) -> None:
-        missing = {kind for kind in self.kinds.values() if kind not in pipelines}
+    def add(self, model: str, latency: Callable[[SlotKind, int], float], pipelines: Mapping[SlotKind, int], on: Collection[str]) -> None:
+        """``model`` runs on the slots ``on`` of the pool (those taken out for good need not be), with
+        ``pipelines`` of their kinds."""
+        missing = {self.kinds[slot] for slot in on if self.kinds[slot] not in pipelines}
         if missing:
             raise ValueError(f"model {model!r} has no pipeline on kind(s) {sorted(map(str, missing))} of its shared pool's slots")
         self.latencies[model], self.pipelines[model] = latency, pipelines
@@ -116,7 +118,8 @@ class SharedPoolRoute:
         return self.latencies[model](self.kinds[slot], batch)
 
     def slowest(self, model: str, batch: int) -> float:
-        return max(self.latencies[model](kind, batch) for kind in set(self.kinds.values()))
+        pipelines = self.pipelines[model]
+        return max(self.latencies[model](kind, batch) for kind in set(self.kinds.values()) if kind in pipelines)
 
     def probe(self, model: str, slot: str, start: Time, batch: int) -> tuple[int, tuple[Hop, ...], Time]:
         end = start + self.latency(model, slot, batch)

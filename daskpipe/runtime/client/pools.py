@@ -193,11 +193,6 @@ class SharedDeployment:
     epoch_sent: dict[str, int] = field(default_factory=dict)
     epoch_at: float = field(default_factory=time.monotonic)
 
-    def forget_left(self, alive: Collection[str]) -> None:
-        """Only the ``alive`` workers stay in the pools: a worker that left never comes back under its
-        address (a restarted one joins as a new worker), and a change plans no stage on it."""
-        self.pools = [replace(pool, slots=tuple(s for s in pool.slots if s.address in alive)) for pool in self.pools]
-
     def plan_join(self, name: str, member: PoolMember, into: int | None = None) -> tuple[int, Plan]:
         """The sub-cluster ``name`` joins (``into``, else the one of fewest models whose slots hold
         it beside them within its SLO and memory; ties: the first) and the deployment's plan with

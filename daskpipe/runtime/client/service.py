@@ -583,7 +583,6 @@ class Service:
         if isinstance(workers, str) or not (workers is None or all(isinstance(w, str) for w in workers)):
             raise DeployError(f"add_workers: workers must be a sequence of worker addresses, got {workers!r}")
         slots = {s.address: s for s in cluster_slots(self.client)}
-        shared.forget_left(slots)
         if workers is None:
             taken = {s.address for pool in shared.pools for s in pool.slots}
             workers = [a for a in sorted(slots) if a not in taken]
@@ -825,14 +824,14 @@ class Service:
         """Serve ``served`` in a sub-cluster of ``shared`` (``into``, else the one
         :meth:`SharedDeployment.plan_join` picks): its stages start on every slot there, then the
         scheduler adds it to the pool's dispatcher. The deployment's plan with it."""
-        shared.forget_left({s.address for s in cluster_slots(self.client)})
         index, plan = shared.plan_join(served, member, into)
         wait_s = shared.timeout_s(served.partition("@v")[0])  # refused before any stage starts
         grown = Pool((*shared.pools[index].models, served), shared.pools[index].slots)
         blocked = member.blocked
+        alive = {s.address for s in cluster_slots(self.client)}  # a worker that left never comes back under its address
         launches = plan_launches(
             plan,
-            {served: pool_placement(plan, [grown])[served]},
+            {served: [row for row in pool_placement(plan, [grown])[served] if row[2].address in alive]},
             {served: [blocked.input_shape, *blocked.boundary_shapes]},
             {served: str(spec.dtype).removeprefix("torch.")},
         )
