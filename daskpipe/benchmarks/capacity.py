@@ -17,7 +17,7 @@ requests have their output in their sender's hands within the SLO. Around every 
   scheduler core allows at that cost, (1 - idle share) / CPU per request;
 * every other process's CPU per request (the workers', each sender's), idle time included.
 
-The rates rise by :data:`RATE_STEP` until two
+The rates rise by :data:`RATE_STEP` (``--rate-step``) until two
 trials in a row miss the bar (one miss on a shared machine can be noise). The data plane is
 ``eager`` by default (``--dispatcher``): it sends a request as soon as a slot is free, so that what
 is measured is what the path carries; a deferred data plane holds each request to its batch's last
@@ -271,7 +271,12 @@ def fitted_cost(idle: tuple[float, float], trials: Sequence[dict[str, Any]]) -> 
 
 
 def run_capacity(
-    input_shapes: Sequence[tuple[int, ...]], sender_counts: Sequence[int], start_rate: float, seconds: float, dispatcher: str = "eager"
+    input_shapes: Sequence[tuple[int, ...]],
+    sender_counts: Sequence[int],
+    start_rate: float,
+    seconds: float,
+    dispatcher: str = "eager",
+    rate_step: float = RATE_STEP,
 ) -> dict:
     """For each input shape: deploy the hold-only model, then for each sender count the trials up
     to the first that misses the 99% bar (module docstring)."""
@@ -280,7 +285,14 @@ def run_capacity(
     import daskpipe
 
     env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
-    figures: dict[str, Any] = {"slo_ms": SLO_MS, "attainment_bar": ATTAINMENT, "trial_s": seconds, "dispatcher": dispatcher, "shapes": {}}
+    figures: dict[str, Any] = {
+        "slo_ms": SLO_MS,
+        "attainment_bar": ATTAINMENT,
+        "trial_s": seconds,
+        "rate_step": rate_step,
+        "dispatcher": dispatcher,
+        "shapes": {},
+    }
     for input_shape in input_shapes:
         profile, plan = hold_only_plan(input_shape)
         per_shape: dict[str, Any] = {"input_bytes": 4 * math.prod(input_shape), "senders": {}}
@@ -309,7 +321,7 @@ def run_capacity(
                         while misses < 2:
                             trials.append(measured_trial(senders, roles, scheduler_pid, rate, seconds, seed))
                             misses = misses + 1 if (trials[-1]["attainment"] or 0) < ATTAINMENT else 0
-                            rate, seed = rate * RATE_STEP, seed + 1
+                            rate, seed = rate * rate_step, seed + 1
                     finally:
                         senders.close()
                     passed = [t for t in trials[:-2] if (t["attainment"] or 0) >= ATTAINMENT]
@@ -349,15 +361,28 @@ def run_capacity(
     "--start-rate", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="The first trial's rate, requests/s."
 )
 @click.option("--seconds", default=TRIAL_S, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds per trial.")
+@click.option(
+    "--rate-step",
+    default=RATE_STEP,
+    show_default=True,
+    type=click.FloatRange(min=1, min_open=True),
+    help="Each trial offers this many times the last one's rate (finer near a bar: with --start-rate close under it).",
+)
 @click.option("--dispatcher", default="eager", show_default=True, help="The data plane (deploy's dispatcher=).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_capacity(
-    input_shapes: list[tuple[int, ...]], senders: list[int], start_rate: float, seconds: float, dispatcher: str, json_path: str | None
+    input_shapes: list[tuple[int, ...]],
+    senders: list[int],
+    start_rate: float,
+    seconds: float,
+    rate_step: float,
+    dispatcher: str,
+    json_path: str | None,
 ) -> None:
     """What one scheduler carries: its bytes and CPU per request, and the highest rate at 99% within the SLO."""
     if any(k < 1 for k in senders):
         raise click.BadParameter(f"sender counts must be >= 1, got {senders}", param_hint="--senders")
-    figures = run_capacity(input_shapes, senders, start_rate, seconds, dispatcher)
+    figures = run_capacity(input_shapes, senders, start_rate, seconds, dispatcher, rate_step)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:
