@@ -210,6 +210,10 @@ class SharedDeployment:
                 refusals.append(f"sub-cluster {index} ({', '.join(self.pools[index].models)}): {exc}")
         raise DeployError(f"no sub-cluster can serve {name!r} beside its models: {'; '.join(refusals)}")
 
+    def addresses(self) -> set[str]:
+        """The workers of every sub-cluster."""
+        return {s.address for pool in self.pools for s in pool.slots}
+
     def plan_grow(self, slots: Sequence[WorkerSlot], into: int | None = None) -> tuple[int, Plan]:
         """The sub-cluster ``slots`` join (``into``, else the one of most models a slot, of those with
         a slot of each new slot's kind; ties: the first) and the deployment's plan with them there;
@@ -218,7 +222,7 @@ class SharedDeployment:
             raise DeployError("no worker to add: every slot of the cluster serves this deployment already")
         addresses = [s.address for s in slots]
         twice = sorted({a for a in addresses if addresses.count(a) > 1})
-        serving = sorted(a for pool in self.pools for a in {s.address for s in pool.slots} & set(addresses))
+        serving = sorted(self.addresses() & set(addresses))
         problems = [f"{what} {found}" for what, found in (("named twice:", twice), ("serve a sub-cluster already:", serving)) if found]
         if problems:
             raise DeployError(f"workers cannot join: {'; '.join(problems)}")

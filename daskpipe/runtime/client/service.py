@@ -584,8 +584,7 @@ class Service:
             raise DeployError(f"add_workers: workers must be a sequence of worker addresses, got {workers!r}")
         slots = {s.address: s for s in cluster_slots(self.client)}
         if workers is None:
-            taken = {s.address for pool in shared.pools for s in pool.slots}
-            workers = [a for a in sorted(slots) if a not in taken]
+            workers = [a for a in sorted(slots) if a not in shared.addresses()]
         unknown = [a for a in workers if a not in slots]
         if unknown:
             raise DeployError(f"add_workers: {unknown} are not workers of this cluster (its workers: {sorted(slots)})")
@@ -594,29 +593,21 @@ class Service:
             index, plan = shared.plan_grow(joining, into)
         except DeployError as exc:
             raise DeployError(f"add_workers: {exc}") from None
-        grown = pool_placement(plan, [Pool(shared.pools[index].models, tuple(joining))])
         members = {name: shared.members[name] for name in shared.pools[index].models}
-        launches = plan_launches(
+        rows = self._start_in_pool(
             plan,
-            grown,
-            {name: [m.blocked.input_shape, *m.blocked.boundary_shapes] for name, m in members.items()},
-            {name: str(self._specs[name.partition("@v")[0]].dtype).removeprefix("torch.") for name in members},
-        )
-        blocks = {name: pickle_blocks(m.blocked.blocks) for name, m in members.items()}
-        started = self.client.sync(start_stages, self.client, launches, blocks)
-        try:
-            self.client.sync(
+            pool_placement(plan, [Pool(tuple(members), tuple(joining))]),
+            {name: m.blocked for name, m in members.items()},
+            {name: self._specs[name.partition("@v")[0]].dtype for name in members},
+            lambda rows: self.client.sync(
                 self.client.scheduler.daskpipe_grow_pool,
                 pool=list(members),
                 plan=plan.to_dict(),
-                stages={name: started.rows[name] for name in members},
+                stages={name: rows[name] for name in members},
                 serving=shared.serving.to_wire(),
-            )
-        except Exception:
-            release(started.futures)
-            raise
-        shared.grown(index, joining, {name: {str(row[3]) for row in started.rows[name]} for name in members})
-        self._stages.extend(started.futures)
+            ),
+        )
+        shared.grown(index, joining, {name: {str(row[3]) for row in rows[name]} for name in members})
         self._plan = self._public_plan(plan.to_dict())
         logger.info("daskpipe: %s joined sub-cluster %d (%s)", [s.address for s in joining], index, ", ".join(members))
         return [s.address for s in joining]
@@ -636,7 +627,7 @@ class Service:
         shared = self._shared
         if self.closed or shared is None:
             return
-        taken = {s.address for pool in shared.pools for s in pool.slots} | self._unadoptable
+        taken = shared.addresses() | self._unadoptable
         for slot in cluster_slots(self.client):
             if slot.address in taken:
                 continue
@@ -827,33 +818,51 @@ class Service:
         index, plan = shared.plan_join(served, member, into)
         wait_s = shared.timeout_s(served.partition("@v")[0])  # refused before any stage starts
         grown = Pool((*shared.pools[index].models, served), shared.pools[index].slots)
-        blocked = member.blocked
         alive = {s.address for s in cluster_slots(self.client)}  # a worker that left never comes back under its address
-        launches = plan_launches(
+        rows = self._start_in_pool(
             plan,
             {served: [row for row in pool_placement(plan, [grown])[served] if row[2].address in alive]},
-            {served: [blocked.input_shape, *blocked.boundary_shapes]},
-            {served: str(spec.dtype).removeprefix("torch.")},
-        )
-        started = self.client.sync(start_stages, self.client, launches, {served: pickle_blocks(blocked.blocks)})
-        try:
-            self.client.sync(
+            {served: member.blocked},
+            {served: spec.dtype},
+            lambda rows: self.client.sync(
                 self.client.scheduler.daskpipe_join_pool,
                 model=served,
                 pool=list(shared.pools[index].models),
                 plan=plan.to_dict(),
                 profile=member.profile.to_dict(),
-                stages=started.rows[served],
+                stages=rows[served],
                 serving=msgspec.structs.replace(shared.serving, max_queued=member.max_queued).to_wire(),
                 sample_nbytes=spec.sample_nbytes,
                 timeout_s=wait_s,
-            )
+            ),
+        )
+        shared.joined(index, served, replace(member, stages={str(row[3]) for row in rows[served]}))
+        return plan.to_dict()
+
+    def _start_in_pool(
+        self,
+        plan: Plan,
+        placed: Mapping[str, list],
+        blocked: Mapping[str, BlockedModel],
+        dtypes: Mapping[str, torch.dtype],
+        serve: Callable[[dict[str, list[list]]], Any],
+    ) -> dict[str, list[list]]:
+        """Start the stages ``placed`` (model -> :func:`pool_placement` rows) of a shared pool, then
+        hand their rows to the scheduler with ``serve``; a refusal there releases them. The rows, by model."""
+        launches = plan_launches(
+            plan,
+            placed,
+            {name: [b.input_shape, *b.boundary_shapes] for name, b in blocked.items()},
+            {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()},
+        )
+        started = self.client.sync(start_stages, self.client, launches, {name: pickle_blocks(b.blocks) for name, b in blocked.items()})
+        try:
+            serve(started.rows)
         except Exception:
             release(started.futures)
             raise
-        shared.joined(index, served, replace(member, stages={str(row[3]) for row in started.rows[served]}))
         self._stages.extend(started.futures)
-        return plan.to_dict()
+        return started.rows
 
     def _left_pool(self, shared: SharedDeployment, served: str) -> dict:
         """``served`` left its pool on the scheduler: release its stages; the deployment's plan without it."""

@@ -124,8 +124,9 @@ class LoadWatch:
             groups.setdefault(id(ledger.dispatcher) if shared else id(ledger), []).append(model)
         wanted: Counter[str] = Counter()
         for models in groups.values():
-            offered = sum(rates.get(m, (0.0, 0.0))[0] for m in models)
-            bad = sum(rates.get(m, (0.0, 0.0))[0] * rates.get(m, (0.0, 0.0))[1] for m in models) / offered if offered > 0 else 0.0
+            measured = [rates.get(m, (0.0, 0.0)) for m in models]
+            offered = sum(rate for rate, _ in measured)
+            bad = sum(rate * share for rate, share in measured) / offered if offered > 0 else 0.0
             addresses = [a for m in models for _, _, a in self.models.ledgers[m].stages if a in self.models.slots]
             if bad > self.settings.scale_up_bad_rate and addresses:
                 slots = len(addresses) if len(models) == 1 else len(set(addresses))  # a model's stages; a pool's slots
