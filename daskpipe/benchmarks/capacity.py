@@ -14,7 +14,11 @@ requests have their output in their sender's hands within the SLO. Around every 
   plugin's and the dashboard's timers), so its CPU over an idle stretch and over every trial of a
   ladder is fitted (least squares) as ``scheduler_idle_cpu_share`` x wall time plus
   ``scheduler_cpu_us_per_request`` x requests: what a request adds. ``ceiling_per_s`` is what one
-  scheduler core allows at that cost, (1 - idle share) / CPU per request;
+  scheduler core allows at that cost, (1 - idle share) / CPU per request. A request costs less
+  CPU the higher the rate (a busy stream carries several messages a write), and a small input's
+  ladder climbs further than a large one's, so this fit compares input sizes poorly;
+  ``same_rates`` compares them at the rates that every shape met: each shape's CPU per request
+  above its measured idle share (``scheduler_idle_measured_share``), and its ratio to the smallest input's;
 * every other process's CPU per request (the workers', each sender's), idle time included.
 
 The rates rise by :data:`RATE_STEP` (``--rate-step``) until two
@@ -270,6 +274,41 @@ def fitted_cost(idle: tuple[float, float], trials: Sequence[dict[str, Any]]) -> 
     return float(share), float(cost)
 
 
+def at_common_rates(shapes: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per sender count: each shape's scheduler CPU per request above its idle share, over the
+    offered rates at which every shape's trial met the bar, and its ratio to the smallest input's.
+
+    A request's CPU falls as the rate rises (a busy stream carries several messages a write), and a
+    small input's ladder climbs further than a large one's, so input sizes compare at the same
+    rates only: the ladders share their rates and seeds, so these are the same requests at the same
+    times, differing in their inputs alone."""
+    by_size = sorted(shapes, key=lambda shape: shapes[shape]["input_bytes"])
+    out: dict[str, Any] = {}
+    for count in shapes[by_size[0]]["senders"]:
+        runs = {shape: shapes[shape]["senders"].get(count) for shape in by_size}
+        if any(run is None for run in runs.values()):
+            continue
+        passed = [
+            {round(t["offered_rate_per_s"], 6): t for t in run["trials"] if (t["attainment"] or 0) >= ATTAINMENT} for run in runs.values()
+        ]
+        rates = sorted(set.intersection(*(set(p) for p in passed)))
+        if not rates:
+            continue
+        cpu = {}
+        for shape, trials in zip(by_size, passed):
+            idle_share = runs[shape]["scheduler_idle_measured_share"]
+            chosen = [trials[rate] for rate in rates]
+            above_idle = sum(t["scheduler_cpu_s"] - idle_share * t["wall_s"] for t in chosen)
+            cpu[shape] = above_idle * 1e6 / sum(t["requests"] for t in chosen)
+        smallest = cpu[by_size[0]]
+        out[count] = {
+            "offered_rates_per_s": rates,
+            "scheduler_cpu_us_per_request_above_idle": cpu,
+            "ratio_to_smallest_input": {shape: value / smallest if smallest > 0 else None for shape, value in cpu.items()},
+        }
+    return out
+
+
 def run_capacity(
     input_shapes: Sequence[tuple[int, ...]],
     sender_counts: Sequence[int],
@@ -332,11 +371,13 @@ def run_capacity(
                         "scheduler_idle_cpu_share": share,
                         "scheduler_cpu_us_per_request": cost * 1e6,
                         "ceiling_per_s": (1 - share) / cost if cost > 0 else None,
+                        "scheduler_idle_measured_share": idle[1] / idle[0],
                         "trials": trials,
                     }
             finally:
                 svc.close()
         figures["shapes"][",".join(map(str, input_shape))] = per_shape
+    figures["same_rates"] = at_common_rates(figures["shapes"])
     return figures
 
 

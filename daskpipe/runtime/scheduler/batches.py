@@ -128,6 +128,7 @@ class Batches:
             metrics.complete(model, [done - arrival for arrival in arrivals or ()], done)
         else:
             metrics.done(model, dispatch, done, arrivals)
+        self.watch.settle()
         self.models.arm()
 
     @guarded

@@ -182,6 +182,12 @@ class Watchlist(Generic[Item]):
             out.append(heapq.heappop(self.heap)[2])
         return out
 
+    def skim(self, pending: Callable[[Item], bool]) -> None:
+        """Remove the earliest entries while what they wait for has happened (not ``pending``), so
+        that the next due is one that may still need a check."""
+        while self.heap and not pending(self.heap[0][2]):
+            heapq.heappop(self.heap)
+
     @property
     def next_due(self) -> float | None:
         return self.heap[0][0] if self.heap else None

@@ -82,8 +82,30 @@ class GrayWatch:
             self._timer.cancel()
             self._timer, self._timer_at = None, float("inf")
 
+    def settle(self) -> None:
+        """A batch ended: if the timer waits for what has happened (the batch's hop or late limit
+        at the head of the watchlist), move it to the next entry that may still need a check, so
+        that a batch done in time costs the loop no wake-up (at low rates, most of them)."""
+        if self._timer is None:
+            return
+        self._watch.skim(self._pending)
+        due = self._watch.next_due
+        if due is None or due > self._timer_at:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, float("inf")
+            self._arm()
+
+    def _pending(self, item: tuple[str, int, int, int]) -> bool:
+        """Whether a watched moment may still need a check: its batch is in flight and, for a hop, the hop has not reported."""
+        model, dispatch, index, _ = item
+        ledger = self.models.ledgers.get(model)
+        flight = ledger.flights.get(dispatch) if ledger is not None else None
+        return flight is not None and (index == EXPIRY or flight.planned[index][0] not in flight.ran)
+
     def _arm(self) -> None:
-        """Keep one timer at the earliest watched moment, firing at most every :data:`WATCH_TICK_S`."""
+        """Keep one timer at the earliest watched moment that may still need a check, firing at
+        most every :data:`WATCH_TICK_S`."""
+        self._watch.skim(self._pending)
         due = self._watch.next_due
         if due is None or (self._timer is not None and due >= self._timer_at):
             return
