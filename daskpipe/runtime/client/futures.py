@@ -27,8 +27,10 @@ import queue
 import sys
 import threading
 import time
+import uuid
 import weakref
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
 from distributed import Client, Future
@@ -41,7 +43,7 @@ from daskpipe.runtime.dask_internals import gate_state_changes
 from daskpipe.runtime.errors import refusal_error
 from daskpipe.runtime.tensors import unwire_output
 from daskpipe.runtime.wire import messages
-from daskpipe.runtime.wire.inputs import inline_input_bytes, wire_input
+from daskpipe.runtime.wire.inputs import TRIAL_INPUTS, TRIAL_KEY_PREFIX, inline_input_bytes, wire_input
 from daskpipe.runtime.wire.messages import Fetch, Inputs, Submission
 from daskpipe.runtime.wire.streams import ImmediateSend, open_comm
 
@@ -309,13 +311,31 @@ class ClientStream:
         self.send({"op": messages.SUBMIT, **msgspec.structs.asdict(submission)})
 
     def _sweep_held(self) -> None:
-        """Drop the inputs of requests this client no longer holds a future of."""
+        """Drop the inputs of requests this client no longer holds a future of (not a deploy's trial's, which have none)."""
         self._held_since_sweep = 0
         futures = self.client.futures
         # ``list`` copies the keys at once (no Python code runs meanwhile): the client's loop thread
         # pops ended requests' inputs while the caller's thread sweeps
-        for key in [k for k in list(self.held) if k not in futures]:
+        for key in [k for k in list(self.held) if k not in futures and not k.startswith(TRIAL_KEY_PREFIX)]:
             self.held.pop(key, None)
+
+    @contextmanager
+    def trial_inputs(self, sample_nbytes: int) -> Iterator[dict[str, Any]]:
+        """Hold zero samples for a deploy's trial of its control path while it runs, when served
+        samples of ``sample_nbytes`` are fetched from their client rather than sent along: the
+        trial's first stages then fetch them, as served batches do. The serve call's arguments."""
+        if sample_nbytes <= self.inline_bytes:
+            yield {}
+            return
+        zero = bytes(sample_nbytes)  # one buffer under every key
+        token = uuid.uuid4().hex
+        keys = [f"{TRIAL_KEY_PREFIX}{token}-{i}" for i in range(TRIAL_INPUTS)]
+        self.held.update(dict.fromkeys(keys, zero))
+        try:
+            yield {"trial_client": self.client.id, "trial_keys": keys}
+        finally:
+            for key in keys:
+                self.held.pop(key, None)
 
     async def open(self) -> None:
         comm = await open_comm(

@@ -218,9 +218,10 @@ class Service:
         entries: Mapping[tuple[str, int], InputSpec] | None = None,
         changeable: bool = False,
         shared: SharedDeployment | None = None,
+        stream: ClientStream | None = None,
     ):
         self.client = client
-        self._stream = open_stream(client)
+        self._stream = stream if stream is not None else open_stream(client)
         self._plan = plan
         self.profiles = dict(profiles)
         self.time_dilation = time_dilation
@@ -1077,6 +1078,7 @@ def deploy(
     served: list[str] = []
     bw_gbps = float(plan.cluster.get("bw_gbps", planner.bw_gbps))
     serving = ServeSettings(dispatcher=dispatcher, time_dilation=float(time_dilation), bw_gbps=bw_gbps, max_queued=max_queued).to_wire()
+    stream = open_stream(client)  # before the serve calls: a trial's first stages fetch its inputs from this client
     try:
         for pool in shared:
             client.sync(
@@ -1092,15 +1094,17 @@ def deploy(
             )
             served.extend(pool.models)
         for name in names if not shared else ():
-            client.sync(
-                client.scheduler.daskpipe_serve,
-                model=name,
-                plan=plan.to_dict(),
-                profile=profiles[name].to_dict(),
-                stages=stage_rows[name],
-                serving=serving,
-                sample_nbytes=specs[name].sample_nbytes,
-            )
+            with stream.trial_inputs(specs[name].sample_nbytes) as trial:
+                client.sync(
+                    client.scheduler.daskpipe_serve,
+                    model=name,
+                    plan=plan.to_dict(),
+                    profile=profiles[name].to_dict(),
+                    stages=stage_rows[name],
+                    serving=serving,
+                    sample_nbytes=specs[name].sample_nbytes,
+                    **trial,
+                )
             served.append(name)
         if elastic is not None and not shared:  # the scheduler keeps what re-planning takes; the blocks stay opaque bytes there
             client.sync(
@@ -1121,6 +1125,7 @@ def deploy(
             client.sync(client.scheduler.daskpipe_close, models=served, reason="shutdown")
             client.sync(client.scheduler.daskpipe_status, models=served, forget=True)
         release(stage_futures)
+        client.sync(stream.close)
         raise
     deployment = None
     if shared and pools is not None:
@@ -1135,7 +1140,9 @@ def deploy(
                 for name in names
             },
         )
-    return Service(client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None, shared=deployment)
+    return Service(
+        client, plan, profiles, specs, stage_futures, float(time_dilation), changeable=elastic is not None, shared=deployment, stream=stream
+    )
 
 
 # -- steps of deploy ---------------------------------------------------------------------------

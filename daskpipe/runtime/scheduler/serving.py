@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Sequence
 
 import msgspec
 
@@ -34,7 +35,7 @@ from daskpipe.runtime.scheduler.intake import (
 from daskpipe.runtime.scheduler.ledger import Ledger, queue_bound
 from daskpipe.runtime.scheduler.links import Links
 from daskpipe.runtime.scheduler.models import Models
-from daskpipe.runtime.scheduler.trial import trial_control_path, trial_margin, trial_summary
+from daskpipe.runtime.scheduler.trial import TrialInputs, trial_control_path, trial_margin, trial_summary
 from daskpipe.runtime.scheduler.watch import GrayWatch
 from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.api import Dispatcher
@@ -66,16 +67,33 @@ class Serving:
         self.batches = batches
         self.watch = watch
 
-    async def serve(self, model: str, plan: dict, profile: dict, stages: list[list], serving: dict, sample_nbytes: int = 0) -> str:
+    async def serve(
+        self,
+        model: str,
+        plan: dict,
+        profile: dict,
+        stages: list[list],
+        serving: dict,
+        sample_nbytes: int = 0,
+        trial_client: str | None = None,
+        trial_keys: Sequence[str] | None = None,
+    ) -> str:
         """Start serving ``model`` as ``serving`` says (:class:`~daskpipe.runtime.wire.messages.ServeSettings`);
         ``stages`` lists [pipeline, partition, worker address, actor key], ``sample_nbytes`` is a
-        sample's raw input size.
+        sample's raw input size; ``trial_client`` holds zero samples under ``trial_keys`` for the
+        trial's first stages to fetch (:class:`~daskpipe.runtime.scheduler.trial.TrialInputs`; a client
+        without a daskpipe stream here has the trial send its inputs along instead).
 
         The control path to the stages' workers is measured first (:data:`PINGS` round trips
         each): it seeds the model's margin, and a model whose SLO cannot be met even by a lone
         request on an idle pipeline, with that margin, is refused here with the smallest SLO it
         could serve.
         """
+        if trial_keys is not None and not (
+            isinstance(trial_keys, (list, tuple)) and all(isinstance(k, str) for k in trial_keys) and trial_keys
+        ):
+            raise DeployError(f"trial_keys must be a non-empty list of strings, got {type(trial_keys).__name__} {str(trial_keys)[:80]}")
+        trial_inputs = TrialInputs(trial_client, tuple(trial_keys)) if trial_keys and trial_client in self.links.client_streams else None
         settings = read_settings(serving)
         check_dispatcher(settings.dispatcher)  # wrong settings fail before any measuring
         addresses = sorted({str(row[2]) for row in stages})
@@ -88,7 +106,7 @@ class Serving:
         control = control_path(seed_from_round_trips(round_trips, longest + 2), settings.dispatcher)
         self.start_serving(model, plan, profile, stages, control=control, settings=settings, sample_nbytes=sample_nbytes)
         ledger = self.models.ledgers[model]
-        delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id)
+        delays = await trial_control_path(ledger, model, self.batches, self.watch.own_id, trial_inputs)
         if delays:  # a tight SLO: decided on the trial's tail (daskpipe/runtime/scheduler/trial.py)
             logger.info("daskpipe: %s: the deploy's trial of its control path: %s", model, trial_summary(delays))
             try:

@@ -31,6 +31,14 @@ INLINE_INPUT_BYTES_CONFIG = "daskpipe.inline-input-bytes"
 larger ones are fetched from their client by the first stage (0: every input is fetched)."""
 
 
+TRIAL_INPUTS = 400
+"""Zero inputs a deploying client holds for its deploy's trial of the control path, one per trial
+batch at most (:mod:`daskpipe.runtime.scheduler.trial`): the trial's first stages fetch them from
+the client, as they fetch served inputs."""
+TRIAL_KEY_PREFIX = "daskpipe-trial-"
+"""How the keys of a trial's inputs start: no request's future holds them."""
+
+
 @dataclass(frozen=True, slots=True)
 class HeldInput:
     """What the scheduler knows of an input its client holds: who holds it, and its size."""

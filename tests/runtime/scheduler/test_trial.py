@@ -9,9 +9,11 @@ import pytest
 from distributed import Client, wait
 
 import daskpipe
+from daskpipe.runtime.client.futures import HELD
 from daskpipe.runtime.cluster import EmulatedCluster
 from daskpipe.runtime.errors import DeployError
-from daskpipe.runtime.scheduler.trial import MIN_BATCHES, TRIAL_BATCHES, TRIAL_RATE_MAX, TRIAL_SECONDS, trial_batches
+from daskpipe.runtime.scheduler.trial import MIN_BATCHES, TRIAL_BATCHES, TRIAL_BYTES, TRIAL_RATE_MAX, TRIAL_SECONDS, trial_batches
+from daskpipe.runtime.wire.inputs import TRIAL_KEY_PREFIX
 from tests.runtime.helpers import example, frames, tiny_model, two_stage
 
 
@@ -67,3 +69,24 @@ def test_a_trial_of_large_inputs_or_slow_stages_sends_fewer_batches_never_under_
     assert trial_batches(Sized(6_291_456), TRIAL_RATE_MAX) == MIN_BATCHES  # a 3x512x1024 float frame
     assert trial_batches(Sized(64), 50.0) == 50.0 * TRIAL_SECONDS  # stages of tens of milliseconds: a trial of seconds
     assert trial_batches(Sized(64), 5.0) == MIN_BATCHES  # stages of 100 ms: no fewer than a percentile needs
+
+
+def test_a_trial_of_fetched_inputs_takes_the_served_path_and_leaves_nothing_held(cluster_client):
+    """Samples of 786 KB are fetched from their client when served, so the trial's first stages
+    fetch theirs from the deploying client too: the trial sends every batch its rate allows (200
+    in its 2 s), where sending them through the scheduler would have stopped at the 85 that
+    TRIAL_BYTES lets through; afterwards the client holds no trial input, and the model serves."""
+    _, client = cluster_client
+    shape = (3, 256, 256)
+    profile, plan = two_stage(stage_ms=(5.0, 5.0), slo_ms=200.0, input_shape=shape)
+    sample_nbytes = 4 * 3 * 256 * 256
+    relayed = TRIAL_BYTES // sample_nbytes
+    with daskpipe.deploy(
+        client, {"tiny": tiny_model()}, example_inputs={"tiny": example(shape)}, plan=plan, profiles={"tiny": profile}
+    ) as svc:
+        control = svc.status()["tiny"]["control"]
+        assert control["batches"] > relayed, control
+        assert not [key for key in HELD.get(client, {}) if key.startswith(TRIAL_KEY_PREFIX)]
+        done = svc.map("tiny", frames(4, shape=shape))
+        wait(done, timeout=30)
+        assert all(f.status == "finished" for f in done)
