@@ -31,7 +31,7 @@ from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
 from daskpipe.profiles.fx import SegmentationError
 from daskpipe.profiles.model import Profile
 from daskpipe.runtime.client.arguments import check_example, check_module, check_profile
-from daskpipe.runtime.client.service import InputSpec, Service, awaitable_with_asynchronous_client, cut_blocks, inventory
+from daskpipe.runtime.client.service import InputSpec, Service, awaitable_with_asynchronous_client, cut_blocks, inventory, open_stream
 from daskpipe.runtime.deploying.deployment import StageLaunch, pickle_blocks, release, start_stages
 from daskpipe.runtime.deploying.placement import FreeSlots
 from daskpipe.runtime.errors import DeployError, InvalidRequest, check_positive
@@ -279,20 +279,25 @@ def deploy_hybrid(
         largest[pipeline.entry_block] = max(largest.get(pipeline.entry_block, 0), pipeline.batch_size)
     specs = {name: InputSpec(tuple(blocked.input_shape), example_input.dtype, largest[0])} if 0 in largest else {}
     entries = {(name, k): EntrySpec(entry_shape(profile, k), FEATURE_MAP_DTYPE, most, start_block=k) for k, most in largest.items() if k}
+    sample_nbytes = specs[name].sample_nbytes if specs else 0  # the scheduler re-checks block-0 payloads only
+    stream = open_stream(client)  # before serving: the trial's first stages fetch large samples from this client
     try:
-        client.sync(
-            client.scheduler.daskpipe_serve,
-            model=name,
-            plan=hybrid.plan.to_dict(),
-            profile=profile.to_dict(),
-            stages=started.rows[name],
-            serving=ServeSettings(dispatcher="hybrid", time_dilation=float(time_dilation), bw_gbps=float(bw_gbps)).to_wire(),
-            sample_nbytes=specs[name].sample_nbytes if specs else 0,  # the scheduler re-checks block-0 payloads only
-        )
+        with stream.trial_inputs(sample_nbytes) as trial:
+            client.sync(
+                client.scheduler.daskpipe_serve,
+                model=name,
+                plan=hybrid.plan.to_dict(),
+                profile=profile.to_dict(),
+                stages=started.rows[name],
+                serving=ServeSettings(dispatcher="hybrid", time_dilation=float(time_dilation), bw_gbps=float(bw_gbps)).to_wire(),
+                sample_nbytes=sample_nbytes,
+                **trial,
+            )
     except Exception:
         release(started.futures)
+        client.sync(stream.close)
         raise
-    return Service(client, hybrid.plan, {name: profile}, specs, started.futures, float(time_dilation), entries=entries)
+    return Service(client, hybrid.plan, {name: profile}, specs, started.futures, float(time_dilation), entries=entries, stream=stream)
 
 
 def hybrid_launches(
