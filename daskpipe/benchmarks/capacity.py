@@ -35,17 +35,15 @@ import math
 import os
 import re
 import subprocess
-import sys
-import tempfile
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import click
 import numpy as np
 import torch
 from torch import nn
 
+from daskpipe.benchmarks.processes import cluster_processes
 from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload
 from daskpipe.profiles.cli import parse_shape
 
@@ -95,60 +93,6 @@ def hold_only_plan(input_shape: Sequence[int]):
         cluster={"bw_gbps": 10.0},
     )
     return profile, plan
-
-
-@contextmanager
-def cluster_processes(env: Mapping[str, str]) -> Iterator[str]:
-    """A scheduler and a worker process of :data:`SLOTS` emulated T4s, as their commands start
-    them on a real cluster; the scheduler's address."""
-    with tempfile.TemporaryDirectory() as folder:
-        scheduler_file = os.path.join(folder, "scheduler.json")
-        bin_dir = os.path.dirname(sys.executable)
-        started = [
-            subprocess.Popen(
-                [
-                    os.path.join(bin_dir, "dask"),
-                    "scheduler",
-                    "--preload",
-                    "daskpipe",
-                    "--scheduler-file",
-                    scheduler_file,
-                    "--port",
-                    "0",
-                    "--dashboard-address",
-                    ":0",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        ]
-        try:
-            deadline = time.monotonic() + READY_S
-            while not os.path.exists(scheduler_file):
-                if time.monotonic() > deadline or started[0].poll() is not None:
-                    raise RuntimeError("the scheduler did not start")
-                time.sleep(0.1)
-            time.sleep(0.2)  # the file is written whole before its rename; read it once it is there
-            with open(scheduler_file) as f:
-                address = json.load(f)["address"]
-            started.append(
-                subprocess.Popen(
-                    [os.path.join(bin_dir, "daskpipe"), "worker", address, "--emulate", f"T4:{SLOTS}", "--server", "node-0"],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            yield address
-        finally:
-            for process in reversed(started):
-                process.terminate()
-            for process in reversed(started):
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
 
 
 def sender_loop(address: str, input_shape: Sequence[int], ready: Any, commands: Any, results: Any) -> None:
@@ -335,7 +279,7 @@ def run_capacity(
     for input_shape in input_shapes:
         profile, plan = hold_only_plan(input_shape)
         per_shape: dict[str, Any] = {"input_bytes": 4 * math.prod(input_shape), "senders": {}}
-        with cluster_processes(env) as address, Client(address) as client:
+        with cluster_processes({"T4": SLOTS}, env=env) as address, Client(address) as client:
             client.wait_for_workers(SLOTS, timeout=READY_S)
             svc = daskpipe.deploy(
                 client,

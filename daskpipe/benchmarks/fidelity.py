@@ -38,12 +38,14 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import click
 import numpy as np
@@ -76,6 +78,7 @@ INPUT_KINDS = ("real", "small")
 SERVER = "node-0"  # the emulated cluster's one server
 LEAD_S = 0.2  # from the start of a trial to its time zero: the client is ready before the first send
 DRAIN_S = 5.0  # after the last send and one SLO: a request still not in hand counts as lost
+WORKERS_READY_S = 120.0  # for a worker process of its own to import torch and start every slot
 WARM_UP_S, WARM_UP_LOAD = 1.0, 0.5  # each deployment's first batches (fresh streams) are slow, and not counted
 
 SEARCH = (
@@ -254,10 +257,9 @@ def on_one_server(plan: Plan) -> dict[str, Placement]:
 
 
 # -- one runtime trial -------------------------------------------------------------------------
-def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, arrivals: np.ndarray, slo_s: float) -> dict[str, Any]:
+def serve_trial(service: Any, lag: SchedulerLag, name: str, example: torch.Tensor, arrivals: np.ndarray, slo_s: float) -> dict[str, Any]:
     """Send one request at each of ``arrivals`` (seconds from time zero) open-loop, and account
     for every one of them: on time, late, dropped by reason, failed, or lost (not ended after the drain)."""
-    from daskpipe.benchmarks.runtime_overhead import LoopLag
     from daskpipe.runtime.errors import RequestDropped
 
     count = len(arrivals)
@@ -284,9 +286,8 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
                 future.result()  # the output in hand: one that came with the completion, at once
             in_hand[index[future.key]] = time.perf_counter()
 
-    lag = LoopLag()
     before = service.status()[name]
-    cluster.sync(lag.start)
+    lag.start()
     collector = threading.Thread(target=collect, name="fidelity-collector", daemon=True)
     zero = time.perf_counter() + LEAD_S
     collector.start()
@@ -301,7 +302,7 @@ def serve_trial(service: Any, cluster: Any, name: str, example: torch.Tensor, ar
         completed.add(future)
     all_sent.set()
     collector.join()
-    lags_ms = np.asarray(cluster.sync(lag.stop)) * 1e3
+    lags_ms = np.asarray(lag.stop()) * 1e3
     after = service.status()[name]
     latency = in_hand - (zero + arrivals)
     statuses = [future.status for future in futures]
@@ -373,12 +374,42 @@ def sim_summary(result: ModelResult) -> dict[str, Any]:
     }
 
 
-def measure_model(model: ServedModel, *, duration: float, seed: int, step: float, advance: Callable[..., None]) -> dict[str, Any]:
-    """The simulator's and the runtime's max load factor for one model, with every runtime trial."""
+@dataclass(frozen=True)
+class SchedulerLag:
+    """Samples the scheduler's loop lag over a trial, wherever that scheduler runs."""
+
+    start: Callable[[], Any]
+    stop: Callable[[], list[float]]
+
+
+@contextmanager
+def emulated_cluster(model: ServedModel, scheduler_process: bool) -> Iterator[tuple[Any, SchedulerLag]]:
+    """A client of an emulated cluster of ``model``'s GPUs, and its scheduler's loop lag: the
+    scheduler in this process (an :class:`~daskpipe.runtime.cluster.EmulatedCluster`, sharing the
+    client's loop) or, with ``scheduler_process``, in a process of its own, as deployed."""
     from distributed import Client
 
-    import daskpipe
+    from daskpipe.benchmarks.processes import cluster_processes
+    from daskpipe.benchmarks.runtime_overhead import LoopLag, start_loop_lag, stop_loop_lag
     from daskpipe.runtime.cluster import EmulatedCluster
+
+    if scheduler_process:
+        slots = sum(count * model.slices[gpu] for gpu, count in model.gpus.items())
+        env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
+        with cluster_processes(model.gpus, slices=model.slices, env=env) as address, Client(address) as client:
+            client.wait_for_workers(slots, timeout=WORKERS_READY_S)
+            yield client, SchedulerLag(lambda: client.run_on_scheduler(start_loop_lag), lambda: client.run_on_scheduler(stop_loop_lag))
+        return
+    with EmulatedCluster(model.gpus, slices=model.slices, dashboard_address=None) as cluster, Client(cluster) as client:
+        lag = LoopLag()
+        yield client, SchedulerLag(lambda: cluster.sync(lag.start), lambda: cluster.sync(lag.stop))
+
+
+def measure_model(
+    model: ServedModel, *, duration: float, seed: int, step: float, advance: Callable[..., None], scheduler_process: bool = False
+) -> dict[str, Any]:
+    """The simulator's and the runtime's max load factor for one model, with every runtime trial."""
+    import daskpipe
     from daskpipe.runtime.errors import DeployError
     from daskpipe.sim import SimulationConfig, find_max_load, simulate
     from daskpipe.sim.simulate import load_grid
@@ -402,7 +433,7 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, step: float
     trials: list[dict[str, Any]] = out["trials"]
     advance(0, note=f"{model.name}: starting {sum(c * model.slices[g] for g, c in model.gpus.items())} emulated slots")
     warm_up = poisson_arrivals(WARM_UP_LOAD * model.rate, WARM_UP_S, np.random.default_rng(seed))
-    with EmulatedCluster(model.gpus, slices=model.slices, dashboard_address=None) as cluster, Client(cluster) as client:
+    with emulated_cluster(model, scheduler_process) as (client, lag):
 
         def serve(arrivals: np.ndarray) -> dict[str, Any]:
             """``arrivals`` served by a deployment of their own, warmed up first, so that every
@@ -421,13 +452,13 @@ def measure_model(model: ServedModel, *, duration: float, seed: int, step: float
             except DeployError as exc:  # e.g. an SLO the runtime's control path cannot meet
                 return {"attainment": 0.0, "deploy_error": str(exc)}
             with service:
-                serve_trial(service, cluster, model.name, model.example, warm_up, model.slo_s)
+                serve_trial(service, lag, model.name, model.example, warm_up, model.slo_s)
                 # what the deploy, the simulation and the warm-up left is old by now, as in a service
                 # that has run a while: else the collector's first middle-generation pass in the trial
-                # walks it all, a stall of 11-13 ms of the scheduler's loop (this cluster's scheduler
+                # walks it all, a stall of 11-13 ms of the scheduler's loop (an in-process scheduler
                 # shares this process) in every trial
                 gc.collect()
-                return serve_trial(service, cluster, model.name, model.example, arrivals, model.slo_s)
+                return serve_trial(service, lag, model.name, model.example, arrivals, model.slo_s)
 
         def passes(load: float) -> bool:
             sim = simulate(model.plan, profiles, config, load_factor=load)
@@ -477,6 +508,7 @@ def run_fidelity(
     max_rate: float = DEFAULT_MAX_RATE,
     step: float = DEFAULT_STEP,
     inputs: Sequence[str] = INPUT_KINDS,
+    scheduler_process: bool = False,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> dict[str, Any]:
     """The figures of ``daskpipe bench fidelity``, per model and kind of inputs;
@@ -493,7 +525,7 @@ def run_fidelity(
     results: dict[str, dict[str, Any]] = {}
     for model in served:
         figures = results.setdefault(model.name, {})[model.inputs] = measure_model(
-            model, duration=duration, seed=seed, step=step, advance=advance
+            model, duration=duration, seed=seed, step=step, advance=advance, scheduler_process=scheduler_process
         )
         advance(max_trials(step) - len(figures["trials"]), note=f"{model.name} ({model.inputs} inputs) done")
     for figures in results.values():
@@ -505,6 +537,7 @@ def run_fidelity(
         "bw_gbps": BW_GBPS,
         "plan_margin": PLAN_MARGIN,
         "time_dilation": 1.0,
+        "scheduler": "a process of its own" if scheduler_process else "in the client's process, on its event loop",
         "dataplane": "ppipe",
         "duration_s": duration,
         "seed": seed,
@@ -564,6 +597,11 @@ def parse_gpus(ctx: click.Context, param: click.Parameter, value: str) -> dict[s
     show_default=True,
     help="Request inputs, each measured in the same run: real (the model's own input size, e.g. 3x512x1024 for fcn) and small (16 floats).",
 )
+@click.option(
+    "--scheduler-process",
+    is_flag=True,
+    help="Run the scheduler in a process of its own (dask scheduler --preload daskpipe), as deployed, not on this client's event loop.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_fidelity(
     profiles: str,
@@ -574,6 +612,7 @@ def bench_fidelity(
     step: float,
     max_rate: float,
     inputs: str,
+    scheduler_process: bool,
     json_path: str | None,
 ) -> None:
     """Max load factor at 99% attainment of each model's plan, in the simulator and on the Dask runtime."""
@@ -587,7 +626,16 @@ def bench_fidelity(
         kinds = [kind.strip() for kind in inputs.split(",") if kind.strip()]
         with progress_bar("fidelity", total=len(names) * len(kinds) * max_trials(step)) as advance:
             figures = run_fidelity(
-                profiles, names, gpus, duration=duration, seed=seed, max_rate=max_rate, step=step, inputs=kinds, advance=advance
+                profiles,
+                names,
+                gpus,
+                duration=duration,
+                seed=seed,
+                max_rate=max_rate,
+                step=step,
+                inputs=kinds,
+                scheduler_process=scheduler_process,
+                advance=advance,
             )
     except BenchOptionError as exc:
         raise click.BadParameter(str(exc), param_hint=exc.option) from None
