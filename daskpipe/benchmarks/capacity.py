@@ -267,7 +267,6 @@ def run_capacity(
 
     import daskpipe
 
-    env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
     figures: dict[str, Any] = {
         "slo_ms": SLO_MS,
         "attainment_bar": ATTAINMENT,
@@ -279,7 +278,7 @@ def run_capacity(
     for input_shape in input_shapes:
         profile, plan = hold_only_plan(input_shape)
         per_shape: dict[str, Any] = {"input_bytes": 4 * math.prod(input_shape), "senders": {}}
-        with cluster_processes({"T4": SLOTS}, env=env) as address, Client(address) as client:
+        with cluster_processes({"T4": SLOTS}) as address, Client(address) as client:
             client.wait_for_workers(SLOTS, timeout=READY_S)
             svc = daskpipe.deploy(
                 client,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import threading
 import time
 from collections import Counter
@@ -395,8 +394,7 @@ def emulated_cluster(model: ServedModel, scheduler_process: bool) -> Iterator[tu
 
     if scheduler_process:
         slots = sum(count * model.slices[gpu] for gpu, count in model.gpus.items())
-        env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
-        with cluster_processes(model.gpus, slices=model.slices, env=env) as address, Client(address) as client:
+        with cluster_processes(model.gpus, slices=model.slices) as address, Client(address) as client:
             client.wait_for_workers(slots, timeout=WORKERS_READY_S)
             yield client, SchedulerLag(lambda: client.run_on_scheduler(start_loop_lag), lambda: client.run_on_scheduler(stop_loop_lag))
         return

@@ -17,14 +17,16 @@ from typing import Iterator, Mapping
 
 from daskpipe.benchmarks.serve import READY_S
 
+QUIET_ENV = {"DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "false"}
+"""Set for the cluster's processes: Dask's GIL monitor samples every thread, on what is measured."""
+
 
 @contextmanager
-def cluster_processes(
-    gpus: Mapping[str, int], *, slices: Mapping[str, int] | None = None, env: Mapping[str, str] | None = None
-) -> Iterator[str]:
+def cluster_processes(gpus: Mapping[str, int], *, slices: Mapping[str, int] | None = None) -> Iterator[str]:
     """A scheduler process and a worker process of ``gpus`` emulated GPUs (``slices`` MPS slices per
     type, one slot each) on one node; the scheduler's address once its file is written (the
     workers connect on their own: wait for them)."""
+    env = {**os.environ, **QUIET_ENV}
     with tempfile.TemporaryDirectory() as folder:
         scheduler_file = os.path.join(folder, "scheduler.json")
         bin_dir = os.path.dirname(sys.executable)

@@ -71,8 +71,8 @@ def trial_batches(ledger: Ledger, rate: float, held: bool = False) -> int:
     """How many batches ``ledger``'s trial sends at ``rate`` a second: :data:`TRIAL_BATCHES`, fewer
     for what :data:`TRIAL_SECONDS` holds and, unless the inputs are ``held`` by a client, for
     large inputs, never under :data:`~daskpipe.runtime.scheduler.control.MIN_BATCHES`."""
-    relayed = TRIAL_BATCHES if held else TRIAL_BYTES // max(1, ledger.sample_nbytes)
-    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, min(relayed, rate * TRIAL_SECONDS))))
+    by_bytes = TRIAL_BATCHES if held else TRIAL_BYTES // max(1, ledger.sample_nbytes)
+    return int(min(TRIAL_BATCHES, max(MIN_BATCHES, min(by_bytes, rate * TRIAL_SECONDS))))
 
 
 async def trial_control_path(
