@@ -1,6 +1,7 @@
 """``daskpipe bench fidelity``: does the Dask runtime sustain the load the simulator says a plan sustains?
 
-For each model: one plan (the MILP on a small emulated inventory, ``--gpus``) and, at each load
+For each model and kind of input: one plan (the MILP on a small emulated inventory, ``--gpus``,
+counting the input's way in to the first stage) and, at each load
 factor, one Poisson workload (``--seed``), served twice: by the simulator (:mod:`daskpipe.sim`)
 and by the runtime (``daskpipe.deploy(..., plan=, profiles=, time_dilation=1.0)``) on an
 :class:`~daskpipe.runtime.cluster.EmulatedCluster` whose stages hold each batch for its profiled
@@ -145,6 +146,7 @@ def stand_in(profile: Profile, input_shape: tuple[int, ...] | None = None) -> tu
     recut = replace(
         profile,
         input_shape=input_shape,
+        input_bytes=4.0 * math.prod(input_shape),  # float32: the plan counts its way in to the first stage
         boundary_shapes=tuple(tuple(s) for s in shapes[:-1]),
         meta={**profile.meta, "segment_boundaries": list(range(profile.num_blocks + 1))},
     )
@@ -189,10 +191,7 @@ def prepare(
 ) -> list[ServedModel]:
     """Load, re-cut and plan every model, checking all of them before any cluster starts; one
     :class:`ServedModel` per model and kind of ``inputs`` (its real input size, or a small one),
-    all of a model on its one plan."""
-    from daskpipe.plan.milp import make_plan
-    from daskpipe.plan.options import PlannerOptions
-    from daskpipe.plan.schema import PlanError
+    each on its own plan: the plan counts the inputs' way in to the first stage."""
     from daskpipe.profiles.loader import load_profiles, resolve_model_names
     from daskpipe.profiles.model import ProfileError
 
@@ -217,35 +216,43 @@ def prepare(
         raise BenchOptionError("--models", str(exc)) from None
     served = []
     for name in names:
-        profile, module, example, tensors = stand_in(profiles[name])
-        try:
-            plan = make_plan(
-                {name: profile}, gpus, gpus_per_server=gpus, options=PlannerOptions(bw_gbps=BW_GBPS, margin=PLAN_MARGIN, max_parts=2)
-            )
-        except PlanError as exc:
-            raise BenchOptionError("--gpus", f"cannot plan {name} on {dict(gpus)}: {exc}") from None
-        slices: dict[str, set[int]] = {}
-        for pipeline in plan.model(name).pipelines:
-            for part in pipeline.partitions:
-                slices.setdefault(part.gpu, set()).add(part.slices)
-        mixed = {gpu: sorted(v) for gpu, v in slices.items() if len(v) > 1}
-        if mixed:
-            raise BenchOptionError(
-                "--gpus",
-                f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all "
-                f"GPUs of a type alike: pick other --gpus",
-            )
-        on = {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
-        if plan.model(name).throughput > max_rate:
-            raise BenchOptionError(
-                "--gpus",
-                f"the plan of {name} on {dict(gpus)} serves {plan.model(name).throughput:.0f} req/s, over --max-rate {max_rate:g}: this "
-                f"machine could not send it open-loop; pick fewer or slower GPUs",
-            )
         for kind in inputs:
             variant = stand_in(profiles[name], real_input_shape(name) if kind == "real" else None)
-            served.append(ServedModel(name, kind, *variant, plan, *on))
+            served.append(ServedModel(name, kind, *variant, *plan_on(variant[0], gpus, max_rate)))
     return served
+
+
+def plan_on(profile: Profile, gpus: Mapping[str, int], max_rate: float) -> tuple[Plan, dict[str, int], dict[str, int]]:
+    """The plan of ``profile`` on ``gpus`` (all on one server), the GPUs it uses and the slice
+    count it cuts each type into; :class:`BenchOptionError` if the emulated cluster cannot run it."""
+    from daskpipe.plan.milp import make_plan
+    from daskpipe.plan.options import PlannerOptions
+    from daskpipe.plan.schema import PlanError
+
+    name = profile.model
+    try:
+        options = PlannerOptions(bw_gbps=BW_GBPS, margin=PLAN_MARGIN, max_parts=2)
+        plan = make_plan({name: profile}, gpus, gpus_per_server=gpus, options=options)
+    except PlanError as exc:
+        raise BenchOptionError("--gpus", f"cannot plan {name} on {dict(gpus)}: {exc}") from None
+    slices: dict[str, set[int]] = {}
+    for pipeline in plan.model(name).pipelines:
+        for part in pipeline.partitions:
+            slices.setdefault(part.gpu, set()).add(part.slices)
+    mixed = {gpu: sorted(v) for gpu, v in slices.items() if len(v) > 1}
+    if mixed:
+        raise BenchOptionError(
+            "--gpus",
+            f"the plan of {name} on {dict(gpus)} cuts one GPU type into several slice counts {mixed}; an emulated cluster cuts all "
+            f"GPUs of a type alike: pick other --gpus",
+        )
+    if plan.model(name).throughput > max_rate:
+        raise BenchOptionError(
+            "--gpus",
+            f"the plan of {name} on {dict(gpus)} serves {plan.model(name).throughput:.0f} req/s, over --max-rate {max_rate:g}: this "
+            f"machine could not send it open-loop; pick fewer or slower GPUs",
+        )
+    return plan, {gpu: gpus[gpu] for gpu in slices}, {gpu: v.pop() for gpu, v in slices.items()}
 
 
 def on_one_server(plan: Plan) -> dict[str, Placement]:

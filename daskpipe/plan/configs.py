@@ -58,7 +58,7 @@ class Config:
     latency_us: tuple[float, ...]  # per partition, one batch on one vGPU
     transfer_us: tuple[float, ...]  # per partition, the batch leaving it (0 for the last)
     vgpu_throughput: tuple[float, ...]  # req/s of one vGPU of each partition's pool
-    total_latency_us: float  # latencies + transfers + batch-build estimate
+    total_latency_us: float  # the input's way in, latencies, transfers and the batch-build estimate
 
     @property
     def num_parts(self) -> int:
@@ -86,11 +86,11 @@ def enumerate_configs(
     for parts in range(1, min(max_parts, n) + 1):
         for cuts in itertools.combinations(range(1, n), parts - 1):
             bounds = (0, *cuts, n)
-            cut_bytes = [profile.cut_bytes(c) for c in cuts]
+            in_bytes = [profile.bytes_into(start) for start in bounds[:-1]]
             for chain in _chains(resources, parts):
                 max_batch = min(cum[r].shape[1] for r in chain)
                 for b in range(1, max_batch + 1):
-                    config = _config(profile.model, bounds, chain, b, cum, cut_bytes, budget)
+                    config = _config(profile.model, bounds, chain, b, cum, in_bytes, budget)
                     if config is not None:
                         configs.append(config)
     return prune_dominated(configs)
@@ -109,21 +109,21 @@ def _config(
     chain: tuple[Resource, ...],
     batch: int,
     cum: Mapping[Resource, np.ndarray],
-    cut_bytes: Sequence[float],
+    in_bytes: Sequence[float],
     budget: Budget,
 ) -> Config | None:
+    """``in_bytes[d]``: what partition ``d`` receives per sample, the request's input for the first."""
     latency = tuple(float(cum[r][end, batch - 1] - cum[r][start, batch - 1]) for r, start, end in zip(chain, bounds, bounds[1:]))
-    transfer = tuple(budget.transfer_us(nb, batch) for nb in cut_bytes) + (0.0,)
-    total = sum(latency) + sum(transfer) + budget.batch_build_us(batch)
+    transfer = tuple(budget.transfer_us(nb, batch) for nb in in_bytes[1:]) + (0.0,)
+    way_in = budget.transfer_us(in_bytes[0], batch)
+    total = way_in + sum(latency) + sum(transfer) + budget.batch_build_us(batch)
     if total > budget.latency_us:
         return None
     throughput = []
     for d, (r, lat) in enumerate(zip(chain, latency)):
-        caps = [batch * 1e6 / lat]
-        if d > 0:  # receives the previous partition's feature map
-            caps.append(budget.nic_cap(cut_bytes[d - 1], r))
+        caps = [batch * 1e6 / lat, budget.nic_cap(in_bytes[d], r)]  # receives the input or the previous partition's feature map
         if d < len(chain) - 1:  # sends its own
-            caps.append(budget.nic_cap(cut_bytes[d], r))
+            caps.append(budget.nic_cap(in_bytes[d + 1], r))
         throughput.append(min(caps))
     return Config(model, bounds, chain, batch, latency, transfer, tuple(throughput), total)
 

@@ -87,6 +87,11 @@ class Profile:
         """fp16 bytes per request crossing the cut before block ``boundary`` (0 < boundary < N)."""
         return float(self.boundary_bytes[boundary - 1])
 
+    def bytes_into(self, block: int) -> float:
+        """Bytes per request that a partition starting at ``block`` receives: the request's own
+        input at block 0 (``input_bytes``), else the feature map crossing the cut before it."""
+        return self.input_bytes if block == 0 else self.cut_bytes(block)
+
     # -- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         tables: dict[str, dict[str, list[list[float]]]] = {}

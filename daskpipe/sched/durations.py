@@ -60,6 +60,7 @@ class BatchDurations:
         return value
 
     def transfer_s(self, pipeline: int, partition: int, batch: int) -> float:
-        """The feature map of ``batch`` samples into ``partition`` crossing one link."""
-        boundary = self.model.pipelines[pipeline].partitions[partition].blocks[0]
-        return batch * self.profile.cut_bytes(boundary) * 8 / (self.bw_gbps * 1e9)
+        """The input of ``batch`` samples into ``partition`` crossing one link: the previous
+        partition's feature map, or the requests' own inputs into a first partition."""
+        start = self.model.pipelines[pipeline].partitions[partition].blocks[0]
+        return batch * self.profile.bytes_into(start) * 8 / (self.bw_gbps * 1e9)

@@ -260,7 +260,7 @@ class _Stage:
         self.profiled = compute  # seconds by batch size (index 0 unused), as profiled
         self.compute = compute  # ... as reserved: profiled x measured.typical
         self.headroom = [0.0] * len(compute)  # seconds beyond ``compute`` at the slack quantile
-        self.transfer = transfer  # seconds to bring the input feature map in, by batch size (0 for the first stage)
+        self.transfer = transfer  # seconds to bring the batch's input in, by batch size
         self.measured = measured  # None: the profile is trusted as it is
 
     def rescale(self, typical: float, high: float) -> None:
@@ -365,7 +365,7 @@ class PPipeDispatcher(Dispatcher):
         stages = []
         for di, part in enumerate(pipeline.partitions):
             pool = pool_slots(self.placement, pi, di, part)
-            compute, transfer = latency_tables(profile, part, bs, bw_gbps, first=di == 0)
+            compute, transfer = latency_tables(profile, part, bs, bw_gbps)
             ul = [f"{nic_of(slot)}/ul" for slot in pool]
             dl = [f"{nic_of(slot)}/dl" for slot in pool]
             stage = _Stage(di, [slot.id for slot in pool], ul, dl, compute, transfer, self._measured_latency())
@@ -650,9 +650,9 @@ class PPipeDispatcher(Dispatcher):
             best = INF  # the pick's rank
             best_end = INF  # the pick's finish
             pick = None
-            if sender_ul is None:
-                lower = t + li
-                sent = t
+            if sender_ul is None:  # the first stage: its inputs come from the clients, off the planned NICs
+                sent = t + stage.transfer[bs]
+                lower = sent + li
             else:
                 ln = stage.transfer[bs]
                 dls = stage.dl
@@ -665,7 +665,7 @@ class PPipeDispatcher(Dispatcher):
                     sent = earliest_pair(sender_ul, dls[i], uplink_free, ln)
                     start = earliest(slots[i], sent + ln, li)
                 else:
-                    start = earliest(slots[i], t, li)
+                    start = earliest(slots[i], sent, li)
                 end = start + li
                 rank = earliest(uls[i], end, out_ln) if out_ln else end
                 if rank < best:
@@ -776,8 +776,9 @@ class PPipeDispatcher(Dispatcher):
                 if arriving:  # the requests of a burst come one call each: the batch goes once all are in
                     self._send_at = now
                     break
-            if settings.lead_batches is not None:  # not bound to a slot long before it is free
-                send_by = path[0][2] - settings.lead_batches * pipe.stages[0].compute[bs]
+            if settings.lead_batches is not None:  # not bound to a slot long before it is free; its inputs arrive meanwhile
+                first = pipe.stages[0]
+                send_by = path[0][2] - first.transfer[bs] - settings.lead_batches * first.compute[bs]
                 if send_by > now:
                     self._send_at = send_by
                     break
@@ -890,19 +891,19 @@ def nic_of(slot: Slot) -> str:
     return slot.server or slot.id
 
 
-def latency_tables(profile: Profile, part: Partition, batch_size: int, bw_gbps: float, *, first: bool) -> tuple[list[float], list[float]]:
+def latency_tables(profile: Profile, part: Partition, batch_size: int, bw_gbps: float) -> tuple[list[float], list[float]]:
     """Seconds by batch size 0..``batch_size``: compute of ``part`` on one slice, and transfer of
-    its input feature map (zeros for the first partition). Compute is made non-decreasing in the
-    batch size: measured tables can dip, and batch shrinking assumes a smaller batch is never slower."""
+    its input: the requests' own inputs (``profile.input_bytes``, from the clients that hold them)
+    into the first partition, the previous partition's feature map into the others. Compute is made
+    non-decreasing in the batch size: measured tables can dip, and batch shrinking assumes a smaller
+    batch is never slower."""
     have = profile.max_batch(part.gpu, part.slices)
     if have < batch_size:
         raise ValueError(f"profile of {profile.model!r} on {part.gpu}/v{part.slices} stops at batch {have}, the plan needs {batch_size}")
     compute = [0.0]
     for b in range(1, batch_size + 1):
         compute.append(max(compute[-1], profile.latency(part.gpu, part.slices, b, *part.blocks) * 1e-6))
-    if first:
-        return compute, [0.0] * (batch_size + 1)
-    seconds_per_sample = profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
+    seconds_per_sample = profile.bytes_into(part.blocks[0]) * 8 / (bw_gbps * 1e9)
     return compute, [b * seconds_per_sample for b in range(batch_size + 1)]
 
 

@@ -96,7 +96,7 @@ class ReactiveDispatcher(Dispatcher):
             chain = []
             for di, part in enumerate(pipeline.partitions):
                 slots = [slot.id for slot in pool_slots(placement, pi, di, part)]
-                compute, transfer = latency_tables(profile, part, bs, bw_gbps, first=di == 0)
+                compute, transfer = latency_tables(profile, part, bs, bw_gbps)
                 chain.append(_Pool(pi, di, bs, slots, compute, transfer))
             slack = 0.0
             for upstream, pool in zip(reversed(chain[:-1]), reversed(chain)):
@@ -248,9 +248,8 @@ class ReactiveDispatcher(Dispatcher):
             taken += requests[-1].size
         slot = pool.slots[i]
         transfer_in = None
-        start = now
+        start = now + pool.transfer[taken]  # a first pool's: the requests' inputs, from their clients
         if sender is not None:
-            start = now + pool.transfer[taken]
             slots = self.placement.slots
             transfer_in = (
                 Reservation(f"{nic_of(slots[sender])}/ul", now, start),

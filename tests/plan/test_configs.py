@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from daskpipe.plan.configs import Budget, enumerate_configs, prune_dominated, resources_of
@@ -25,6 +27,19 @@ def test_slo_budget_counts_transfer_linear_in_batch():
     split = [c for c in enumerate_configs(p, resources_of(p, ["A", "B"]), b, max_parts=2) if c.num_parts == 2]
     assert {c.batch_size for c in split} == {1}
     assert split[0].transfer_us == pytest.approx((1000.0, 0.0))
+
+
+def test_the_input_counts_on_its_way_in_to_the_first_partition():
+    p = synthetic_profile("m", {("A", 1): [100, 100], ("B", 1): [100, 100]}, boundary_bytes=[1e3], max_batch=4, batch_scaling=0.0)
+    # 1 MB inputs at 8 Gbit/s: 1000 µs a sample before the first partition starts, 1000 req/s on its NIC
+    b = budget(latency_us=2300, bw_gbps=8, per_server={"A": 1, "B": 1})
+    without = enumerate_configs(p, resources_of(p, ["A"]), b, max_parts=1)
+    with_input = enumerate_configs(replace(p, input_bytes=1e6), resources_of(p, ["A"]), b, max_parts=1)
+    assert [c.batch_size for c in without] == [4]  # 200 µs at any batch: 4 dominates
+    assert [c.vgpu_throughput for c in without] == [pytest.approx((20000.0,))]
+    assert with_input and all(c.batch_size <= 2 for c in with_input)  # b * 1000 + 200 µs <= 2300
+    assert all(c.total_latency_us == pytest.approx(c.batch_size * 1000 + 200) for c in with_input)
+    assert all(c.vgpu_throughput == pytest.approx((1000.0,)) for c in with_input)  # the NIC's, not the compute's
 
 
 def test_batch_build_estimate_limits_batch():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from daskpipe.sched.drive import Outcome, drive, exact_feedback, poisson_arrival
 from daskpipe.sched.placement import place
 from daskpipe.sched.ppipe import PPipeDispatcher, PPipeSettings
 from daskpipe.sched.timeline import make_timeline
-from tests.sched.helpers import BW_GBPS, MS, fig5, model, profile, req, split, whole
+from tests.sched.helpers import BOUNDARY, BW_GBPS, MS, fig5, model, profile, req, split, whole
 
 
 def dispatcher(plan: ModelPlan, placement: Placement | None = None, slo_ms: float = 200.0, **settings) -> PPipeDispatcher:
@@ -343,6 +344,18 @@ def test_with_execution_as_reserved_both_policies_decide_alike(load):
 
 
 # -- at low load, no waiting for nothing (join_chance) ----------------------------------------------------
+def test_a_first_stage_starts_once_its_inputs_are_in():
+    """Inputs of 1 MB at 8 Gbit/s take 1 ms a sample to come from their clients: a lone request's
+    first stage is reserved from 1 ms after its dispatch, and it finishes that much later."""
+    plan, placement = fig5()
+    d = PPipeDispatcher(plan, placement, replace(profile(), input_bytes=BOUNDARY), bw_gbps=BW_GBPS, settings=PPipeSettings(join_chance=0.5))
+    out = drive(d, [req(i, float(i)) for i in range(3)], record=True)
+    assert [len(batch.requests) for batch in out.dispatches] == [1] * 3
+    for i, batch in enumerate(out.dispatches):
+        assert batch.hops[0].compute.start == pytest.approx(i + 1 * MS)
+        assert batch.finish - i == pytest.approx(32 * MS)  # 1 ms in, then 10 + 1 + 20 ms as without inputs
+
+
 def test_lone_requests_on_an_idle_pipeline_go_at_once():
     """Ten requests 1 s apart (SLO 200 ms): nothing was outstanding when any came, so none can
     expect another to join it; each takes its compute (10 + 1 + 20 ms), not its SLO."""

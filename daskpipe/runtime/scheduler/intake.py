@@ -129,7 +129,7 @@ def check_feasible(
         paths = [p for p in plan.pipelines if p.entry_block == block]
         if not paths:
             continue
-        fastest = min(sum(lone_latency_s(profile, part, bw_gbps, first=q == 0) for q, part in enumerate(p.partitions)) for p in paths)
+        fastest = min(sum(lone_latency_s(profile, part, bw_gbps) for part in p.partitions) for p in paths)
         if fastest + margin_s > budget:
             smallest_ms = math.ceil((fastest + margin_s) / time_dilation * 1e3 * 10) / 10
             entry = f" entering at block {block}" if block else ""
@@ -142,9 +142,9 @@ def check_feasible(
     return headroom
 
 
-def lone_latency_s(profile: Profile, part: Any, bw_gbps: float, *, first: bool) -> float:
+def lone_latency_s(profile: Profile, part: Any, bw_gbps: float) -> float:
     """Seconds one sample spends in ``part``: its compute at batch 1, and its input's transfer."""
-    transfer = 0.0 if first else profile.cut_bytes(part.blocks[0]) * 8 / (bw_gbps * 1e9)
+    transfer = profile.bytes_into(part.blocks[0]) * 8 / (bw_gbps * 1e9)
     return profile.latency(part.gpu, part.slices, 1, *part.blocks) * 1e-6 + transfer
 
 

@@ -121,7 +121,7 @@ def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int, input
         slots = sorted(a for (p, q, a) in ledger.stages if (p, q) == (pipeline, partition))
         address = slots[index % len(slots)]
         span = ledger.durations.compute_s(pipeline, partition, 1)
-        transfer = ledger.durations.transfer_s(pipeline, partition, 1) if partition else 0.0
+        transfer = ledger.durations.transfer_s(pipeline, partition, 1)
         route.append(
             {
                 "address": address,
@@ -130,7 +130,10 @@ def trial_flight(ledger: Ledger, pipeline: int, index: int, dispatch: int, input
                 "hold_s": span if address in ledger.emulated else 0.0,
             }
         )
-        planned.append((partition, now if partition == 0 else -math.inf, transfer))
+        if partition == 0:  # it starts once its input is in, as a served batch's first stage is planned
+            planned.append((0, now + transfer, 0.0))
+        else:
+            planned.append((partition, -math.inf, transfer))
         spans.append(span)
     key = inputs.keys[index % len(inputs.keys)] if inputs else f"{TRIAL_KEY_PREFIX}{dispatch}"
     payload = HeldInput(inputs.client, ledger.sample_nbytes) if inputs else bytes(ledger.sample_nbytes)

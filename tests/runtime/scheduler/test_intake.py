@@ -8,13 +8,24 @@ import time
 import uuid
 
 import dask.config
+import numpy as np
 import pytest
 from distributed import Future
 
+from daskpipe.plan.schema import ModelPlan, Partition, Pipeline
+from daskpipe.profiles.model import Profile
 from daskpipe.runtime.client.service import encode_input
 from daskpipe.runtime.errors import DeployError, RequestDropped
 from daskpipe.runtime.scheduler.control import ControlPath
-from daskpipe.runtime.scheduler.intake import CLOCK_STEP_S, LOOP_TURN_S, SUBMIT_SLICE, SendClocks, ledger_for, sliced_releases
+from daskpipe.runtime.scheduler.intake import (
+    CLOCK_STEP_S,
+    LOOP_TURN_S,
+    SUBMIT_SLICE,
+    SendClocks,
+    check_feasible,
+    ledger_for,
+    sliced_releases,
+)
 from daskpipe.runtime.scheduler.ledger import Endings
 from daskpipe.runtime.wire.messages import ServeSettings
 from daskpipe.sched.metrics import ServiceMetrics
@@ -103,3 +114,12 @@ def test_a_bad_key_in_the_schedulers_own_config_refuses_the_model_naming_it():
             settings=ServeSettings(),
             sample_nbytes=1,
         )
+
+
+def test_a_lone_request_is_counted_with_its_inputs_way_in_to_the_first_stage():
+    """A 10 ms stage whose 1 MB input takes 1 ms at 8 Gbit/s: a lone request takes 11 ms."""
+    plan = ModelPlan("m", 20e3, 1.0, 100.0, (Pipeline(1, 100.0, (Partition((0, 1), "A", 1, 1, 10e3),)),))
+    profile = Profile(model="m", slo_us=20e3, num_blocks=1, latency_us={("A", 1): np.array([[10e3]])}, boundary_bytes=(), input_bytes=1e6)
+    assert check_feasible("m", plan, profile, {0: 0.020}, 0.001, bw_gbps=8.0, time_dilation=1.0) == pytest.approx(0.009)
+    with pytest.raises(DeployError, match="a lone request takes 11.0 ms on its fastest pipeline"):
+        check_feasible("m", plan, profile, {0: 0.0115}, 0.001, bw_gbps=8.0, time_dilation=1.0)
