@@ -85,6 +85,8 @@ class Profile:
 
     def cut_bytes(self, boundary: int) -> float:
         """fp16 bytes per request crossing the cut before block ``boundary`` (0 < boundary < N)."""
+        if not 0 < boundary < self.num_blocks:  # else an index from the end: another cut's bytes
+            raise ValueError(f"{self.model!r} has cuts before blocks 1 to {self.num_blocks - 1}, not before block {boundary}")
         return float(self.boundary_bytes[boundary - 1])
 
     def bytes_into(self, block: int) -> float:

@@ -35,6 +35,10 @@ def test_reads_ppipe_layout(tmp_path):
     assert profile.latency("L4", 1, 3) == 76
     assert profile.max_batch("L4", 2) == 2
     assert profile.cut_bytes(1) == 4096
+    assert profile.bytes_into(1) == 4096 and profile.bytes_into(0) == profile.input_bytes == 0
+    for outside in (0, 2, -1):  # no cut there: never another cut's bytes
+        with pytest.raises(ValueError, match=f"cuts before blocks 1 to 1, not before block {outside}"):
+            profile.cut_bytes(outside)
 
 
 def test_prefix_and_exact_names():
