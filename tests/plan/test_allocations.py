@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from daskpipe.plan.allocations import Allocation, Valued, search_levels
+from daskpipe.plan.allocations import Allocation, Valued, frontier, search_levels
 from daskpipe.plan.milp import make_plan, new_model
 from daskpipe.plan.options import PlannerOptions
 from daskpipe.plan.schema import ModelPlan
@@ -64,7 +64,7 @@ def brute_force_optimum(oracles, gpus):
     return best
 
 
-def search(oracles, objective=0.0, bound=1000.0, seconds=30.0):
+def search(oracles, objective=0.0, bound=1000.0, seconds=30.0, disjunctive_first_s=0.25):
     starts = {m: [(1, 1), tuple(GPUS.values())] for m in oracles}
     return search_levels(
         oracles,
@@ -76,12 +76,17 @@ def search(oracles, objective=0.0, bound=1000.0, seconds=30.0):
         tolerance=1e-3,
         deadline=time.perf_counter() + seconds,
         new_model=lambda: new_model("auto"),
+        disjunctive_first_s=disjunctive_first_s,
     )
 
 
-def test_the_search_closes_on_the_optimum_of_whole_gpus():
+MASTERS = pytest.mark.parametrize("disjunctive_first_s", [0.25, 0.0], ids=["cuts-first", "least-allocations"])
+
+
+@MASTERS
+def test_the_search_closes_on_the_optimum_of_whole_gpus(disjunctive_first_s):
     optimum = brute_force_optimum(ORACLES, GPUS)
-    found = search(ORACLES)
+    found = search(ORACLES, disjunctive_first_s=disjunctive_first_s)
     assert found.models is not None
     assert found.objective == pytest.approx(optimum, rel=1e-3)
     assert found.bound >= optimum - 1e-6  # a proven bound never cuts off the optimum
@@ -90,10 +95,11 @@ def test_the_search_closes_on_the_optimum_of_whole_gpus():
     assert sum(o.exact_calls for o in ORACLES.values()) > 0  # the greedy alone falls short
 
 
-def test_a_bound_below_the_linear_relaxation_is_proven():
+@MASTERS
+def test_a_bound_below_the_linear_relaxation_is_proven(disjunctive_first_s):
     # the LP relaxations alone allow more than whole GPUs do: the search proves a bound under them
     optimum = brute_force_optimum(ORACLES, GPUS)
-    found = search(ORACLES, objective=0.0, bound=100.0)
+    found = search(ORACLES, objective=0.0, bound=100.0, disjunctive_first_s=disjunctive_first_s)
     assert optimum - 1e-6 <= found.bound < 100.0
 
 
@@ -101,6 +107,26 @@ def test_a_plan_in_hand_is_kept_when_nothing_beats_it():
     optimum = brute_force_optimum(ORACLES, GPUS)
     found = search(ORACLES, objective=optimum, bound=optimum * (1 + 1e-4))
     assert found.models is None and found.objective == optimum
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_least_allowed_allocations_are_the_minimal_ones_that_no_cut_or_box_rules_out(seed):
+    rng = random.Random(seed)
+    most = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+    floor = 10.0
+    cuts = [(rng.uniform(-5, 12), tuple(rng.choice([0.0, rng.uniform(0.5, 6)]) for _ in most)) for _ in range(rng.randint(0, 3))]
+    boxes = [tuple(rng.randint(0, n) for n in most) for _ in range(rng.randint(0, 3))]
+    grid = list(itertools.product(*(range(n + 1) for n in most)))
+    allowed = [
+        a
+        for a in grid
+        if all(beta >= floor or beta + sum(p * x for p, x in zip(pi, a)) >= floor for beta, pi in cuts)
+        and not any(all(x <= y for x, y in zip(a, box)) for box in boxes)
+    ]
+    minimal = {a for a in allowed if not any(b != a and all(y <= x for x, y in zip(a, b)) for b in allowed)}
+    least = frontier(cuts, boxes, most, floor)
+    assert least.shape[1] == len(most) and least.dtype.kind == "i"
+    assert {tuple(int(x) for x in row) for row in least} == minimal and len(least) == len(minimal)
 
 
 def test_six_models_on_six_gpus_get_the_optimum_of_whole_gpus():
