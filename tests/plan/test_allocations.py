@@ -25,6 +25,7 @@ class Staircase:
     def __init__(self, name, value, relaxed):
         self.name, self.value, self.relax = name, value, relaxed
         self.exact_calls = 0
+        self.solved: set[Allocation] = set()
 
     def plan(self, gpus: Allocation, share: float = 1.0) -> ModelPlan:
         return ModelPlan(self.name, 1e6, 1.0, share * self.value(gpus), ())
@@ -37,6 +38,7 @@ class Staircase:
 
     def exact(self, gpus, seconds):
         self.exact_calls += 1
+        self.solved.add(tuple(gpus))
         return Valued(self.value(gpus), self.value(gpus), self.plan(gpus))
 
 
@@ -107,6 +109,32 @@ def test_a_plan_in_hand_is_kept_when_nothing_beats_it():
     optimum = brute_force_optimum(ORACLES, GPUS)
     found = search(ORACLES, objective=optimum, bound=optimum * (1 + 1e-4))
     assert found.models is None and found.objective == optimum
+
+
+def test_every_allocation_one_gpu_from_the_plan_in_hand_is_valued_exactly_and_the_search_keeps_the_better_plan():
+    oracles = {m: Staircase(o.name, o.value, o.relax) for m, o in ORACLES.items()}
+    held = {"pairs-of-a": (1, 1), "pairs-of-b": (1, 1), "both": (2, 1)}  # a GPU of A left over
+    plans = {m: (a, oracles[m].plan(a)) for m, a in held.items()}
+    objective = min(plan.throughput for _, plan in plans.values())
+    found = search_levels(
+        oracles,
+        GPUS,
+        {m: [(1, 1), tuple(GPUS.values())] for m in oracles},
+        plans,
+        objective=objective,
+        bound=1000.0,
+        tolerance=1e-3,
+        deadline=time.perf_counter() + 30,
+        new_model=lambda: new_model("auto"),
+    )
+    for m, a in held.items():
+        one_away = {
+            b
+            for b in itertools.product(*(range(n + 1) for n in GPUS.values()))
+            if sum(abs(x - y) for x, y in zip(a, b)) == 1 or (sum(b) == sum(a) and sum(abs(x - y) for x, y in zip(a, b)) == 2)
+        }
+        assert one_away <= oracles[m].solved, m
+    assert found.models is not None and found.objective == pytest.approx(brute_force_optimum(ORACLES, GPUS), rel=1e-3)
 
 
 @pytest.mark.parametrize("seed", range(20))
