@@ -301,24 +301,10 @@ class _Search:
     def _pick_least(self, frontiers: Mapping[str, np.ndarray], deadline: float) -> tuple[dict[str, Allocation] | None, bool]:
         """One of each model's least allowed allocations, within ``gpus``; the GPUs left over are
         handed out after (every cut holds on more GPUs)."""
-        import mip
-
-        model = self.new_model()
-        model.verbose = 0
-        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in least] for m, least in frontiers.items()}
-        for xs in chosen.values():
-            model += mip.xsum(xs) == 1
-        for k, g in enumerate(self.types):
-            using = [(x, int(a[k])) for m, xs in chosen.items() for x, a in zip(xs, frontiers[m]) if a[k]]
-            if using:  # HiGHS refuses a row without variables
-                model += mip.xsum(n * x for x, n in using) <= self.gpus[g]
-        model.objective = mip.LinExpr()  # any choice: proving the most GPUs handed out took 1 s a master, finding one 0.06 s
-        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
-        if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
-            return None, True
-        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-            return None, False
-        picked = {m: [int(n) for n in next(a for x, a in zip(xs, frontiers[m]) if (x.x or 0) > 0.5)] for m, xs in chosen.items()}
+        chosen, settled = self._one_each({m: [tuple(int(n) for n in a) for a in least] for m, least in frontiers.items()}, deadline)
+        if chosen is None:
+            return None, settled
+        picked = {m: list(a) for m, a in chosen.items()}
         for k, g in enumerate(self.types):
             left = self.gpus[g] - sum(a[k] for a in picked.values())
             for i, a in enumerate(picked.values()):
@@ -326,6 +312,28 @@ class _Search:
                 a[k] += share
                 left -= share
         return {m: tuple(a) for m, a in picked.items()}, True
+
+    def _one_each(self, columns: Mapping[str, Sequence[Allocation]], deadline: float) -> tuple[dict[str, Allocation] | None, bool]:
+        """One of each model's ``columns`` within ``gpus``, any that fits (proving the most GPUs
+        handed out took 1 s a master where finding a choice takes 0.06 s), or ``None``; whether that
+        answer is settled (``None`` and ``False``: out of time)."""
+        import mip
+
+        model = self.new_model()
+        model.verbose = 0
+        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cs] for m, cs in columns.items()}
+        for xs in chosen.values():
+            model += mip.xsum(xs) == 1
+        for k, g in enumerate(self.types):
+            using = [(x, a[k]) for m, cs in columns.items() for x, a in zip(chosen[m], cs) if a[k]]
+            if using:  # HiGHS refuses a row without variables
+                model += mip.xsum(n * x for x, n in using) <= self.gpus[g]
+        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
+        if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+            return None, True
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            return None, False
+        return {m: next(a for x, a in zip(chosen[m], cs) if (x.x or 0) > 0.5) for m, cs in columns.items()}, True
 
     def _disjunctive_master(self, floor: float, level: float, deadline: float) -> tuple[dict[str, Allocation] | None, bool]:
         """:meth:`master` over the cuts themselves: each box cut a disjunction (one type above the box)."""
@@ -361,29 +369,17 @@ class _Search:
 
     def pick(self, level: float, deadline: float) -> dict[str, ModelPlan] | None:
         """A plan at ``level`` from allocations already valued: one per model, within ``gpus``."""
-        import mip
-
         columns = {}
         for m, known in self.knowledge.items():
             reaching = [a for a, v in known.valued.items() if v.lower >= level and v.plan is not None]
             if not reaching:
                 return None
             columns[m] = _minimal(reaching)
-        model = self.new_model()
-        model.verbose = 0
-        chosen = {m: [model.add_var(var_type=mip.BINARY) for _ in cs] for m, cs in columns.items()}
-        for m in columns:
-            model += mip.xsum(chosen[m]) == 1
-        for k, g in enumerate(self.types):
-            using = [(x, a[k]) for m, cs in columns.items() for x, a in zip(chosen[m], cs) if a[k]]
-            if using:  # HiGHS refuses a row without variables
-                model += mip.xsum(x * n for x, n in using) <= self.gpus[g]
-        status = model.optimize(max_seconds=max(deadline - time.perf_counter(), 0.05))
-        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        chosen, _ = self._one_each(columns, deadline)
+        if chosen is None:
             return None
         picked = {}
-        for m, cs in columns.items():
-            a = next(a for x, a in zip(chosen[m], cs) if (x.x or 0) > 0.5)
+        for m, a in chosen.items():
             plan = self.knowledge[m].valued[a].plan
             assert plan is not None
             picked[m] = plan
