@@ -186,8 +186,9 @@ def _value_moves(
     one: a GPU more of a type, then a GPU fewer, then one of a type for one of another, each move
     for every model before the next. The column master then combines them: where the exchange's
     greedy undervalues, these are the plans one GPU from the plan in hand (20 models on 100 GPUs:
-    206.9-208.4 without them, 211.9 with them). Only the plans are kept, not the solves' upper
-    bounds: as box cuts those slowed the masters until no level settled (10 models on 100 GPUs)."""
+    206.9-209.3 without them, 209.9-211.9 with them, as many as are solved in time). Only the plans
+    are kept, not the solves' upper bounds: as box cuts those slowed the masters until no level
+    settled (10 models on 100 GPUs)."""
     types = range(len(most))
     more = [tuple(int(i == k) for i in types) for k in types]
     fewer = [tuple(-x for x in move) for move in more]
