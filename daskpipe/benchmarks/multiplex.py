@@ -1,11 +1,16 @@
 """``daskpipe bench multiplex``: many models on one shared pool, on the runtime and in the simulator.
 
-Twelve models of Symphony's A100 zoo (Table 4: l(b) = alpha b + beta, SLO = max(20 ms, 2 l(4)))
-share four emulated GPUs (``deploy(..., pools=SharedPools())``): every GPU holds every model, and
-one dispatcher decides batch by batch which model a free GPU runs. The stages are hold-only (one
+Twelve models of Symphony's zoo (l(b) = alpha b + beta, SLO = max(20 ms, 2 l(4))) share four
+emulated GPUs (``deploy(..., pools=SharedPools())``): every GPU holds every model, and one
+dispatcher decides batch by batch which model a free GPU runs. The stages are hold-only (one
 block that keeps every 64th value, held to the profiled latency), so two cores can drive them;
 every latency and SLO is time-dilated by ``--time-dilation`` (the runtime's path, about a
 millisecond or more a request on this machine, is then a smaller share of each SLO).
+
+Their profiles are by default the twelve rows of Table 3 (1080Ti): the table of Symphony's
+mixed-model comparison with eager (Fig. 7), and of its two GPUs the nearer to the emulated T4s;
+``--zoo a100`` takes Table 4's rows, whose batches cost far more than their requests (beta/alpha
+up to 195): there deferred and eager tie within the search's resolution (docs/batching.md).
 
 The workload is Symphony's (§3.4, §5): Poisson arrivals, every model equally popular. The
 policies are its Fig. 6 baselines: deferred (Symphony), eager, and timeout with each model's wait a
@@ -47,23 +52,34 @@ WARM_UP_S = 1.0
 RUNTIME_STEPS = (1.1, 1.0, 0.9, 0.8, 0.7, 0.5)
 """The runtime's trial rates, as shares of the simulator's goodput: from the top down to the first
 that passes, so that a runtime at >= 0.9x the simulator's takes at most three trials."""
-ZOO = (
-    LinearModel("DenseNet121", 0.054, 10.546, 21.0),
-    LinearModel("DenseNet201", 0.304, 14.345, 31.0),
-    LinearModel("ResNet50V2", 0.135, 5.560, 20.0),
-    LinearModel("EfficientNetB0", 0.115, 4.326, 20.0),
-    LinearModel("ResNet152", 0.390, 10.449, 24.0),
-    LinearModel("MobileNetV3Large", 0.196, 4.072, 20.0),
-    LinearModel("ResNet50", 0.268, 5.172, 20.0),
-    LinearModel("InceptionResNetV2", 1.112, 15.270, 39.0),
-    LinearModel("InceptionV3", 0.913, 6.732, 20.0),
-    LinearModel("VGG16", 0.660, 2.252, 20.0),
-    LinearModel("NASNetLarge", 3.464, 7.154, 42.0),
-    LinearModel("EfficientNetV2M", 4.479, 6.861, 49.0),
+TWELVE = (
+    "DenseNet121",
+    "DenseNet201",
+    "ResNet50V2",
+    "EfficientNetB0",
+    "ResNet152",
+    "MobileNetV3Large",
+    "ResNet50",
+    "InceptionResNetV2",
+    "InceptionV3",
+    "VGG16",
+    "NASNetLarge",
+    "EfficientNetV2M",
 )
-"""Twelve rows of Symphony's Table 4 (A100), from ``../shared/notes/001_symphony.md`` §6.10: beta/alpha
-from 1.5 to 195, both batching regimes, SLOs of 20 to 49 ms."""
-TIMEOUT_SHARES = (0.05, 0.1, 0.2, 0.3)
+"""The zoo's models the pool serves: both batching regimes (beta/alpha from 0.7 to 9.7 on the
+1080Ti, 1.5 to 195 on the A100), SLOs of 20 to 210 ms (1080Ti) or 20 to 49 ms (A100)."""
+ZOOS = ("1080ti", "a100")
+
+
+def zoo_models(zoo: str = ZOOS[0]) -> list[LinearModel]:
+    """The :data:`TWELVE` models' rows of Symphony's ``zoo`` table (``../shared/notes/001_symphony.md`` §6.10)."""
+    from daskpipe.benchmarks.symphony import load_zoo
+
+    rows = {m.name: m for m in load_zoo(zoo)}
+    return [rows[name] for name in TWELVE]
+
+
+TIMEOUT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.3)
 """The timeout policy's waits, as shares of each model's SLO (Fig. 6b's axis)."""
 
 
@@ -74,12 +90,13 @@ class KeepEvery64th(nn.Module):
         return x[..., ::8, ::8].flatten(1)
 
 
-def zoo_profiles(models: Sequence[LinearModel] = ZOO):
-    """One-block profiles of ``models`` on a whole T4 (l(b) for b = 1..MAX_BATCH), each with its
-    zoo SLO, and the stand-in module and example that serve them."""
+def zoo_profiles(models: Sequence[LinearModel] | None = None):
+    """One-block profiles of ``models`` (default: :func:`zoo_models`) on a whole T4 (l(b) for
+    b = 1..MAX_BATCH), each with its zoo SLO, and the stand-in module and example that serve them."""
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
 
+    models = zoo_models() if models is None else models
     module, example = KeepEvery64th().eval(), torch.zeros(1, *INPUT)
     segmented = segment_model(module, example)
     bounds = [0, segmented.num_segments]
@@ -199,7 +216,7 @@ def pool_bound(plan: Any) -> float:
     every GPU, each taking the share of the pool that its share of the requests needs, i.e. the
     harmonic mean of the models' own whole-pool throughputs. No pool reaches it: a batch of b
     forms only where a model gets b requests within its SLO less l(b), and with three models a GPU
-    at the zoo's SLOs (2 l(4)) it gets about one (docs/batching.md, "Shared pools")."""
+    at the zoo's SLOs (2 l(4)) it gets one to two (docs/batching.md, "Shared pools")."""
     return len(plan.models) / sum(1 / m.throughput for m in plan.models)
 
 
@@ -387,10 +404,11 @@ def run_multiplex(
     sweep_gpus: Sequence[int],
     sim_only: bool,
     advance: Callable[..., None],
-    models: Sequence[LinearModel] = ZOO,
+    models: Sequence[LinearModel],
+    zoo: str,
     gpus: int = GPUS,
 ) -> dict[str, Any]:
-    """Every policy's goodput in the simulator for ``models`` on ``gpus`` GPUs; unless
+    """Every policy's goodput in the simulator for ``models`` (from ``zoo``, named in the figures) on ``gpus`` GPUs; unless
     ``sim_only``, deferred's, eager's and the best timeout's on the runtime too; with
     ``sweep_gpus``, the simulator's on those GPU counts."""
     import os
@@ -402,6 +420,7 @@ def run_multiplex(
     advance(0, note="goodput in the simulator")
     sim = sim_goodputs(plan, profiles, policies, trials)
     figures: dict[str, Any] = {
+        "zoo": zoo,
         "models": [{"name": m.name, "alpha_ms": m.alpha_ms, "beta_ms": m.beta_ms, "slo_ms": m.slo_ms} for m in models],
         "gpus": f"{gpus} x {GPU} (emulated, hold-only)",
         "time_dilation": time_dilation,
@@ -481,6 +500,13 @@ def numbers(text: str, kind: Callable[[str], Any], option: str) -> list[Any]:
     show_default=True,
     help="The timeout policy's waits, as shares of each model's SLO; the best runs on the runtime.",
 )
+@click.option(
+    "--zoo",
+    type=click.Choice(ZOOS),
+    default=ZOOS[0],
+    show_default=True,
+    help="The Symphony table the twelve models' profiles come from: 1080ti (Table 3) or a100 (Table 4).",
+)
 @click.option("--gpus", default=GPUS, show_default=True, type=click.IntRange(min=1), help="Emulated GPUs the models share.")
 @click.option("--sweep-gpus", default="", help="Also the simulator's goodputs of the same models on these GPU counts (comma-separated).")
 @click.option("--sim-only", is_flag=True, help="The simulator's goodputs only (no runtime).")
@@ -497,6 +523,7 @@ def bench_multiplex(
     seed: int,
     time_dilation: float,
     timeouts: str,
+    zoo: str,
     gpus: int,
     sweep_gpus: str,
     sim_only: bool,
@@ -525,7 +552,8 @@ def bench_multiplex(
             sweep_gpus=counts,
             sim_only=sim_only,
             advance=advance,
-            models=ZOO if fig6_beta is None else fig6(fig6_models, fig6_beta),
+            models=zoo_models(zoo) if fig6_beta is None else fig6(fig6_models, fig6_beta),
+            zoo=zoo if fig6_beta is None else f"fig. 6a, beta {fig6_beta:g} ms",
             gpus=gpus,
         )
     text = json.dumps(figures, indent=1)

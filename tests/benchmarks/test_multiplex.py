@@ -15,6 +15,7 @@ from daskpipe.benchmarks.multiplex import (
     sim_goodput,
     sim_trial,
     workload,
+    zoo_models,
     zoo_profiles,
 )
 
@@ -77,7 +78,10 @@ def test_the_timeout_policy_waits_a_share_of_each_models_slo_on_a_pool_of_any_si
     plan = pool_plan(profiles, gpus=8)
     assert gpus_of(plan) == 8
     waits = Policy("timeout", 0.1).waits_ms(plan)
-    assert waits is not None and waits["DenseNet121"] == pytest.approx(2.1) and waits["EfficientNetV2M"] == pytest.approx(4.9)
+    assert waits is not None and waits["DenseNet121"] == pytest.approx(2.9) and waits["EfficientNetV2M"] == pytest.approx(21.0)
+    a100 = pool_plan(zoo_profiles(zoo_models("a100"))[0])
+    assert Policy("timeout", 0.1).waits_ms(a100) == pytest.approx({m.name: m.slo_ms / 10 for m in zoo_models("a100")})
+    assert {m.name: m.slo_ms for m in zoo_models("a100")}["DenseNet121"] == 21.0
     assert Policy("eager").waits_ms(plan) is None and Policy("timeout", 0.1).label == "timeout 0.1 SLO"
 
 
