@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from daskpipe.benchmarks.experiments import LinearModel, highest_rate
+from daskpipe.benchmarks.symphony import ZOOS, load_zoo
 
 GPU = "T4"
 GPUS = 4
@@ -68,13 +69,10 @@ TWELVE = (
 )
 """The zoo's models the pool serves: both batching regimes (beta/alpha from 0.7 to 9.7 on the
 1080Ti, 1.5 to 195 on the A100), SLOs of 20 to 210 ms (1080Ti) or 20 to 49 ms (A100)."""
-ZOOS = ("1080ti", "a100")
 
 
 def zoo_models(zoo: str = ZOOS[0]) -> list[LinearModel]:
     """The :data:`TWELVE` models' rows of Symphony's ``zoo`` table (``../shared/notes/001_symphony.md`` §6.10)."""
-    from daskpipe.benchmarks.symphony import load_zoo
-
     rows = {m.name: m for m in load_zoo(zoo)}
     return [rows[name] for name in TWELVE]
 

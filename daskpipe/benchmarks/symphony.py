@@ -65,6 +65,10 @@ PAPER = {
 }
 
 
+ZOOS = ("1080ti", "a100")
+"""The zoo tables of ``ZOO_FILE``: Symphony's Table 3 (1080Ti) and Table 4 (A100)."""
+
+
 def load_zoo(name: str) -> list[LinearModel]:
     """Symphony's Table 3 (``1080ti``, 35 models) or Table 4 (``a100``, 37 models)."""
     zoos = json.loads(ZOO_FILE.read_text())["zoos"]
@@ -264,7 +268,7 @@ QUICK = {
 @click.option("--models", default="1,10", show_default=True, help="Fig. 6: comma-separated model counts (the paper: 10).")
 @click.option("--betas", default="1,2,4,8,15", show_default=True, help="Fig. 6: beta (ms) with alpha 1 ms, comma-separated.")
 @click.option("--timeouts", default="0.05,0.1,0.2,0.3,0.4", show_default=True, help="Timeout grid: shares of each model's SLO.")
-@click.option("--zoo", type=click.Choice(["1080ti", "a100"]), default="1080ti", show_default=True, help="Table 3 or Table 4.")
+@click.option("--zoo", type=click.Choice(ZOOS), default=ZOOS[0], show_default=True, help="Table 3 or Table 4.")
 @click.option("--settings", default=",".join(SETTINGS), show_default=True, help="Fig. 9's settings to run ('' for none).")
 @click.option("--zoo-gpus", type=click.IntRange(min=1), default=64, show_default=True, help="GPUs the zoo shares (the paper: 64).")
 @click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds; one goodput search each.")
