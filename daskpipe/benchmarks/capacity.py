@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from daskpipe.benchmarks.comm_floor import RELAYED_MESSAGES, relay_floor
 from daskpipe.benchmarks.processes import cluster_processes
 from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload
 from daskpipe.profiles.cli import parse_shape
@@ -52,6 +53,7 @@ SLO_MS = 200.0
 BATCH = 4
 HOLD_US = 2000.0  # a batch's profiled latency, at any size: 2,000 requests/s a slot
 SLOTS = 2
+BW_GBPS = 10.0
 ATTAINMENT = 0.99
 RATE_STEP = 1.3  # each trial offers this many times the last one's rate
 TRIAL_S = 3.0
@@ -66,13 +68,23 @@ class KeepEvery64th(nn.Module):
 
 
 def hold_only_plan(input_shape: Sequence[int]):
-    """The profile and plan of :class:`KeepEvery64th` on :data:`SLOTS` emulated T4 slots, one
-    partition, batches of up to :data:`BATCH` held :data:`HOLD_US` each."""
+    """The profile and plan of :class:`KeepEvery64th` on :data:`SLOTS` emulated T4 slots of one
+    worker, one partition, batches of up to :data:`BATCH` held :data:`HOLD_US` each.
+
+    The plan's rate is what the hold allows or what the slots' share of one NIC at
+    :data:`BW_GBPS` carries of the inputs, whichever is less (6.3 MB frames: 199 req/s), as the
+    planner counts a way in (docs/plan.md): it sizes the deploy's trial (half the plan's batches)
+    and the queue bound. A plan that claimed the hold's 4000 req/s for 6.3 MB frames had each
+    deploy's trial fetch 400 frames a second, more than two cores move, and four deploys of seven
+    were refused at a control path's p99 of 218-258 ms. The profile records no input size, so the
+    data plane reserves no way in and the ladder may offer more than the plan: what loopback
+    carries, not a NIC, is what it measures."""
+    from daskpipe.plan.configs import Budget
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
     from daskpipe.profiles.model import Profile
 
-    segmented = segment_model(KeepEvery64th(), torch.zeros(1, *input_shape))
+    segmented = segment_model(KeepEvery64th().eval(), torch.zeros(1, *input_shape))
     bounds = [0, segmented.num_segments]
     blocked = segmented.cut(bounds)
     profile = Profile(
@@ -85,12 +97,13 @@ def hold_only_plan(input_shape: Sequence[int]):
         boundary_shapes=tuple(blocked.boundary_shapes),
         meta={"segment_boundaries": bounds},
     )
-    throughput = SLOTS * BATCH / (HOLD_US * 1e-6)
+    nic = Budget(latency_us=SLO_MS * 1e3, bw_gbps=BW_GBPS, gpus_per_server={"T4": SLOTS}, batch_build_rate=None)
+    throughput = SLOTS * min(BATCH / (HOLD_US * 1e-6), nic.nic_cap(4.0 * math.prod(input_shape), ("T4", 1)))
     pipeline = Pipeline(BATCH, throughput, (Partition(blocks=(0, 1), gpu="T4", slices=1, vgpus=SLOTS, latency_us=HOLD_US),))
     plan = Plan(
         objective=throughput,
         models=(ModelPlan(name=MODEL, slo_us=SLO_MS * 1e3, weight=1.0, throughput=throughput, pipelines=(pipeline,)),),
-        cluster={"bw_gbps": 10.0},
+        cluster={"bw_gbps": BW_GBPS},
     )
     return profile, plan
 
@@ -200,6 +213,7 @@ def measured_trial(senders: Senders, roles: dict[str, int], scheduler_pid: int, 
     requests = max(figures["requests"], 1)
     return {
         "offered_rate_per_s": rate,
+        "seed": seed,
         **{k: figures[k] for k in ("requests", "attainment", "p50_ms", "p99_ms", "ended_otherwise", "latest_sender_start_ms")},
         "wall_s": wall,
         "scheduler_cpu_s": cpu["scheduler"],
@@ -216,6 +230,12 @@ def fitted_cost(idle: tuple[float, float], trials: Sequence[dict[str, Any]]) -> 
     cpu = [idle[1], *(t["scheduler_cpu_s"] for t in trials)]
     (share, cost), *_ = np.linalg.lstsq(np.column_stack([walls, requests]), np.array(cpu), rcond=None)
     return float(share), float(cost)
+
+
+def above_idle_us(run: Mapping[str, Any], trials: Sequence[dict[str, Any]]) -> float:
+    """The scheduler's CPU per request over ``trials`` of ``run``, above its measured idle share."""
+    above_idle = sum(t["scheduler_cpu_s"] - run["scheduler_idle_measured_share"] * t["wall_s"] for t in trials)
+    return above_idle * 1e6 / max(sum(t["requests"] for t in trials), 1)
 
 
 def at_common_rates(shapes: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -238,12 +258,7 @@ def at_common_rates(shapes: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         rates = sorted(set.intersection(*(set(p) for p in passed)))
         if not rates:
             continue
-        cpu = {}
-        for shape, trials in zip(by_size, passed):
-            idle_share = runs[shape]["scheduler_idle_measured_share"]
-            chosen = [trials[rate] for rate in rates]
-            above_idle = sum(t["scheduler_cpu_s"] - idle_share * t["wall_s"] for t in chosen)
-            cpu[shape] = above_idle * 1e6 / sum(t["requests"] for t in chosen)
+        cpu = {shape: above_idle_us(runs[shape], [trials[rate] for rate in rates]) for shape, trials in zip(by_size, passed)}
         smallest = cpu[by_size[0]]
         out[count] = {
             "offered_rates_per_s": rates,
@@ -260,9 +275,11 @@ def run_capacity(
     seconds: float,
     dispatcher: str = "eager",
     rate_step: float = RATE_STEP,
+    comm_floor: bool = False,
 ) -> dict:
     """For each input shape: deploy the hold-only model, then for each sender count the trials up
-    to the first that misses the 99% bar (module docstring)."""
+    to the first that misses the 99% bar (module docstring); with ``comm_floor``, the floor of
+    :mod:`~daskpipe.benchmarks.comm_floor` at every rate the ladders offered, with their seeds."""
     from distributed import Client
 
     import daskpipe
@@ -321,7 +338,33 @@ def run_capacity(
                 svc.close()
         figures["shapes"][",".join(map(str, input_shape))] = per_shape
     figures["same_rates"] = at_common_rates(figures["shapes"])
+    if comm_floor:
+        ladders = [run["trials"] for shape in figures["shapes"].values() for run in shape["senders"].values()]
+        offered = {t["offered_rate_per_s"]: t["seed"] for trials in ladders for t in trials}
+        rates = sorted(offered)
+        floor = relay_floor(rates, seconds, [offered[rate] for rate in rates])
+        figures["comm_floor"] = {"relayed_messages_per_request": RELAYED_MESSAGES, "trials": against_floor(figures["shapes"], floor)}
     return figures
+
+
+def against_floor(shapes: Mapping[str, Mapping[str, Any]], floor: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each floor trial with, per input shape and sender count whose ladder offered its rate, the
+    scheduler's CPU per request above its measured idle share there and its ratio to the floor's."""
+    out = []
+    for trial in floor:
+        floor_us = trial["relay_cpu_us_per_request"]
+        scheduler: dict[str, dict[str, Any]] = {}
+        for shape, per_shape in shapes.items():
+            for count, run in per_shape["senders"].items():
+                for t in (t for t in run["trials"] if t["offered_rate_per_s"] == trial["offered_rate_per_s"]):
+                    cost = above_idle_us(run, [t])
+                    scheduler.setdefault(shape, {})[count] = {
+                        "scheduler_cpu_us_per_request_above_idle": cost,
+                        "attainment": t["attainment"],
+                        "ratio_to_floor": cost / floor_us if floor_us > 0 else None,
+                    }
+        out.append({**trial, "scheduler": scheduler})
+    return out
 
 
 @click.command("capacity")
@@ -353,6 +396,12 @@ def run_capacity(
     help="Each trial offers this many times the last one's rate (finer near a bar: with --start-rate close under it).",
 )
 @click.option("--dispatcher", default="eager", show_default=True, help="The data plane (deploy's dispatcher=).")
+@click.option(
+    "--comm-floor/--no-comm-floor",
+    default=True,
+    show_default=True,
+    help="Also measure, at the ladders' rates, a relay of a request's three scheduler messages over Dask's comm and nothing else.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), help="Also write the figures to this file.")
 def bench_capacity(
     input_shapes: list[tuple[int, ...]],
@@ -361,12 +410,13 @@ def bench_capacity(
     seconds: float,
     rate_step: float,
     dispatcher: str,
+    comm_floor: bool,
     json_path: str | None,
 ) -> None:
     """What one scheduler carries: its bytes and CPU per request, and the highest rate at 99% within the SLO."""
     if any(k < 1 for k in senders):
         raise click.BadParameter(f"sender counts must be >= 1, got {senders}", param_hint="--senders")
-    figures = run_capacity(input_shapes, senders, start_rate, seconds, dispatcher, rate_step)
+    figures = run_capacity(input_shapes, senders, start_rate, seconds, dispatcher, rate_step, comm_floor)
     text = json.dumps(figures, indent=1)
     click.echo(text)
     if json_path:

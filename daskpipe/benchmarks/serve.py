@@ -122,6 +122,13 @@ def send_poisson(
         (results if connected else ready).put({"error": f"{type(exc).__name__}: {exc}"})
 
 
+def poisson_due(rate: float, seconds: float, seed: int) -> np.ndarray:
+    """Send times (s from the start) of Poisson arrivals at ``rate`` over ``seconds``."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
+    due = np.cumsum(gaps)
+    return due[due < seconds]
+
+
 def poisson_trial(sender: Any, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float) -> dict[str, Any]:
     """From wall-clock ``start_at``, Poisson requests of ``model`` with input ``payload`` at
     ``rate`` for ``seconds`` from ``sender`` (a :class:`~daskpipe.benchmarks.remote_client.RemoteSender`);
@@ -136,9 +143,7 @@ def poisson_trial(sender: Any, model: str, payload: bytes, rate: float, seconds:
 
     from daskpipe.benchmarks.remote_client import mark_in_hand
 
-    gaps = np.random.default_rng(seed).exponential(1 / rate, size=int(rate * seconds * 2) + 10)
-    due = np.cumsum(gaps)
-    due = due[due < seconds]
+    due = poisson_due(rate, seconds, seed)
     in_hand = [float("nan")] * len(due)
     errors: Counter[str] = Counter()
     in_flight: dict[int, Any] = {}
