@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from daskpipe.benchmarks.comm_floor import RELAYED_MESSAGES, relay_floor
-from daskpipe.benchmarks.processes import cluster_processes
+from daskpipe.benchmarks.processes import cluster_processes, cpu_s
 from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload
 from daskpipe.profiles.cli import parse_shape
 
@@ -184,14 +184,6 @@ def socket_bytes(pid: int) -> dict[tuple[str, str], int]:
 def bytes_since(before: Mapping[tuple[str, str], int], pid: int) -> int:
     """Socket bytes of ``pid`` since ``before`` (:func:`socket_bytes`); a socket opened since counts from zero."""
     return sum(n - before.get(socket, 0) for socket, n in socket_bytes(pid).items())
-
-
-def cpu_s(pid: int) -> float:
-    import psutil
-
-    process = psutil.Process(pid)
-    times = [process.cpu_times(), *(child.cpu_times() for child in process.children(recursive=True))]
-    return sum(t.user + t.system for t in times)
 
 
 def idle_cpu(pid: int, seconds: float) -> tuple[float, float]:

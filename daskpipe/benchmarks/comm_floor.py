@@ -17,6 +17,7 @@ import asyncio
 import time
 from typing import Any, Sequence
 
+from daskpipe.benchmarks.processes import cpu_s
 from daskpipe.benchmarks.serve import poisson_due
 
 HOLD_S = 0.001
@@ -126,7 +127,6 @@ def _sender(relay_address: str, worker_address: str, rate: float, seconds: float
 def relay_floor(rates: Sequence[float], seconds: float, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Per offered rate, one Poisson trial of ``seconds`` through a fresh sender (its arrivals those
     of a one-sender ``bench capacity`` trial of that seed): the relay's CPU per request."""
-    import psutil
     from distributed.utils import get_mp_context
 
     context = get_mp_context()
@@ -142,12 +142,11 @@ def relay_floor(rates: Sequence[float], seconds: float, seeds: Sequence[int]) ->
         for k, (rate, seed) in enumerate(zip(rates, seeds)):
             args = (relay_address, worker_address, rate, seconds, seed * 1000, f"s{k}", results)
             sender = context.Process(target=_sender, args=args, daemon=True)
-            before = psutil.Process(relay.pid).cpu_times()
+            before = cpu_s(relay.pid)
             sender.start()
             requests = results.get(timeout=seconds + 90)
-            after = psutil.Process(relay.pid).cpu_times()
+            used = cpu_s(relay.pid) - before
             sender.join(30)
-            used = (after.user + after.system) - (before.user + before.system)
             figures.append({"offered_rate_per_s": rate, "requests": requests, "relay_cpu_us_per_request": used * 1e6 / max(requests, 1)})
     finally:
         for process in (relay, worker):

@@ -71,3 +71,12 @@ def cluster_processes(gpus: Mapping[str, int], *, slices: Mapping[str, int] | No
                     process.wait(30)
                 except subprocess.TimeoutExpired:
                     process.kill()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) of process ``pid`` and its children so far."""
+    import psutil
+
+    process = psutil.Process(pid)
+    times = [process.cpu_times(), *(child.cpu_times() for child in process.children(recursive=True))]
+    return sum(t.user + t.system for t in times)
