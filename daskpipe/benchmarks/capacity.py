@@ -45,7 +45,7 @@ from torch import nn
 
 from daskpipe.benchmarks.comm_floor import RELAYED_MESSAGES, relay_floor
 from daskpipe.benchmarks.processes import cluster_processes, cpu_s
-from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload
+from daskpipe.benchmarks.serve import READY_S, START_S, latency_figures, poisson_trial, request_payload, sender_seed
 from daskpipe.profiles.cli import parse_shape
 
 MODEL = "capacity"
@@ -73,12 +73,10 @@ def hold_only_plan(input_shape: Sequence[int]):
 
     The plan's rate is what the hold allows or what the slots' share of one NIC at
     :data:`BW_GBPS` carries of the inputs, whichever is less (6.3 MB frames: 199 req/s), as the
-    planner counts a way in (docs/plan.md): it sizes the deploy's trial (half the plan's batches)
-    and the queue bound. A plan that claimed the hold's 4000 req/s for 6.3 MB frames had each
-    deploy's trial fetch 400 frames a second, more than two cores move, and four deploys of seven
-    were refused at a control path's p99 of 218-258 ms. The profile records no input size, so the
-    data plane reserves no way in and the ladder may offer more than the plan: what loopback
-    carries, not a NIC, is what it measures."""
+    planner counts a way in (docs/plan.md): it sizes the deploy's trial (half the plan's batches),
+    which the hold's 4000 req/s of 6.3 MB frames would have fetch more than two cores move. The
+    profile records no input size, so the data plane reserves no way in and the ladder may offer
+    more than the plan: what loopback carries, not a NIC, is what it measures."""
     from daskpipe.plan.configs import Budget
     from daskpipe.plan.schema import ModelPlan, Partition, Pipeline, Plan
     from daskpipe.profiles.fx import segment_model
@@ -154,7 +152,7 @@ class Senders:
     def trial(self, rate: float, seconds: float, seed: int) -> list[dict[str, Any]]:
         start_at = time.time() + START_S
         for k, commands in enumerate(self.commands):
-            commands.put((rate / len(self.commands), seconds, seed * 1000 + k, start_at))
+            commands.put((rate / len(self.commands), seconds, sender_seed(seed, k), start_at))
         return [self.results.get(timeout=START_S + seconds + DRAIN_S + 60) for _ in self.commands]
 
     def close(self) -> None:

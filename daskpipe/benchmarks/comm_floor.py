@@ -18,7 +18,7 @@ import time
 from typing import Any, Sequence
 
 from daskpipe.benchmarks.processes import cpu_s
-from daskpipe.benchmarks.serve import poisson_due
+from daskpipe.benchmarks.serve import poisson_due, sender_seed
 
 HOLD_S = 0.001
 """How long the worker holds each request before it answers."""
@@ -140,7 +140,7 @@ def relay_floor(rates: Sequence[float], seconds: float, seeds: Sequence[int]) ->
     figures = []
     try:
         for k, (rate, seed) in enumerate(zip(rates, seeds)):
-            args = (relay_address, worker_address, rate, seconds, seed * 1000, f"s{k}", results)
+            args = (relay_address, worker_address, rate, seconds, sender_seed(seed, 0), f"s{k}", results)
             sender = context.Process(target=_sender, args=args, daemon=True)
             before = cpu_s(relay.pid)
             sender.start()

@@ -129,6 +129,11 @@ def poisson_due(rate: float, seconds: float, seed: int) -> np.ndarray:
     return due[due < seconds]
 
 
+def sender_seed(trial_seed: int, sender: int) -> int:
+    """The arrivals' seed of sender number ``sender`` in a trial of ``trial_seed``: each sender a stream of its own."""
+    return trial_seed * 1000 + sender
+
+
 def poisson_trial(sender: Any, model: str, payload: bytes, rate: float, seconds: float, seed: int, start_at: float) -> dict[str, Any]:
     """From wall-clock ``start_at``, Poisson requests of ``model`` with input ``payload`` at
     ``rate`` for ``seconds`` from ``sender`` (a :class:`~daskpipe.benchmarks.remote_client.RemoteSender`);
@@ -210,7 +215,9 @@ def trial(
     ready, go, results = context.Queue(), context.Queue(), context.Queue()
     before = svc.status()[model]
     processes = [
-        context.Process(target=send_poisson, args=(address, model, request, rate / senders, seconds, seed * 1000 + k, ready, go, results))
+        context.Process(
+            target=send_poisson, args=(address, model, request, rate / senders, seconds, sender_seed(seed, k), ready, go, results)
+        )
         for k in range(senders)
     ]
     try:
